@@ -1,0 +1,1 @@
+"""KV-cache policy and bookkeeping (no torch.cuda here)."""

@@ -1,0 +1,39 @@
+"""Which canvas positions a denoising step recomputes, per cache mode.
+
+Every mode runs through the same mechanism (``flash_dllm.layers.attention.PackedContext``): the
+recomputed positions write fresh K/V into the request's canvas-sized cache, then attend to the whole
+cached canvas. A mode is therefore only a choice of query range:
+
+| mode     | first step of a block | later steps of the block           |
+|----------|-----------------------|------------------------------------|
+| `none`   | whole canvas          | whole canvas (nothing is cached)   |
+| `prefix` | whole canvas          | active block + masked suffix       |
+| `dual`   | whole canvas          | active block only                  |
+
+Fast-dLLM's prefix cache keeps only prompt/committed K/V and recomputes the suffix; its dual cache
+also keeps the suffix's K/V from the block's first step. Both refresh the whole cache at the first
+step of every block, so that step equals the exact mode's.
+
+NOTE: models with a one-position logit shift (Dream) read slot i's logits from output i-1, so the
+query also starts one position earlier; the extra row is committed text whose K/V gets refreshed.
+"""
+from __future__ import annotations
+
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+def query_range(mode: str, canvas_len: int, block_start: int, block_end: int, first_step: bool,
+                logit_shift: int) -> tuple[int, int]:
+    """Half-open range [q0, q1) of canvas positions to recompute this step."""
+    if mode == "none" or first_step:
+        return 0, canvas_len
+    q0 = block_start - logit_shift
+    if mode == "prefix":
+        return q0, canvas_len
+    if mode == "dual":
+        return q0, block_end
+    raise ValueError(f"cache mode must be one of {list(CACHE_MODES)}, got {mode!r}")
+
+
+def keeps_cache(mode: str) -> bool:
+    return mode != "none"

@@ -1,0 +1,1 @@
+"""Requests, the step loop and the user-facing LLM class."""

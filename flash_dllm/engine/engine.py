@@ -1,0 +1,179 @@
+"""Engine: admits requests and runs denoising steps over all running requests in one forward.
+
+One ``step()``:
+1. schedule (CPU): which requests run, which canvas positions each recomputes (its cache mode),
+   which masked slots need logits;
+2. one forward over the packed tokens of every running request (no padding: each request attends
+   only to its own canvas through ``PackedContext``), LM head only at those slots;
+3. the decoding policy proposes tokens and picks which to commit;
+4. requests advance blocks, finish, and free their caches; waiting requests are admitted.
+Requests at different blocks, steps, cache modes and policies share the same forward.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import torch
+
+from flash_dllm.cache.modes import keeps_cache, query_range
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.decoding.policies import select_threshold, select_top_k
+from flash_dllm.decoding.sampling import RowGroup, propose
+from flash_dllm.engine.request import Request, RequestOutput
+from flash_dllm.layers.attention import PackedContext, Segment
+from flash_dllm.models.config import ModelConfig
+from flash_dllm.models.transformer import DiffusionTransformer
+
+
+class Engine:
+    def __init__(self, model: DiffusionTransformer, cfg: ModelConfig, config: EngineConfig | None = None,
+                 decode_text=None) -> None:
+        if cfg.mask_token_id is None:
+            raise ValueError("the model config has no mask_token_id")
+        self.model = model
+        self.cfg = cfg
+        self.config = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.decode_text = decode_text or (lambda ids: "")
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.stats = {"forwards": 0, "steps": 0, "tokens_committed": 0, "step_seconds": 0.0}
+
+    # ----------------------------------------------------------------------------------- requests
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.cfg.max_position:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"= {total} exceeds the model's maximum length {self.cfg.max_position}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
+                             f"{bad[:5]}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> Request:
+        self.validate(prompt_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,
+                      self.device, prompt)
+        if params.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+            req.generator = gen.manual_seed(seed)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        for req in itertools.chain(self.running, self.waiting):
+            if req.request_id == request_id and not req.finished:
+                req.abort()
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if req.finished:          # aborted while waiting
+                continue
+            if keeps_cache(req.params.cache):
+                c = self.cfg
+                req.kv = torch.empty(c.num_layers, 2, req.canvas_len, c.num_kv_heads, c.head_dim,
+                                     dtype=self.dtype, device=self.device)
+            self.running.append(req)
+
+    # --------------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one denoising forward for every running request; return those that finished."""
+        self._admit()
+        self.running = [r for r in self.running if not r.finished]
+        if not self.running:
+            return []
+        t0 = time.perf_counter()
+        batch = self.running
+        shift = self.cfg.logit_shift
+        mask_id = self.cfg.mask_token_id
+
+        ids, positions, segments = [], [], []
+        slot_pos, slot_rows, groups, bounds = [], [], [], []
+        n_tok = n_slot = 0
+        for req in batch:
+            q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
+                                 req.first_step, shift)
+            pos = torch.arange(q0, q1, device=self.device)
+            ids.append(req.canvas[q0:q1])
+            positions.append(pos)
+            segments.append(Segment(n_tok, n_tok + (q1 - q0), pos, req.kv))
+            block = req.canvas[req.block_start:req.block_end]
+            masked = torch.nonzero(block == mask_id).squeeze(-1) + req.block_start   # canvas slots
+            slot_pos.append(masked)
+            slot_rows.append(masked - shift - q0 + n_tok)      # packed rows that predict them
+            p = req.params
+            groups.append(RowGroup(n_slot, n_slot + masked.numel(), p.temperature, p.top_k, p.top_p,
+                                   req.generator))
+            bounds.append((n_slot, n_slot + masked.numel()))
+            n_tok += q1 - q0
+            n_slot += masked.numel()
+
+        hidden = self.model.hidden(torch.cat(ids), torch.cat(positions), PackedContext(segments))
+        rows = torch.cat(slot_rows)
+        logits = self.model.logits(hidden[rows])               # [slots, V], masked slots only
+        tokens, conf = propose(logits, groups, forbid=mask_id)
+        positions_all = torch.cat(slot_pos)
+        keep = self._select(batch, conf, positions_all, bounds)
+
+        finished = []
+        for req, (s, e) in zip(batch, bounds):
+            k = keep[s:e]
+            req.canvas[positions_all[s:e][k]] = tokens[s:e][k]
+            self.stats["tokens_committed"] += int(k.sum())
+            req.advance()
+            if req.finished:
+                finished.append(req)
+        self.running = [r for r in self.running if not r.finished]
+        self.stats["forwards"] += 1
+        self.stats["steps"] += 1
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        return finished
+
+    def _select(self, batch: list[Request], conf: torch.Tensor, positions: torch.Tensor,
+                bounds: list[tuple[int, int]]) -> torch.Tensor:
+        keep = torch.zeros_like(conf, dtype=torch.bool)
+        by_policy: dict[str, list[int]] = {}
+        for i, req in enumerate(batch):
+            by_policy.setdefault(req.params.decode, []).append(i)
+        if "vanilla" in by_policy:
+            idx = by_policy["vanilla"]
+            keep |= select_top_k(conf, positions, [bounds[i] for i in idx],
+                                 [batch[i].transfer_count() for i in idx],
+                                 [batch[i].canvas_len for i in idx])
+        if "threshold" in by_policy:
+            idx = by_policy["threshold"]
+            gid = torch.full_like(positions, -1)
+            for g, i in enumerate(idx):
+                gid[bounds[i][0]:bounds[i][1]] = g
+            sel = gid >= 0
+            tau = torch.tensor([batch[i].params.threshold for i in idx], dtype=conf.dtype,
+                               device=conf.device)
+            keep[sel] = select_threshold(conf[sel], gid[sel], len(idx), tau)
+        return keep
+
+    # ------------------------------------------------------------------------------------ outputs
+    def output(self, req: Request) -> RequestOutput:
+        ids = req.generated_ids()
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finish_time": req.finish_time}
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=req.prompt_ids, text=self.decode_text(ids),
+                             token_ids=ids, num_forwards=req.num_forwards,
+                             finish_reason=req.finish_reason, finished=req.finished,
+                             early_stopped=req.early_stopped, metrics=metrics)

@@ -1,0 +1,43 @@
+"""Registry of evaluation suites: every suite is used through the same ``Suite`` record."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from flash_dllm.evals import arith, code
+from flash_dllm.evals.problem import Problem, format_prompt
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One task family. Train on ``p.prompt -> p.answer``; evaluate with ``score_batch``.
+
+    ``score_batch(problems, completions, *, timeout=5.0, workers=None) -> list[bool]`` has the same
+    signature for every suite (arith ignores the sandbox knobs).
+    """
+
+    name: str
+    train_problems: Callable[[int, int], list[Problem]]
+    test_problems: Callable[..., list[Problem]]
+    score: Callable[[Problem, str], bool]
+    score_batch: Callable[..., list[bool]]
+    format_prompt: Callable[[str], str] = format_prompt
+
+    def accuracy(self, problems: Sequence[Problem], completions: Sequence[str], **kw) -> float:
+        """Fraction of completions that pass; 0.0 for an empty set."""
+        ok = self.score_batch(problems, completions, **kw)
+        return sum(ok) / len(ok) if ok else 0.0
+
+
+SUITES: dict[str, Suite] = {
+    m.SUITE: Suite(name=m.SUITE, train_problems=m.train_problems, test_problems=m.test_problems,
+                   score=m.score, score_batch=m.score_batch)
+    for m in (arith, code)
+}
+
+
+def get_suite(name: str) -> Suite:
+    try:
+        return SUITES[name]
+    except KeyError:
+        raise KeyError(f"unknown eval suite {name!r}; known: {sorted(SUITES)}") from None

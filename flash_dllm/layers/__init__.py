@@ -1,0 +1,1 @@
+"""Transformer building blocks shared by every model family."""

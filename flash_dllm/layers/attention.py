@@ -1,0 +1,95 @@
+"""Bidirectional self-attention and the contexts that say which keys each query sees.
+
+The attention module owns the projections and RoPE; *where keys come from* is the context's job:
+
+- ``DenseContext``: a padded batch ``[B, L]`` attends to itself (training, parity tests, the
+  exact reference). An optional key mask hides padding.
+- ``PackedContext``: the engine's layout. Tokens of many requests are packed into one ``[T]``
+  axis with no padding; each request (a *segment*) writes its fresh K/V into its own cache at the
+  canvas positions it recomputes, then attends to the whole cached canvas. Cache modes differ only in
+  which positions a step recomputes (see ``flash_dllm.cache.modes``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flash_dllm.layers.rotary import Rotary
+
+
+class DenseContext:
+    """Every query of a row attends to every (unmasked) key of the same row."""
+
+    def __init__(self, key_mask: torch.Tensor | None = None) -> None:
+        self.key_mask = key_mask  # [B, L] bool, True = real token
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, L, H, D], k/v: [B, L, Hkv, D]
+        mask = None
+        if self.key_mask is not None:
+            mask = self.key_mask[:, None, None, :]            # [B, 1, 1, L]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            enable_gqa=q.shape[2] != k.shape[2])               # [B, H, L, D]
+        return out.transpose(1, 2).flatten(2)                  # [B, L, H*D]
+
+
+@dataclass
+class Segment:
+    """One request's slice of a packed step.
+
+    ``start:end`` indexes the packed token axis; ``slots`` are the canvas positions of those tokens
+    (also their cache rows); ``kv`` is the request's cache ``[layers, 2, canvas, kv_heads, head_dim]``
+    or None when the step recomputes the whole canvas and nothing is kept.
+    """
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    kv: torch.Tensor | None
+
+
+class PackedContext:
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D], k/v: [T, Hkv, D]
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for seg in self.segments:
+            qs, ks, vs = q[seg.start:seg.end], k[seg.start:seg.end], v[seg.start:seg.end]
+            if seg.kv is not None:
+                # NOTE: fresh K/V overwrite their cache rows first, so a query sees the fresh
+                # values of every recomputed position and cached values everywhere else.
+                seg.kv[layer, 0].index_copy_(0, seg.slots, ks)
+                seg.kv[layer, 1].index_copy_(0, seg.slots, vs)
+                ks, vs = seg.kv[layer, 0], seg.kv[layer, 1]       # [canvas, Hkv, D]
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                enable_gqa=qs.shape[1] != ks.shape[1])             # [1, H, Tq, D]
+            out[seg.start:seg.end] = o[0].transpose(0, 1).flatten(1)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 rotary: Rotary) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
+        lead = x.shape[:-1]                                   # [B, L] or [T]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)     # [..., H, D]
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., Hkv, D]
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        return self.o_proj(ctx.attend(layer, q, k, v))

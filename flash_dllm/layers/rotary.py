@@ -1,0 +1,44 @@
+"""Rotary position embedding, rotate-half form, frequencies computed in float32."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):
+    """Applies RoPE to q/k given explicit integer positions (tokens need not be contiguous)."""
+
+    def __init__(self, head_dim: int, theta: float, apply_in_fp32: bool) -> None:
+        super().__init__()
+        self.apply_in_fp32 = apply_in_fp32
+        # NOTE: a plain attribute, not a buffer: `model.to(bfloat16)` would round a buffer, and the
+        # frequencies must stay float32 (both reference implementations compute them so).
+        self._inv_freq = {
+            "cpu": 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+                                   / head_dim))}
+
+    def _freqs(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = self._inv_freq["cpu"].to(device)
+        return self._inv_freq[key]
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self._freqs(positions.device)  # [..., D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                  # [..., D]
+        return emb.cos(), emb.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [..., tokens, heads, head_dim]; positions: [..., tokens] (broadcastable)."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)       # [..., tokens, 1, head_dim]
+        if self.apply_in_fp32:
+            xf = x.float()
+            return (xf * cos + self._rotate_half(xf) * sin).to(x.dtype)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + self._rotate_half(x) * sin

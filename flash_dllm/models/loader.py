@@ -1,0 +1,181 @@
+"""Strict safetensors loading and writing of checkpoints in their Hugging Face layout."""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from flash_dllm.models import registry
+from flash_dllm.models.config import ModelConfig
+from flash_dllm.models.family import Family, as_id_tuple
+from flash_dllm.models.transformer import DiffusionTransformer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded as it is; the message says what is wrong."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_config(folder: str | os.PathLike) -> tuple[Family, ModelConfig, dict]:
+    """(family, normalised config, raw config.json) of a checkpoint folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"checkpoint folder {folder} has no config.json")
+    raw = read_json(cfg_path)
+    family = registry.resolve(raw)
+    cfg = family.parse_config(raw)
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        gen = read_json(gen_path)
+        # NOTE: instruct checkpoints list end-of-turn ids here (LLaDA's <|eot_id|>); they end answers.
+        cfg = _with(cfg, eos_token_ids=as_id_tuple(cfg.eos_token_ids, gen.get("eos_token_id")))
+    return family, cfg, raw
+
+
+def _with(cfg: ModelConfig, **changes) -> ModelConfig:
+    from dataclasses import replace
+    return replace(cfg, **changes)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} listed in {index.name} is missing from {folder}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(folder.glob("*.bin")):
+        raise CheckpointError(f"{folder} holds only PyTorch .bin weights; flash-dllm reads safetensors "
+                              "(model.safetensors or model.safetensors.index.json + shards)")
+    raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors or "
+                            "model.safetensors.index.json with its shards")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
+                dtype: str | torch.dtype = torch.float32, init: bool = True,
+                seed: int | None = None) -> DiffusionTransformer:
+    """A model of this config; random weights when ``init`` (else uninitialised memory)."""
+    if isinstance(cfg, dict):
+        cfg = registry.resolve(cfg).parse_config(cfg)
+    dtype = parse_dtype(dtype)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = DiffusionTransformer(cfg)
+    model = model.to_empty(device=device)
+    if init:
+        model.init_weights(seed=seed)
+    return model.eval()
+
+
+def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = torch.float32) -> tuple[DiffusionTransformer, ModelConfig]:
+    """Load a checkpoint folder strictly: every tensor must map, fit and be present."""
+    folder = Path(folder)
+    family, cfg, _ = read_config(folder)
+    files = weight_files(folder)
+    model = build_model(cfg, device=device, dtype=dtype, init=False)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                ours = family.to_engine_name(name)
+                if ours is None or ours not in params:
+                    unexpected.append(name)
+                    continue
+                t = f.get_tensor(name)
+                p = params[ours]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise CheckpointError(f"shape mismatch for {name} in {path.name}: checkpoint "
+                                          f"{tuple(t.shape)}, model expects {tuple(p.shape)} "
+                                          f"(from config.json)")
+                with torch.no_grad():
+                    p.copy_(t.to(dtype=p.dtype))
+                loaded.add(ours)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in {folder} (no {family.name} parameter takes "
+                              f"them): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    missing = [family.to_ckpt_name(n) for n in params if n not in loaded]
+    if missing:
+        raise CheckpointError(f"missing tensors in {folder}: {missing[:8]}"
+                              f"{' ...' if len(missing) > 8 else ''}")
+    return model.eval(), cfg
+
+
+def save_checkpoint(model: DiffusionTransformer, folder: str | os.PathLike,
+                    hf_config: dict | None = None, dtype: str | torch.dtype = torch.bfloat16,
+                    max_shard_bytes: int | None = None) -> Path:
+    """Write ``config.json`` and weights (one file, or shards + index) in the family's names."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    family = registry.by_name(model.cfg.arch)
+    hf_config = dict(hf_config) if hf_config is not None else family.to_hf_config(model.cfg)
+    dtype = parse_dtype(dtype)
+    tensors = {family.to_ckpt_name(n): p.detach().to("cpu", dtype).contiguous()
+               for n, p in model.named_parameters()}
+    with open(folder / "config.json", "w", encoding="utf-8") as f:
+        json.dump(hf_config, f, indent=2)
+    if max_shard_bytes is None:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(folder / "model.safetensors.index.json", "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return folder

@@ -1,0 +1,69 @@
+"""The checkpoint's own tokenizer and chat template, through `transformers` (never hand-rolled)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flash_dllm.models.config import ModelConfig
+
+
+class Tokenizer:
+    """Encodes prompts exactly as the checkpoint's tokenizer does, decodes answers.
+
+    BOS is whatever the tokenizer's own post-processor adds; special tokens written in the prompt
+    text are recognised. Chat prompts are rendered with the folder's chat template first and then
+    encoded like any other text, as the reference scripts do.
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        folder = Path(folder)
+        if (folder / "tokenizer.json").is_file():
+            # NOTE: PreTrainedTokenizerFast reads tokenizer.json + tokenizer_config.json (chat
+            # template, special tokens) and never needs the checkpoint's remote code.
+            self.hf = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            from transformers import Qwen2TokenizerFast
+            self.hf = Qwen2TokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        else:
+            try:
+                self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                        trust_remote_code=False)
+            except Exception as e:  # noqa: BLE001 - rewrap with the folder named
+                raise FileNotFoundError(f"no usable tokenizer in {folder} (expected tokenizer.json, "
+                                        f"or vocab.json + merges.txt): {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text)["input_ids"])
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this checkpoint's tokenizer has no chat template "
+                             "(tokenizer_config.json 'chat_template'); use a plain prompt")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        tid = self.hf.convert_tokens_to_ids(text)
+        return tid if isinstance(tid, int) and tid != self.hf.unk_token_id else None
+
+    def resolve_ids(self, cfg: ModelConfig) -> ModelConfig:
+        """Fill a mask id missing from config.json from the tokenizer's `<|mdm_mask|>`, add its EOS."""
+        from dataclasses import replace
+
+        from flash_dllm.models.family import as_id_tuple
+
+        mask = cfg.mask_token_id
+        if mask is None:
+            mask = self.token_id("<|mdm_mask|>")
+            if mask is None:
+                raise ValueError("config.json has no mask_token_id and the tokenizer has no "
+                                 "<|mdm_mask|> token: cannot tell which id is MASK")
+        eos = as_id_tuple(cfg.eos_token_ids, self.hf.eos_token_id)
+        return replace(cfg, mask_token_id=mask, eos_token_ids=eos)

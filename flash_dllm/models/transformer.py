@@ -1,0 +1,75 @@
+"""The bidirectional decoder stack shared by LLaDA and Dream (they differ in names, not math)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flash_dllm.layers.attention import Attention, DenseContext
+from flash_dllm.layers.mlp import SwiGLU
+from flash_dllm.layers.norm import RMSNorm
+from flash_dllm.layers.rotary import Rotary
+from flash_dllm.models.config import ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              cfg.qkv_bias, rotary)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), positions, layer, ctx)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class DiffusionTransformer(nn.Module):
+    """Token ids -> hidden states -> logits, with no causal mask.
+
+    ``forward(ids)`` on a ``[B, L]`` batch returns logits ``[B, L, V]`` *as the checkpoint defines
+    them* (Dream's are not yet shifted). The engine instead calls ``hidden`` on packed tokens with a
+    ``PackedContext`` and ``logits`` only on the rows it needs.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_fp32)
+        self.layers = nn.ModuleList(Block(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """ids/positions: [B, L] (DenseContext) or [T] packed (PackedContext) -> pre-norm hidden."""
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, i, ctx)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on just the rows given (the engine passes masked slots only)."""
+        h = self.norm(h)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return h @ weight.t()
+
+    def forward(self, ids: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense full-attention forward: ids [B, L] -> logits [B, L, V] (training, tests)."""
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.logits(self.hidden(ids, positions, DenseContext(key_mask)))
+
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> "DiffusionTransformer":
+        """Random init (normal(0, std), unit norms, zero biases) for tests and training."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
