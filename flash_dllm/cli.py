@@ -14,7 +14,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folder (Hugging Face layout); default: the shipped demo model")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="requests decoded together")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -170,8 +170,9 @@ class Engine:
     # ------------------------------------------------------------------------------------ outputs
     def output(self, req: Request) -> RequestOutput:
         ids = req.generated_ids()
+        committed = int((req.canvas[req.prompt_len:] != self.cfg.mask_token_id).sum())
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "finish_time": req.finish_time}
+                   "finish_time": req.finish_time, "committed_slots": committed}
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_ids, text=self.decode_text(ids),
                              token_ids=ids, num_forwards=req.num_forwards,
