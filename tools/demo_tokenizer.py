@@ -19,7 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python tools/demo_tokenizer.py` from a source checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flash_dllm.evals.problem import CHARSET  # noqa: E402
+from flash_dllm.evals.problem import CHARSET
 
 BOS = "<|startoftext|>"
 EOS = "<|endoftext|>"

@@ -35,13 +35,13 @@ if __package__ in (None, ""):  # `python tools/train_demo.py` from a source chec
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import demo_tokenizer
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import demo_tokenizer  # noqa: E402
-from flash_dllm.evals.tasks import SUITES  # noqa: E402
-from flash_dllm.models.loader import build_model, load_model, save_checkpoint  # noqa: E402
+from flash_dllm.evals.tasks import SUITES
+from flash_dllm.models.loader import build_model, load_model, save_checkpoint
 
 GEN_LENGTHS = (64, 96, 128)
 EVAL_GEN_LENGTH = 64
@@ -91,10 +91,13 @@ def _gen_chunk(job: tuple[str, int, int, str, int]) -> dict[str, np.ndarray]:
     suite, n, seed, tok_folder, eos = job
     tok = _load_tok(tok_folder)
     probs = SUITES[suite].train_problems(n, seed)
-    prompts = [p.prompt for p in probs]
+    # NOTE: suite prompts end in "\n"; people typing a question (`flash-dllm generate "..."`, chat)
+    # leave it out, so every other problem drops it (plain and chat alternate, both forms seen).
+    plain = [p.prompt if i % 2 else p.prompt.rstrip("\n") for i, p in enumerate(probs)]
+    chat = [p.prompt.rstrip("\n") if i % 2 else p.prompt for i, p in enumerate(probs)]
     out = {}
-    for name, ids in (("plain", tok(prompts)["input_ids"]),
-                      ("chat", tok(chat_texts(tok, prompts))["input_ids"]),
+    for name, ids in (("plain", tok(plain)["input_ids"]),
+                      ("chat", tok(chat_texts(tok, chat))["input_ids"]),
                       ("ans", tok([p.answer for p in probs], add_special_tokens=False)["input_ids"])):
         out[name], out[name + "_len"] = _pad_rows(ids, eos)
     return out
@@ -292,14 +295,14 @@ def parse_args(argv=None):
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-layers", type=int, default=6)
     ap.add_argument("--n-heads", type=int, default=4)
-    ap.add_argument("--mlp", type=int, default=768)
+    ap.add_argument("--mlp", type=int, default=512)
     ap.add_argument("--suites", default="arith,code")
     ap.add_argument("--pool", type=int, default=500_000, help="training problems per suite")
     ap.add_argument("--workers", type=int, default=0, help="data-generation processes (0 = auto)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (optional)")
-    ap.add_argument("--log-every", type=int, default=200)
+    ap.add_argument("--log-every", type=int, default=500)
     ap.add_argument("--eval-n", type=int, default=200, help="held-out problems per suite at the end")
     ap.add_argument("--eval-every", type=float, default=2.0,
                     help="minutes between interim evals of --eval-interim-n problems (0 = off)")
@@ -418,9 +421,12 @@ def main(argv=None) -> dict:
             loss_acc.zero_()
             n_acc = 0
         if time.time() - t_train >= next_eval:
-            acc = evaluate(model, tok, suites, args.eval_interim_n, ids, device, autocast=cuda)
-            evals.append({"step": step, "n": args.eval_interim_n, **acc})
-            print(f"eval @ step {step}: {acc}", flush=True)
+            try:
+                acc = evaluate(model, tok, suites, args.eval_interim_n, ids, device, autocast=cuda)
+                evals.append({"step": step, "n": args.eval_interim_n, **acc})
+                print(f"eval @ step {step}: {acc}", flush=True)
+            except Exception as e:  # noqa: BLE001 - an eval hiccup must not cost the training run
+                print(f"interim eval failed: {e!r}", flush=True)
             model.train()
             next_eval += args.eval_every * 60
     train_minutes = (time.time() - t_train) / 60
@@ -428,7 +434,7 @@ def main(argv=None) -> dict:
     if n_acc:
         final_loss = float(loss_acc) / n_acc
     print(f"trained {step} steps in {train_minutes:.2f} min (+{t_data:.0f}s data); "
-          f"loss {first_loss} -> {final_loss:.4f}", flush=True)
+          f"loss {first_loss or math.nan:.4f} -> {final_loss:.4f}", flush=True)
 
     # save (bf16 weights + tokenizer + generation config), then reload and evaluate what was written
     model.eval()
@@ -436,6 +442,9 @@ def main(argv=None) -> dict:
     with open(out / "generation_config.json", "w", encoding="utf-8") as f:
         json.dump({"bos_token_id": ids["bos"], "eos_token_id": [ids["eos"], ids["eot"]],
                    "pad_token_id": ids["eos"], "mask_token_id": ids["mask"]}, f, indent=2)
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)  # safetensors writes 0600; the folder is meant to be shipped
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     print(f"saved {out} (model.safetensors {size_mb:.1f} MB)", flush=True)
 
@@ -447,7 +456,12 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.allow_tf32 = False
         shipped, _ = load_model(out, device=device, dtype=torch.float32)
         for chat in (False, True):
-            acc = evaluate(shipped, tok, suites, args.eval_n, ids, device, chat=chat, show=3)
+            try:
+                acc = evaluate(shipped, tok, suites, args.eval_n, ids, device, chat=chat, show=3)
+            except Exception as e:  # noqa: BLE001 - still write train_log.json
+                print(f"final eval failed: {e!r}", flush=True)
+                final_eval["error"] = repr(e)
+                break
             final_eval["chat" if chat else "plain"] = acc
             print(f"final eval ({'chat' if chat else 'plain'} prompts, {args.eval_n}/suite, bf16 "
                   f"weights in fp32, exact sampler gen {EVAL_GEN_LENGTH} block {EVAL_BLOCK}): "
