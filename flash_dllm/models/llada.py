@@ -6,22 +6,28 @@ from flash_dllm.models.family import Family, as_id_tuple, require
 
 # Config switches of the OLMo code that change the math; we implement the LLaDA setting only and
 # refuse the others rather than silently compute something else.
-_UNSUPPORTED = {"clip_qkv": None, "attention_layer_norm": False, "scale_logits": False,
-                "include_bias": False, "multi_query_attention": None, "alibi": False}
+# Config switches of the OLMo code that change the math: the values LLaDA uses (absent or null is
+# fine). Anything else is refused rather than silently computed differently.
+_SUPPORTED_VALUES = {"clip_qkv": (None,), "attention_layer_norm": (False,), "scale_logits": (False,),
+                     "include_bias": (False,), "multi_query_attention": (None, False),
+                     "alibi": (False,), "input_emb_norm": (False,),
+                     "layer_norm_with_affine": (True,), "bias_for_layer_norm": (False, None)}
 
 
 def parse_config(raw: dict) -> ModelConfig:
-    for key, ok in _UNSUPPORTED.items():
-        if raw.get(key, ok) not in (ok, None, False):
+    for key, ok in _SUPPORTED_VALUES.items():
+        if raw.get(key) is not None and raw[key] not in ok:
             raise ValueError(f"LLaDA config.json sets {key}={raw[key]!r}, which flash-dllm does not "
-                             f"support (supported: {ok!r})")
+                             f"support (supported: {' or '.join(map(repr, ok))})")
     if not raw.get("rope", True):
         raise ValueError("LLaDA config.json sets rope=false; only rotary embeddings are supported")
     if str(raw.get("layer_norm_type", "rms")).lower() not in ("rms", "rmsnorm"):
         raise ValueError(f"LLaDA layer_norm_type {raw['layer_norm_type']!r} unsupported (need 'rms')")
     if str(raw.get("block_type", "llama")).lower() != "llama":
         raise ValueError(f"LLaDA block_type {raw['block_type']!r} unsupported (need 'llama')")
-    if str(raw.get("activation_type", "silu")).lower() not in ("silu", "swiglu"):
+    # NOTE: LLaDA's llama block applies `activation_type` to ff_proj alone; "swiglu" there would
+    # halve the hidden size (OLMo's chunking activation), which LLaDA checkpoints never use.
+    if str(raw.get("activation_type", "silu")).lower() != "silu":
         raise ValueError(f"LLaDA activation_type {raw['activation_type']!r} unsupported (need 'silu')")
     d = int(require(raw, "d_model", "LLaDA"))
     n_heads = int(require(raw, "n_heads", "LLaDA"))
