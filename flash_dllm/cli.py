@@ -1,4 +1,4 @@
-"""``flash-dllm`` command line: generate, eval (and later serve, bench)."""
+"""``flash-dllm`` command line: generate, eval, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 import time
 
 from flash_dllm.cache.modes import CACHE_MODES
-from flash_dllm.config import DECODE_POLICIES, SamplingParams
+from flash_dllm.config import DECODE_POLICIES, VERIFY_RULES, SamplingParams
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,18 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode", default=d.decode, choices=DECODE_POLICIES)
     g.add_argument("--cache", default=d.cache, choices=CACHE_MODES)
     g.add_argument("--threshold", type=float, default=d.threshold)
+    g.add_argument("--gamma", type=float, default=d.gamma,
+                   help="verify: acceptance level (> 1 accepts nothing)")
+    g.add_argument("--verify-rule", default=d.verify_rule, choices=VERIFY_RULES)
+    g.add_argument("--max-verify", type=int, default=None,
+                   help="verify: drafts checked per forward (default: block length)")
+    g.add_argument("--entropy-max", type=float, default=None,
+                   help="verify sentinel: verify slots with entropy above this (nats)")
+    g.add_argument("--perturb-sigma", type=float, default=None,
+                   help="verify sentinel: verify slots whose top-1 flips under logit noise")
+    g.add_argument("--kv-jaccard-min", type=float, default=None,
+                   help="KV sentinel: refresh keys when a slot's top-k overlap drops below this")
+    g.add_argument("--kv-top-k", type=int, default=d.kv_top_k)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-early-stop", action="store_true",
                    help="decode every block even after the answer ended")
@@ -39,7 +51,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
     kw = dict(max_tokens=a.max_tokens, block_length=a.block_length, steps=a.steps,
               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, decode=a.decode,
-              cache=a.cache, threshold=a.threshold, seed=a.seed, early_stop=not a.no_early_stop)
+              cache=a.cache, threshold=a.threshold, seed=a.seed, early_stop=not a.no_early_stop,
+              gamma=a.gamma, verify_rule=a.verify_rule, max_verify=a.max_verify,
+              entropy_max=a.entropy_max, perturb_sigma=a.perturb_sigma,
+              kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k)
     kw.update(override)
     return SamplingParams(**kw)
 
@@ -86,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from flash_dllm.evals.cli import add_eval_parser
         add_eval_parser(sub)
+    except ImportError:
+        pass
+    # serving: `serve` and `bench serve` (need the [server] extras: fastapi, uvicorn, httpx)
+    try:
+        from flash_dllm.bench.cli import add_bench_parser
+        from flash_dllm.server.serve import add_serve_parser
+        add_serve_parser(sub)
+        add_bench_parser(sub)
     except ImportError:
         pass
     return parser

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-DECODE_POLICIES = ("vanilla", "threshold")
 from flash_dllm.cache.modes import CACHE_MODES
+
+DECODE_POLICIES = ("vanilla", "threshold", "verify")
+VERIFY_RULES = ("agree", "cumprod")      # flash_dllm.decoding.verify.accept_prefix
 DEFAULT_BLOCK_LENGTH = 32
 
 
@@ -28,7 +30,11 @@ class SamplingParams:
     ``block_length`` left to right. ``steps`` is the total number of denoising steps over all
     blocks for ``decode="vanilla"`` (LLaDA's schedule); ``None`` means one token per step, the
     exact reference. ``decode="threshold"`` commits every slot with confidence >= ``threshold``
-    and always the most confident one (Fast-dLLM), ignoring ``steps``.
+    and always the most confident one (Fast-dLLM), ignoring ``steps``. ``decode="verify"``
+    (Flash-Verify) commits what threshold commits, drafts the rest of the block and accepts the
+    longest prefix of up to ``max_verify`` drafts that passes ``verify_rule`` at ``gamma`` in the
+    next forward (see ``flash_dllm.decoding.verify``). Sentinels (``entropy_max``,
+    ``perturb_sigma``: verify only; ``kv_jaccard_min``: any policy) are off when None.
     """
 
     max_tokens: int = 64
@@ -42,6 +48,15 @@ class SamplingParams:
     cache: str = "none"
     threshold: float = 0.9
     early_stop: bool = True              # finish once a completed block holds an end-of-answer id
+    # --- decode="verify" (Flash-Verify)
+    gamma: float = 0.8                   # acceptance level; > 1 accepts nothing (= threshold)
+    verify_rule: str = "agree"           # "agree" | "cumprod"
+    max_verify: int | None = None        # drafts verified per forward; None: block_length
+    # --- sentinels (None = off)
+    entropy_max: float | None = None     # nats; a slot above it is verified, never committed as is
+    perturb_sigma: float | None = None   # logit noise scale; top-1 flips -> verified
+    kv_jaccard_min: float | None = None  # top-k attention overlap with last step; below -> refresh
+    kv_top_k: int = 8                    # k of the KV-consistency sentinel
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -70,6 +85,33 @@ class SamplingParams:
         _check_choice("cache", self.cache, CACHE_MODES)
         if not isinstance(self.threshold, (int, float)) or not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
+        if (isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float))
+                or not 0.0 < self.gamma < float("inf")):
+            raise ValueError(f"gamma must be a finite number > 0 (values > 1 accept no draft), "
+                             f"got {self.gamma!r}")
+        _check_choice("verify_rule", self.verify_rule, VERIFY_RULES)
+        if self.max_verify is None:
+            object.__setattr__(self, "max_verify", self.block_length)
+        _check_int("max_verify", self.max_verify, 1)
+        if self.max_verify > self.block_length:
+            raise ValueError(f"max_verify must be in [1, block_length={self.block_length}], "
+                             f"got {self.max_verify}")
+        for name in ("entropy_max", "perturb_sigma"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
+            if self.decode != "verify":
+                raise ValueError(f"{name} needs decode='verify' (a slot it flags is drafted for "
+                                 f"verification), got decode={self.decode!r}")
+        if self.kv_jaccard_min is not None and (
+                isinstance(self.kv_jaccard_min, bool)
+                or not isinstance(self.kv_jaccard_min, (int, float))
+                or not 0.0 < self.kv_jaccard_min <= 1.0):
+            raise ValueError(f"kv_jaccard_min must be in (0, 1] or None, "
+                             f"got {self.kv_jaccard_min!r}")
+        _check_int("kv_top_k", self.kv_top_k, 1)
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +122,7 @@ class SamplingParams:
         return self.steps // self.num_blocks
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
+    def from_dict(cls, d: dict) -> SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -93,6 +135,29 @@ class EngineConfig:
     """Engine-wide knobs."""
 
     max_num_seqs: int = 64               # requests decoded together in one forward
+    # --- KV pages (serving): admission control. A request reserves ceil(canvas / page_size) pages
+    # when admitted and frees them when it finishes or aborts; one that does not fit waits.
+    page_size: int = 16                  # tokens per KV page
+    kv_cache_gb: float = 1.0             # pool size: kv_cache_gb * 2**30 // (page_size * kv bytes/token)
+    num_kv_pages: int | None = None      # explicit pool size (overrides kv_cache_gb; tests)
+    max_waiting: int = 256               # AsyncEngine: queued requests before new ones are refused
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("page_size", self.page_size, 1)
+        if (isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))
+                or not self.kv_cache_gb > 0):
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb!r}")
+        if self.num_kv_pages is not None:
+            _check_int("num_kv_pages", self.num_kv_pages, 1)
+        _check_int("max_waiting", self.max_waiting, 1)
+
+    def num_pages(self, kv_bytes_per_token: int) -> int:
+        """Pages in the pool for a model whose cached token takes ``kv_bytes_per_token`` bytes."""
+        if self.num_kv_pages is not None:
+            return self.num_kv_pages
+        n = int(self.kv_cache_gb * 2**30) // (self.page_size * kv_bytes_per_token)
+        if n < 1:
+            raise ValueError(f"kv_cache_gb={self.kv_cache_gb} holds no page of {self.page_size} "
+                             f"tokens x {kv_bytes_per_token} bytes")
+        return n

@@ -4,13 +4,16 @@ One ``step()``:
 1. schedule (CPU): which requests run, which canvas positions each recomputes (its cache mode),
    which masked slots need logits;
 2. one forward over the packed tokens of every running request (no padding: each request attends
-   only to its own canvas through ``PackedContext``), LM head only at those slots;
+   only to its own canvas through ``PackedContext``), LM head only at those slots; a
+   ``decode="verify"`` request also carries the verification block of its previous forward's
+   drafts (``flash_dllm.engine.verify_step``), so verification never costs a forward;
 3. the decoding policy proposes tokens and picks which to commit;
 4. requests advance blocks, finish, and free their caches; waiting requests are admitted.
 Requests at different blocks, steps, cache modes and policies share the same forward.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections import deque
@@ -18,10 +21,18 @@ from collections import deque
 import torch
 
 from flash_dllm.cache.modes import keeps_cache, query_range
+from flash_dllm.cache.page_pool import PagePool
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.decoding.policies import select_threshold, select_top_k
 from flash_dllm.decoding.sampling import RowGroup, propose
 from flash_dllm.engine.request import Request, RequestOutput
+from flash_dllm.engine.verify_step import (
+    kv_consistency,
+    new_counters,
+    plan_verification,
+    select_verify,
+    update_drafts,
+)
 from flash_dllm.layers.attention import PackedContext, Segment
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
@@ -41,7 +52,11 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        self.stats = {"forwards": 0, "steps": 0, "tokens_committed": 0, "step_seconds": 0.0}
+        # serving: KV pages are the admission ledger (see flash_dllm.cache.page_pool)
+        self.pool = PagePool(self.config.num_pages(cfg.kv_bytes_per_token), self.config.page_size)
+        self.stats = {"forwards": 0, "steps": 0, "tokens_committed": 0, "step_seconds": 0.0,
+                      "last_batch_size": 0,   # serving: requests in the latest forward
+                      **new_counters()}       # decode="verify" and sentinels
 
     # ----------------------------------------------------------------------------------- requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -55,6 +70,11 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
                              f"{bad[:5]}")
+        # serving: a request bigger than the whole (empty) page pool would wait forever
+        if not self.pool.can_ever_fit(total):
+            raise ValueError(f"prompt + max_tokens = {total} tokens needs "
+                             f"{self.pool.pages_for(total)} KV pages of {self.pool.page_size} "
+                             f"tokens, but the pool has only {self.pool.num_pages}")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> Request:
@@ -73,6 +93,7 @@ class Engine:
         for req in itertools.chain(self.running, self.waiting):
             if req.request_id == request_id and not req.finished:
                 req.abort()
+                self._release(req)    # serving: an aborted request frees its pages at once
                 return True
         return False
 
@@ -84,6 +105,11 @@ class Engine:
             req = self.waiting.popleft()
             if req.finished:          # aborted while waiting
                 continue
+            # serving: admit only if the whole canvas's pages fit now; otherwise wait (FIFO)
+            req.pages = self.pool.allocate(req.canvas_len)
+            if req.pages is None:
+                self.waiting.appendleft(req)
+                break
             if keeps_cache(req.params.cache):
                 c = self.cfg
                 req.kv = torch.empty(c.num_layers, 2, req.canvas_len, c.num_kv_heads, c.head_dim,
@@ -104,46 +130,75 @@ class Engine:
         mask_id = self.cfg.mask_token_id
 
         ids, positions, segments = [], [], []
-        slot_pos, slot_rows, groups, bounds = [], [], [], []
+        slot_pos, slot_rows, groups, bounds, plans = [], [], [], [], []
         n_tok = n_slot = 0
         for req in batch:
             q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
                                  req.first_step, shift)
             pos = torch.arange(q0, q1, device=self.device)
-            ids.append(req.canvas[q0:q1])
+            if req.refresh is not None:    # KV-consistency sentinel: also recompute these keys
+                pos = torch.cat([pos, req.refresh[(req.refresh < q0) | (req.refresh >= q1)]])
+                req.refresh = None
+            ids.append(req.canvas[pos])
             positions.append(pos)
-            segments.append(Segment(n_tok, n_tok + (q1 - q0), pos, req.kv))
+            seg = Segment(n_tok, n_tok + pos.numel(), pos, req.kv)
+            segments.append(seg)
             block = req.canvas[req.block_start:req.block_end]
             masked = torch.nonzero(block == mask_id).squeeze(-1) + req.block_start   # canvas slots
             slot_pos.append(masked)
             slot_rows.append(masked - shift - q0 + n_tok)      # packed rows that predict them
+            if req.params.kv_jaccard_min is not None:
+                seg.probe = masked - q0
+            n_tok += pos.numel()
+            plan = plan_verification(req, shift, n_tok)       # last forward's drafts, folded in
+            if plan is not None and plan.block is not None:
+                ids.append(plan.block.ids)
+                positions.append(plan.block.positions)
+                seg.verify = plan.rows
+                n_tok += plan.block.num_rows
+            plans.append(plan)
             p = req.params
             groups.append(RowGroup(n_slot, n_slot + masked.numel(), p.temperature, p.top_k, p.top_p,
                                    req.generator))
             bounds.append((n_slot, n_slot + masked.numel()))
-            n_tok += q1 - q0
             n_slot += masked.numel()
 
-        hidden = self.model.hidden(torch.cat(ids), torch.cat(positions), PackedContext(segments))
-        rows = torch.cat(slot_rows)
-        logits = self.model.logits(hidden[rows])               # [slots, V], masked slots only
-        tokens, conf = propose(logits, groups, forbid=mask_id)
+        ctx = PackedContext(segments, probe_layer=self.cfg.num_layers - 1)
+        hidden = self.model.hidden(torch.cat(ids), torch.cat(positions), ctx)
+        rows = torch.cat(slot_rows + [p.mask_rows for p in plans if p is not None])
+        logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
+        tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
         positions_all = torch.cat(slot_pos)
         keep = self._select(batch, conf, positions_all, bounds)
+        if any(r.params.decode == "verify" for r in batch):
+            select_verify(batch, plans, logits, n_slot, tokens, conf, positions_all, bounds, keep,
+                          mask_id, self.stats)
 
         finished = []
-        for req, (s, e) in zip(batch, bounds):
+        for req, seg, (s, e) in zip(batch, segments, bounds):
             k = keep[s:e]
             req.canvas[positions_all[s:e][k]] = tokens[s:e][k]
+            if req.params.decode == "verify":
+                update_drafts(req, tokens[s:e], conf[s:e], positions_all[s:e], k)
+            if seg.probe is not None:
+                kv_consistency(req, seg.probe_weights, positions_all[s:e], self.stats)
             self.stats["tokens_committed"] += int(k.sum())
             req.advance()
             if req.finished:
                 finished.append(req)
+                self._release(req)
         self.running = [r for r in self.running if not r.finished]
         self.stats["forwards"] += 1
         self.stats["steps"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
+        self.stats["last_batch_size"] = len(batch)
         return finished
+
+    def _release(self, req: Request) -> None:
+        """Return a finished request's KV pages to the pool (serving ledger)."""
+        if req.pages is not None:
+            self.pool.free(req.pages)
+            req.pages = None
 
     def _select(self, batch: list[Request], conf: torch.Tensor, positions: torch.Tensor,
                 bounds: list[tuple[int, int]]) -> torch.Tensor:
@@ -172,7 +227,8 @@ class Engine:
         ids = req.generated_ids()
         committed = int((req.canvas[req.prompt_len:] != self.cfg.mask_token_id).sum())
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "finish_time": req.finish_time, "committed_slots": committed}
+                   "finish_time": req.finish_time, "committed_slots": committed,
+                   **copy.deepcopy(req.counters)}
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_ids, text=self.decode_text(ids),
                              token_ids=ids, num_forwards=req.num_forwards,

@@ -8,6 +8,7 @@ import torch
 
 from flash_dllm.config import SamplingParams
 from flash_dllm.decoding.schedule import num_transfer_tokens
+from flash_dllm.engine.verify_step import new_counters
 
 
 @dataclass
@@ -49,11 +50,18 @@ class Request:
         self.first_step = True
         self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
         self.kv: torch.Tensor | None = None
+        self.pages: list[int] | None = None    # KV pages reserved at admission (serving ledger)
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
         self.early_stopped = False
         self.generator: torch.Generator | None = None
+        # decode="verify" and sentinels (flash_dllm.engine.verify_step)
+        self.drafts: tuple[torch.Tensor, torch.Tensor] | None = None   # (slots, tokens) to verify
+        self.refresh: torch.Tensor | None = None      # cached positions the next forward recomputes
+        self.kv_history: torch.Tensor | None = None   # [block_length, k] last top-k keys per slot
+        self.sentinel_generator: torch.Generator | None = None
+        self.counters: dict = new_counters()
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -84,6 +92,7 @@ class Request:
         if bool((self.canvas[self.block_start:self.block_end] == self.mask_id).any()):
             return
         done_block = self.canvas[self.block_start:self.block_end]
+        self.drafts = self.refresh = self.kv_history = None   # all per-block
         self.block += 1
         self.step_in_block = 0
         self.first_step = True

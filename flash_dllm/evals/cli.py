@@ -41,7 +41,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
               else [(base.cache, base.decode)])
     reports = []
     for cache, decode in combos:
-        params = sampling_from_args(a, cache=cache, decode=decode)
+        # the verify-only sentinels apply to the verify rows of a matrix only
+        only_verify = {} if decode == "verify" else {"entropy_max": None, "perturb_sigma": None}
+        params = sampling_from_args(a, cache=cache, decode=decode, **only_verify)
         r = run_eval(llm, a.suite, a.n, params, seed=a.eval_seed, chat=a.chat,
                      progress=not a.no_progress)
         reports.append(r)

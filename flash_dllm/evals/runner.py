@@ -40,6 +40,12 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
         "seconds": seconds, "decode_seconds": decode_s,
         "answer_tokens_per_second": answer_tokens / decode_s if decode_s > 0 else 0.0,
         "early_stopped": sum(o.early_stopped for o in outs),
+        # decode="verify": drafts checked / accepted; sentinels: slots checked / flagged
+        "verify": {k: sum(o.metrics.get(f"verify_{k}", 0) for o in outs)
+                   for k in ("candidates", "accepted")},
+        "sentinels": {name: {k: sum(o.metrics.get(f"sentinel_{k}", {}).get(name, 0) for o in outs)
+                             for k in ("checks", "triggers")}
+                      for name in ("entropy", "perturbation", "kv_consistency")},
         "params": asdict(params),
         "model": str(llm.model_path), "device": str(llm.device),
         "dtype": str(next(llm.engine.model.parameters()).dtype).replace("torch.", ""),

@@ -50,11 +50,57 @@ class Segment:
     end: int
     slots: torch.Tensor
     kv: torch.Tensor | None
+    verify: VerifyRows | None = None     # decode="verify": extra rows after ``end``
+    probe: torch.Tensor | None = None      # rows (from ``start``) whose attention is recorded
+    probe_weights: torch.Tensor | None = None   # out: [probe rows, canvas], mean over heads
+
+
+@dataclass
+class VerifyRows:
+    """A segment's verification block (``flash_dllm.decoding.verify``): packed rows
+    ``start:end``, of which the first ``num_keys`` (the draft views) also serve as extra keys.
+    ``allow`` [rows, canvas + num_keys] says which keys each row sees. The rows attend to the
+    request's canvas keys (its cache, or this step's full-canvas K/V) and to those extra keys;
+    their K/V are never written to the cache and no canvas row ever sees them."""
+
+    start: int
+    end: int
+    num_keys: int
+    allow: torch.Tensor
+
+
+def _masked_attention(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, k2: torch.Tensor,
+                      v2: torch.Tensor, allow: torch.Tensor) -> torch.Tensor:
+    """Attention of a few rows over two key sets without concatenating them (the first is a whole
+    canvas cache, which is read in place): q [R, H, D], k1/v1 [L, Hkv, D], k2/v2 [M, Hkv, D],
+    allow [R, L + M] bool -> [R, H * D]."""
+    R, H, D = q.shape
+    L, Hkv = k1.shape[0], k1.shape[1]
+    g = H // Hkv
+    qh = q.reshape(R, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * R, D)   # [Hkv, g*R, D]
+    s = torch.cat([qh @ k1.permute(1, 2, 0), qh @ k2.permute(1, 2, 0)], dim=-1)  # [Hkv, g*R, L+M]
+    s = s.float().view(Hkv, g, R, -1) * D ** -0.5
+    p = s.masked_fill(~allow, float("-inf")).softmax(-1).to(q.dtype).view(Hkv, g * R, -1)
+    o = p[..., :L] @ v1.transpose(0, 1) + p[..., L:] @ v2.transpose(0, 1)      # [Hkv, g*R, D]
+    return o.view(Hkv, g, R, D).permute(2, 0, 1, 3).reshape(R, H * D)
+
+
+def _attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Softmax attention weights averaged over heads: q [R, H, D], k [L, Hkv, D] -> [R, L]."""
+    R, H, D = q.shape
+    Hkv = k.shape[1]
+    qh = q.reshape(R, Hkv, H // Hkv, D).permute(1, 2, 0, 3).reshape(Hkv, -1, D)  # [Hkv, g*R, D]
+    p = ((qh @ k.permute(1, 2, 0)).float() * D ** -0.5).softmax(-1)             # [Hkv, g*R, L]
+    return p.view(H, R, -1).mean(0)
 
 
 class PackedContext:
-    def __init__(self, segments: list[Segment]) -> None:
+    """``probe_layer``: the layer at which segments with ``probe`` rows record attention weights
+    (the KV-consistency sentinel)."""
+
+    def __init__(self, segments: list[Segment], probe_layer: int | None = None) -> None:
         self.segments = segments
+        self.probe_layer = probe_layer
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D]
@@ -72,6 +118,15 @@ class PackedContext:
                 vs.transpose(0, 1).unsqueeze(0),
                 enable_gqa=qs.shape[1] != ks.shape[1])             # [1, H, Tq, D]
             out[seg.start:seg.end] = o[0].transpose(0, 1).flatten(1)
+            # NOTE: ks/vs are indexed by canvas position here: the cache, or (no cache) the whole
+            # canvas recomputed in order.
+            if seg.verify is not None:
+                vr = seg.verify
+                kd, vd = k[vr.start:vr.start + vr.num_keys], v[vr.start:vr.start + vr.num_keys]
+                out[vr.start:vr.end] = _masked_attention(q[vr.start:vr.end], ks, vs, kd, vd,
+                                                         vr.allow)
+            if seg.probe is not None and layer == self.probe_layer:
+                seg.probe_weights = _attention_weights(qs[seg.probe], ks)
         return out
 
 

@@ -1,0 +1,82 @@
+"""``flash-dllm bench serve``: load-test a running server (``--url``) or an in-process one."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    from flash_dllm.cli import add_model_flags
+    from flash_dllm.server.serve import add_engine_flags
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    s = bsub.add_parser("serve", help="async HTTP load generator with a JSON report")
+    s.add_argument("--url", default=None,
+                   help="server to load (e.g. http://127.0.0.1:8000); default: start one "
+                        "in-process for --model on a free loopback port")
+    s.add_argument("--concurrency", type=int, default=16, help="clients in flight")
+    s.add_argument("--requests", type=int, default=64, help="requests in all")
+    s.add_argument("--endpoint", choices=["completions", "chat", "generate"], default="completions")
+    s.add_argument("--prompt", default=None,
+                   help="one prompt for every request (default: held-out arith questions)")
+    s.add_argument("--sequential", action="store_true",
+                   help="first send the same requests one after another; report the speed-up")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--json", default=None, help="also write the report here")
+    g = s.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--block-length", type=int, default=None)
+    g.add_argument("--steps", type=int, default=None)
+    g.add_argument("--decode", default=None)
+    g.add_argument("--cache", default=None)
+    g.add_argument("--threshold", type=float, default=None)
+    g.add_argument("--temperature", type=float, default=0.0)
+    add_model_flags(s)
+    add_engine_flags(s)
+    s.set_defaults(func=cmd_bench_serve)
+
+
+def _prompts(a: argparse.Namespace) -> list[str]:
+    if a.prompt is not None:
+        return [a.prompt]
+    from flash_dllm.evals.tasks import get_suite
+    return [p.prompt for p in get_suite("arith").test_problems(max(a.requests, 1), seed=0)]
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from flash_dllm.bench.serve import InProcessServer, bench
+    from flash_dllm.server.serve import build_server_app, require_server_extras
+
+    require_server_extras()
+    if a.concurrency < 1 or a.requests < 1:
+        raise ValueError("--concurrency and --requests must be >= 1")
+    knobs = {k: v for k, v in dict(max_tokens=a.max_tokens, block_length=a.block_length,
+                                   steps=a.steps, decode=a.decode, cache=a.cache,
+                                   threshold=a.threshold, temperature=a.temperature).items()
+             if v is not None}
+    prompts = _prompts(a)
+
+    def go(url: str) -> dict:
+        return asyncio.run(bench(url, prompts, a.requests, a.concurrency, a.endpoint, knobs,
+                                 a.api_key, a.sequential))
+
+    if a.url is not None:
+        report = go(a.url)
+    else:
+        a.served_model_name, a.max_body_bytes = None, 1 << 20
+        app, aeng, name = build_server_app(a)
+        with InProcessServer(app, aeng) as srv:
+            report = go(srv.url)
+        report["model"] = name
+        report["server"] = "in-process"
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(text + "\n", encoding="utf-8")
+        print(f"wrote {a.json}", file=sys.stderr)
+    return 0 if report["errors"] == 0 else 1

@@ -1,0 +1,217 @@
+"""``flash-dllm bench serve``: an async load generator for the HTTP server, with a JSON report.
+
+``N`` workers (``--concurrency``) share ``M`` requests (``--requests``); every request streams, so
+the client measures time to first token as well as latency. With ``--sequential`` the same requests
+first run one after another, and the report gives the speed-up of the concurrent run. Without
+``--url`` a server for ``--model`` is started in-process on a free loopback port.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "generate": "/generate"}
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear-interpolated ``q``-quantile (0..1) of ``xs``; None when empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summary(xs: list[float]) -> dict:
+    r = lambda v: None if v is None else round(v, 4)   # noqa: E731
+    return {"mean": r(sum(xs) / len(xs) if xs else None), "p50": r(percentile(xs, 0.5)),
+            "p99": r(percentile(xs, 0.99)), "max": r(max(xs) if xs else None)}
+
+
+def request_body(endpoint: str, prompt: str, knobs: dict) -> dict:
+    if endpoint == "chat":
+        return {"messages": [{"role": "user", "content": prompt}], "stream": True,
+                "stream_options": {"include_usage": True}, **knobs}
+    if endpoint == "generate":
+        kn = dict(knobs)
+        if "max_tokens" in kn:
+            kn["max_new_tokens"] = kn.pop("max_tokens")
+        if "steps" in kn:
+            kn["num_inference_steps"] = kn.pop("steps")
+        return {"prompt": prompt, "stream": True, **kn}
+    return {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **knobs}
+
+
+def _delta_text(endpoint: str, ev: dict) -> str:
+    if endpoint == "generate":
+        return ev.get("text", "")
+    for c in ev.get("choices") or []:
+        if endpoint == "chat":
+            return (c.get("delta") or {}).get("content") or ""
+        return c.get("text") or ""
+    return ""
+
+
+async def one_request(client, endpoint: str, body: dict) -> dict:
+    """Stream one request; returns latency, TTFT, completion tokens, text or an error."""
+    t0 = time.perf_counter()
+    ttft, text, tokens = None, [], 0
+    try:
+        async with client.stream("POST", PATHS[endpoint], json=body) as r:
+            if r.status_code != 200:
+                detail = (await r.aread()).decode(errors="replace")[:300]
+                return {"ok": False, "error": f"HTTP {r.status_code}: {detail}"}
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    return {"ok": False, "error": json.dumps(ev)[:300]}
+                d = _delta_text(endpoint, ev)
+                if d and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(d)
+                if ev.get("usage"):
+                    tokens = ev["usage"]["completion_tokens"]
+            if not done:
+                return {"ok": False, "error": "stream ended without [DONE]"}
+    except Exception as e:  # noqa: BLE001 - a load test reports every failure
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    lat = time.perf_counter() - t0
+    return {"ok": True, "latency": lat, "ttft": ttft if ttft is not None else lat,
+            "tokens": tokens, "text": "".join(text)}
+
+
+async def run_load(url: str, bodies: list[dict], concurrency: int, endpoint: str,
+                   api_key: str | None = None, timeout: float = 600.0) -> dict:
+    """Send ``bodies`` with ``concurrency`` workers; a report dict (without server metrics)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    results: list[dict | None] = [None] * len(bodies)
+    next_i = iter(range(len(bodies)))
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
+                                 limits=limits) as client:
+        async def worker():
+            for i in next_i:
+                results[i] = await one_request(client, endpoint, bodies[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r and r["ok"]]
+    errors = [r["error"] for r in results if r and not r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"endpoint": endpoint, "concurrency": concurrency, "requests": len(bodies),
+            "ok": len(ok), "errors": len(errors), "error_samples": errors[:5],
+            "wall_s": round(wall, 4), "throughput_rps": round(len(ok) / wall, 4),
+            "completion_tokens": tokens, "output_tokens_per_s": round(tokens / wall, 2),
+            "ttft_s": summary([r["ttft"] for r in ok]),
+            "latency_s": summary([r["latency"] for r in ok]),
+            "texts": [r["text"] if r and r["ok"] else None for r in results]}
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value} (comments skipped)."""
+    out = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+async def scrape(url: str) -> dict[str, float]:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as c:
+        r = await c.get("/metrics")
+        r.raise_for_status()
+        return parse_metrics(r.text)
+
+
+async def wait_pages_free(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """Scrape until ``kv_pages_used`` reads 0 (or ``timeout``); the last scrape."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = await scrape(url)
+        if m.get("flash_dllm_kv_pages_used", 0) == 0 or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.05)
+
+
+async def bench(url: str, prompts: list[str], n_requests: int, concurrency: int, endpoint: str,
+                knobs: dict, api_key: str | None = None, sequential: bool = False,
+                keep_texts: bool = False) -> dict[str, Any]:
+    """Warm up, optionally run sequentially, run concurrently; the JSON report."""
+    bodies = [request_body(endpoint, prompts[i % len(prompts)], knobs) for i in range(n_requests)]
+    await run_load(url, bodies[:1], 1, endpoint, api_key)          # warm-up, not counted
+    report: dict[str, Any] = {"url": url, "knobs": knobs}
+    if sequential:
+        report["sequential"] = await run_load(url, bodies, 1, endpoint, api_key)
+    before = await scrape(url)
+    run = await run_load(url, bodies, concurrency, endpoint, api_key)
+    after = await wait_pages_free(url)
+    fw = after.get("flash_dllm_forwards_total", 0) - before.get("flash_dllm_forwards_total", 0)
+    bs = (after.get("flash_dllm_batch_size_sum", 0) - before.get("flash_dllm_batch_size_sum", 0))
+    run.update(forwards=int(fw), mean_batch_size=round(bs / fw, 3) if fw else None,
+               kv_pages_used_after=int(after.get("flash_dllm_kv_pages_used", -1)),
+               kv_pages_total=int(after.get("flash_dllm_kv_pages_total", -1)),
+               requests_running_after=int(after.get("flash_dllm_requests_running", -1)))
+    report.update(run)
+    if sequential:
+        seq = report["sequential"]
+        report["speedup_vs_sequential"] = round(seq["wall_s"] / run["wall_s"], 3)
+        report["outputs_match_sequential"] = seq["texts"] == run["texts"]
+    if not keep_texts:
+        report.pop("texts", None)
+        report.get("sequential", {}).pop("texts", None)
+    return report
+
+
+# ------------------------------------------------------------------------- in-process server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    """uvicorn on a free loopback port in a background thread (``with`` block)."""
+
+    def __init__(self, app, aeng) -> None:
+        from flash_dllm.server.serve import make_uvicorn_server
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_uvicorn_server(app, aeng, "127.0.0.1", self.port, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "InProcessServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

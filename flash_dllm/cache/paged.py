@@ -1,0 +1,143 @@
+"""Paged KV-cache layout and the small tensor helpers around it (no torch.cuda here).
+
+Layout: ONE tensor per model, ``[layers, 2, num_pages, page_size, kv_heads, head_dim]``
+(index 0 = K, 1 = V). ``layer_kv(cache, l)`` gives that layer's K and V pools as zero-copy views
+``[num_pages, page_size, kv_heads, head_dim]``, which is what every kernel takes. A token's slot is
+``page * page_size + offset``; a request owns a row of page ids (its block table).
+
+Why this layout:
+
+- **Fused write = one contiguous store.** A token's K (and V) for all kv heads are ``kv_heads *
+  head_dim`` adjacent values (LLaDA-8B: 8 KiB in bf16; Dream-7B: 1 KiB), so ``rope_cache`` writes
+  each as one contiguous row straight from the projection, no transpose.
+- **Attention loads stay coalesced.** The attention kernel reads, for one kv head, ``BLOCK_N`` key
+  rows of ``head_dim`` contiguous values (256 B in bf16 = two full 128 B lines) strided by
+  ``kv_heads * head_dim``. Every row is a full-sector transaction, so the head-major alternative
+  (``[pages, kv_heads, page_size, head_dim]``) would buy longer bursts but not fewer bytes, at the
+  cost of a scattered write. With GQA the query heads of a group hit the same rows in L2.
+- **Same order as the dense per-request caches** (``layers.attention.Segment.kv`` is
+  ``[layers, 2, canvas, kv_heads, head_dim]``: a canvas is one big page) and as FlashAttention /
+  FlashInfer's "NHD" paged layout, so a vendor kernel can be swapped in without a copy.
+- **Layer-outermost** keeps each layer's K/V pool one strided view with no per-layer allocation.
+  The kernels take page/slot strides as arguments, so a page-major order (``[pages, layers, 2,
+  ...]``, one memcpy per page for CPU/disk tiers) would only change ``allocate``/``layer_kv``.
+
+Bytes per token (all layers, K and V) = ``2 * layers * kv_heads * head_dim * dtype_bytes``:
+LLaDA-8B (32 layers, 32 kv heads, 128) 512 KiB in bf16; Dream-7B (28 layers, 4 kv heads) 56 KiB.
+
+Page size: 16 by default. dLLM canvases (prompt + max_tokens) are allocated whole at admission, so
+waste is < 1 page per request whatever the size; small pages give finer prefix sharing. The
+kernels look up each key's page individually, so any page size works and needs no tile alignment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class PagedKVLayout:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"PagedKVLayout.{name} must be > 0, got {getattr(self, name)}")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"PagedKVLayout.dtype must be a float dtype, got {self.dtype}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_pages, self.page_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers: 2 * layers * kv_heads * head_dim * bytes."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_page * self.num_pages
+
+    @classmethod
+    def for_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                   page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.bfloat16
+                   ) -> PagedKVLayout:
+        """The largest layout whose cache fits ``budget_bytes``."""
+        one = cls(num_layers, 1, page_size, num_kv_heads, head_dim, dtype)
+        pages = budget_bytes // one.bytes_per_page
+        if pages <= 0:
+            raise ValueError(f"a budget of {budget_bytes} B holds no page of "
+                             f"{one.bytes_per_page} B")
+        return cls(num_layers, int(pages), page_size, num_kv_heads, head_dim, dtype)
+
+
+def allocate_kv_cache(layout: PagedKVLayout, device: torch.device | str = "cpu",
+                      zero: bool = False) -> torch.Tensor:
+    """The cache tensor ``layout.shape``; uninitialised unless ``zero`` (pages are written before
+    they are read, so zeroing is only for tests and debugging)."""
+    alloc = torch.zeros if zero else torch.empty
+    return alloc(layout.shape, dtype=layout.dtype, device=device)
+
+
+def layer_kv(cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cache [layers, 2, P, S, Hkv, D] -> (k, v) views [P, S, Hkv, D] of one layer."""
+    if cache.dim() != 6 or cache.shape[1] != 2:
+        raise ValueError(f"cache must be [layers, 2, pages, page_size, kv_heads, head_dim], got "
+                         f"{tuple(cache.shape)}")
+    return cache[layer, 0], cache[layer, 1]
+
+
+def pages_needed(length: int, page_size: int) -> int:
+    return -(-length // page_size)
+
+
+def block_table(pages: list[list[int]], device: torch.device | str = "cpu",
+                width: int | None = None) -> torch.Tensor:
+    """Per-request page-id lists -> int32 [B, width] (padded with page 0, never read: kernels stop
+    at each request's key length)."""
+    width = max((len(p) for p in pages), default=0) if width is None else width
+    table = torch.zeros((len(pages), max(width, 1)), dtype=torch.int32)
+    for b, row in enumerate(pages):
+        if len(row) > width:
+            raise ValueError(f"request {b} has {len(row)} pages > table width {width}")
+        table[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table.to(device)
+
+
+def token_requests(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cu_seqlens [B+1] -> the request index of each packed token [T] (int64, no host sync)."""
+    tokens = torch.arange(num_tokens, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(tokens.dtype), tokens, right=True)
+
+
+def slot_mapping(table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor,
+                 page_size: int) -> torch.Tensor:
+    """(block table [B, max_pages], request index [T], canvas position [T]) -> slot [T] int64,
+    ``slot = table[req, pos // page_size] * page_size + pos % page_size``."""
+    pages = table[requests.long(), positions.long() // page_size].long()
+    return pages * page_size + positions.long() % page_size
+
+
+def gather_kv(cache: torch.Tensor, layer: int, pages: torch.Tensor, length: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's first ``length`` keys and values of ``layer``: ([L, Hkv, D], [L, Hkv, D])
+    copies, in position order (the dense view the reference attention uses)."""
+    k, v = layer_kv(cache, layer)
+    n = pages_needed(length, k.shape[1])
+    idx = pages[:n].long()
+    return k[idx].flatten(0, 1)[:length], v[idx].flatten(0, 1)[:length]

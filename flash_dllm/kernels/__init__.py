@@ -1,0 +1,46 @@
+"""Triton kernels, one op per file: kernel + launcher (asserts layout) + PyTorch reference.
+
+Layers call kernels only through ``OPS`` (or the re-exported functions): each ``op`` runs Triton on
+CUDA tensors when ``triton`` is importable and the PyTorch reference otherwise (CPU, no triton,
+or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or ``cache/``.
+
+| name              | what                                                  | file               |
+|-------------------|-------------------------------------------------------|--------------------|
+| `rmsnorm`         | fused residual add + RMSNorm (fp32 math)              | rmsnorm.py         |
+| `confidence`      | LM head + (argmax, max-prob, entropy); no [N,V] probs | confidence.py      |
+| `rope_cache`      | RoPE on q/k + K/V write into paged cache slots        | rope_cache.py      |
+| `paged_attention` | paged bidirectional varlen attention (+ key mass)     | paged_attention.py |
+"""
+from __future__ import annotations
+
+from flash_dllm.kernels import confidence, paged_attention, rmsnorm, rope_cache
+from flash_dllm.kernels._triton import HAS_TRITON, use_triton
+
+OPS = {
+    "rmsnorm": rmsnorm.op,
+    "confidence": confidence.op,
+    "rope_cache": rope_cache.op,
+    "paged_attention": paged_attention.op,
+}
+REFERENCES = {
+    "rmsnorm": rmsnorm.rmsnorm_reference,
+    "confidence": confidence.confidence_reference,
+    "rope_cache": rope_cache.rope_cache_reference,
+    "paged_attention": paged_attention.paged_attention_reference,
+}
+
+fused_add_rmsnorm = rmsnorm.op
+masked_confidence = confidence.op
+rope_and_cache = rope_cache.op
+paged_attention_op = paged_attention.op
+
+__all__ = [
+    "HAS_TRITON",
+    "OPS",
+    "REFERENCES",
+    "fused_add_rmsnorm",
+    "masked_confidence",
+    "paged_attention_op",
+    "rope_and_cache",
+    "use_triton",
+]

@@ -1,0 +1,66 @@
+"""What every kernel file shares: is Triton importable, is it interpreting, and layout checks.
+
+NOTE: ``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is *decorated* (module import), and
+``triton.language``'s own jit helpers are built when triton is first imported. Each kernel module
+therefore captures ``interpreting()`` at its own import: imported under the interpreter (the CPU
+tests set it before anything imports triton) it accepts CPU tensors, otherwise it insists on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # pragma: no cover - depends on the machine
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+
+def interpreting() -> bool:
+    """Would ``triton.jit`` build an interpreted kernel right now? Kernel modules call this at
+    import and pass the answer to ``check_device``."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Escape hatch for debugging: force every dispatcher onto its PyTorch reference.
+DISABLE = os.environ.get("FLASH_DLLM_DISABLE_TRITON", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Dispatch rule: Triton when importable, not disabled, and every tensor is on a CUDA device."""
+    return HAS_TRITON and not DISABLE and all(t.is_cuda for t in tensors)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check(cond: bool, msg: str) -> None:
+    """Layout assertion that survives ``python -O`` (a wrong stride is silent corruption)."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_device(name: str, interpret: bool, *tensors: torch.Tensor) -> None:
+    dev = tensors[0].device
+    for t in tensors:
+        check(t.device == dev,
+              f"{name}: all tensors must be on one device, got {t.device} and {dev}")
+    if not interpret:
+        check(dev.type == "cuda", f"{name}: the Triton kernel needs CUDA tensors (got {dev}); "
+                                  "use op() for the reference path or set TRITON_INTERPRET=1 "
+                                  "before the kernel module is imported")
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    check(t.dtype in allowed, f"{name} must be one of {allowed}, got {t.dtype}")
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT_DTYPES = (torch.int32, torch.int64)

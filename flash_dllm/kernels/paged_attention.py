@@ -1,0 +1,219 @@
+"""Paged bidirectional (non-causal) varlen attention, with optional per-key attention mass.
+
+Queries of B requests are packed ``q [T, H, D]`` (``cu_seqlens_q [B+1]``, no padding). Request b
+owns the pages ``block_table[b, :ceil(L_b / page_size)]`` of ``k_cache``/``v_cache``
+``[num_pages, page_size, Hkv, D]`` and attends to ALL of its ``L_b = seq_lens_k[b]`` keys: the
+active block's fresh K/V were already written there by ``rope_cache``, so there is no separate
+in-flight K/V operand. GQA: query head h reads kv head ``h // (H / Hkv)``. Scale ``1/sqrt(D)``,
+fp32 online softmax, output ``[T, H, D]`` in q's dtype.
+
+``return_mass=True`` also returns ``mass [B, max_pages * page_size]`` fp32: the softmax probability
+each key receives summed over the request's queries and heads (Flash-Cache's top-k tracking;
+Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b * H``.
+
+Kernel: program ``(m, h, b)`` owns ``BLOCK_M`` queries of request b and one head; it loops over the
+request's keys in ``BLOCK_N`` tiles, looking up each key's page in the block table (any page size;
+a key row is ``D`` contiguous values, 256 B in bf16, so gathered rows still load as full sectors),
+``tl.dot`` for QK^T and PV with fp32 accumulation, exp2-based online softmax. Programs past their
+request's query count exit at once, so the grid needs only the host-known ``max_seqlen_q`` (no
+device->host sync). With mass tracking, a second sweep recomputes QK^T with the final row
+max/normaliser (no V reads) and ``atomic_add``s each tile's column sums into the mass row.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flash_dllm.kernels._triton import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    check,
+    check_device,
+    check_dtype,
+    interpreting,
+    next_pow2,
+    use_triton,
+)
+
+INTERPRET = interpreting()  # see _triton: fixed when this module is imported
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mass_ptr, cu_q_ptr, len_k_ptr, bt_ptr,
+                           stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
+                           stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
+                           qk_scale, D, GROUP, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           TRACK: tl.constexpr):
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+        if pid_m * BLOCK_M >= q_len:
+            return
+        L = tl.load(len_k_ptr + b)
+        kvh = h // GROUP
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < D
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)         # [BM, BD]
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(0, L, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < L
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot_in_page = offs_n % PAGE_SIZE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + (page * stride_kp + slot_in_page * stride_ks
+                                 + kvh * stride_kh)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                                # [BN, BD]
+            s = tl.dot(q, tl.trans(k)) * qk_scale                               # log2 domain
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + (page * stride_vp + slot_in_page * stride_vs
+                                 + kvh * stride_vh)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                                # [BN, BD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
+        out = acc / l_safe[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        if TRACK:
+            lse = m_i + tl.log2(l_safe)                        # per-row log2 normaliser
+            mass_row = mass_ptr + b.to(tl.int64) * stride_mass
+            for n0 in range(0, L, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < L
+                page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(k_ptr + (page * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
+                                     + kvh * stride_kh)[:, None] + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                p = tl.exp2(s - lse[:, None])
+                p = tl.where(m_mask[:, None] & n_mask[None, :], p, 0.0)
+                tl.atomic_add(mass_row + offs_n, tl.sum(p, axis=0), mask=n_mask)
+
+
+def _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table):
+    check(q.dim() == 3, f"paged_attention: q must be [T, H, D], got {tuple(q.shape)}")
+    T, H, D = q.shape
+    check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == D,
+          f"paged_attention: caches must be [num_pages, page_size, Hkv, {D}], got "
+          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    Hkv = k_cache.shape[2]
+    check(H % Hkv == 0, f"paged_attention: H={H} must be a multiple of Hkv={Hkv}")
+    check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1,
+          f"paged_attention: cu_seqlens_q must be [B+1], got {tuple(cu_seqlens_q.shape)}")
+    B = cu_seqlens_q.shape[0] - 1
+    check(seq_lens_k.shape == (B,), f"paged_attention: seq_lens_k must be [{B}], got "
+                                    f"{tuple(seq_lens_k.shape)}")
+    check(block_table.dim() == 2 and block_table.shape[0] == B,
+          f"paged_attention: block_table must be [{B}, max_pages], got {tuple(block_table.shape)}")
+    return T, H, D, Hkv, B
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                              block_table: torch.Tensor, max_seqlen_q: int | None = None,
+                              scale: float | None = None, return_mass: bool = False):
+    """PyTorch reference (a loop over requests; host syncs): same contract as the Triton op."""
+    _, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    page_size = k_cache.shape[1]
+    out = torch.zeros_like(q)
+    mass = torch.zeros((B, block_table.shape[1] * page_size), dtype=torch.float32,
+                       device=q.device)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    for b in range(B):
+        q0, q1, L = cu[b], cu[b + 1], lens[b]
+        if q1 == q0 or L == 0:
+            continue
+        pages = block_table[b, :-(-L // page_size)].long()
+        k = k_cache[pages].flatten(0, 1)[:L].float()                      # [L, Hkv, D]
+        v = v_cache[pages].flatten(0, 1)[:L].float()
+        k = k.repeat_interleave(H // Hkv, dim=1)                           # [L, H, D]
+        v = v.repeat_interleave(H // Hkv, dim=1)
+        qb = q[q0:q1].float()                                              # [Tq, H, D]
+        p = torch.softmax(torch.einsum("qhd,khd->hqk", qb, k) * scale, dim=-1)  # [H, Tq, L]
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+        mass[b, :L] = p.sum(dim=(0, 1))
+    return (out, mass) if return_mass else out
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                           block_table: torch.Tensor, max_seqlen_q: int,
+                           scale: float | None = None, return_mass: bool = False, *,
+                           block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 2):
+    """q [T, H, D]; k/v_cache [num_pages, page_size, Hkv, D]; cu_seqlens_q [B+1], seq_lens_k [B],
+    block_table [B, max_pages] int32 on q's device; ``max_seqlen_q`` a host int >= every request's
+    query count -> out [T, H, D] (and mass [B, max_pages * page_size] fp32 if ``return_mass``)."""
+    check(HAS_TRITON, "paged_attention_triton: triton is not importable")
+    T, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
+    check_dtype("paged_attention: q", q, FLOAT_DTYPES)
+    check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+          f"paged_attention: cache dtypes {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}")
+    check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+          f"paged_attention: head_dim must be contiguous, strides q {q.stride()} k "
+          f"{k_cache.stride()} v {v_cache.stride()}")
+    check(cu_seqlens_q.dtype == torch.int32 and seq_lens_k.dtype == torch.int32
+          and block_table.dtype == torch.int32,
+          f"paged_attention: cu_seqlens_q / seq_lens_k / block_table must be int32, got "
+          f"{cu_seqlens_q.dtype} / {seq_lens_k.dtype} / {block_table.dtype}")
+    check(cu_seqlens_q.is_contiguous() and seq_lens_k.is_contiguous()
+          and block_table.stride(1) == 1, "paged_attention: index tensors must be contiguous")
+    check(isinstance(max_seqlen_q, int) and max_seqlen_q >= 0,
+          f"paged_attention: max_seqlen_q must be a host int, got {max_seqlen_q!r}")
+    check_device("paged_attention", INTERPRET, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
+                 block_table)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    page_size = k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)              # [T, H, D]
+    if return_mass:                                      # atomically accumulated: starts at 0
+        mass = torch.zeros((B, block_table.shape[1] * page_size), dtype=torch.float32,
+                           device=q.device)
+    else:                                                # never touched (TRACK=False)
+        mass = torch.empty((1, 1), dtype=torch.float32, device=q.device)
+    if T > 0 and B > 0 and max_seqlen_q > 0:
+        if block_m is None:
+            block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64)
+        grid = (-(-max_seqlen_q // block_m), H, B)
+        _paged_attn_kernel[grid](
+            q, k_cache, v_cache, out, mass, cu_seqlens_q, seq_lens_k, block_table,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0), mass.stride(0), scale * 1.4426950408889634, D, H // Hkv,
+            PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(D)), TRACK=bool(return_mass), num_warps=num_warps,
+            num_stages=num_stages)
+    elif T > 0:
+        out.zero_()
+    return (out, mass) if return_mass else out
+
+
+def op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+       seq_lens_k: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int,
+       scale: float | None = None, return_mass: bool = False):
+    """out [T, H, D] (, mass [B, max_pages * page_size]); Triton on CUDA, else the reference."""
+    if use_triton(q, k_cache, v_cache):
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
+                                      max_seqlen_q, scale, return_mass)
+    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
+                                     max_seqlen_q, scale, return_mass)

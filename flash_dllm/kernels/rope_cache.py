@@ -1,0 +1,216 @@
+"""Fused RoPE + paged K/V cache write (Flash-Cache).
+
+Given the projected ``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` (usually zero-copy views of one
+``qkv [T, (H + 2 Hkv) D]`` projection, see ``split_qkv``), integer ``positions [T]`` and a
+``slot_mapping [T]`` (``slot = page * page_size + offset``; a negative slot skips the write, e.g.
+padding rows of a CUDA-graph bucket), the kernel
+
+- rotates q and k (rotate-half RoPE, ``angle = position * inv_freq`` in fp32),
+- stores rotated k and raw v straight into their page slots of ``k_cache``/``v_cache``
+  (``[num_pages, page_size, Hkv, D]``, see ``flash_dllm.cache.paged``): no intermediate K/V tensor,
+- returns rotated q ``[T, H, D]`` (contiguous, ready for the attention kernel).
+
+``apply_in_fp32=True`` (LLaDA/OLMo) rotates in fp32 and casts once; ``False`` (Qwen2/Dream) mirrors
+the activation-dtype math of ``layers.rotary.Rotary`` (cos/sin and every product rounded).
+``inv_freq`` is passed in (``inv_freq()`` below or ``Rotary._freqs``) so the kernel and the model
+share bit-identical frequencies.
+
+Kernel: one program per token; a ``[heads, D/2]`` register tile per half, so a token's q, k and v
+are each read once and its K and V slot rows (``Hkv * D`` contiguous values each) written once.
+Duplicate slots in one call are undefined (last writer wins in either path).
+"""
+from __future__ import annotations
+
+import torch
+
+from flash_dllm.kernels._triton import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    INT_DTYPES,
+    check,
+    check_device,
+    check_dtype,
+    interpreting,
+    next_pow2,
+    use_triton,
+)
+
+INTERPRET = interpreting()  # see _triton: fixed when this module is imported
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rotate_store(src, dst, stride_src_h, stride_dst_h, n_heads, c, s,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_i = tl.arange(0, BLOCK_HALF)
+        mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
+        src_1 = src + offs_h[:, None] * stride_src_h + offs_i[None, :]
+        dst_1 = dst + offs_h[:, None] * stride_dst_h + offs_i[None, :]
+        x1 = tl.load(src_1, mask=mask, other=0.0)
+        x2 = tl.load(src_1 + HALF, mask=mask, other=0.0)
+        if ROTATE:
+            dt = x1.dtype
+            if FP32_MATH:
+                a1 = x1.to(tl.float32)
+                a2 = x2.to(tl.float32)
+                y1 = (a1 * c[None, :] - a2 * s[None, :]).to(dt)
+                y2 = (a2 * c[None, :] + a1 * s[None, :]).to(dt)
+            else:
+                # every op rounded to the activation dtype, as torch's bf16 elementwise math
+                cr = c.to(dt).to(tl.float32)[None, :]
+                sr = s.to(dt).to(tl.float32)[None, :]
+                a1 = x1.to(tl.float32)
+                a2 = x2.to(tl.float32)
+                y1 = ((a1 * cr).to(dt).to(tl.float32) - (a2 * sr).to(dt).to(tl.float32)).to(dt)
+                y2 = ((a2 * cr).to(dt).to(tl.float32) + (a1 * sr).to(dt).to(tl.float32)).to(dt)
+        else:
+            y1 = x1
+            y2 = x2
+        tl.store(dst_1, y1.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst_1 + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, inv_freq_ptr, qo_ptr, kc_ptr,
+                           vc_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                           stride_vh, stride_qot, stride_qoh, stride_kcp, stride_kcs,
+                           stride_kch, stride_vcp, stride_vcs, stride_vch, H, HKV,
+                           PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                           FP32_MATH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs_i = tl.arange(0, BLOCK_HALF)
+        inv = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
+        ang = tl.load(pos_ptr + t).to(tl.float32) * inv                      # [D/2]
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+        _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
+                      c, s, HALF, BLOCK_H, BLOCK_HALF, True, FP32_MATH)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        valid = slot >= 0
+        n_kv = tl.where(valid, HKV, 0)                  # a padding row (slot < 0) stores nothing
+        slot = tl.where(valid, slot, 0)
+        page = slot // PAGE_SIZE
+        off = slot % PAGE_SIZE
+        _rotate_store(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs,
+                      stride_kh, stride_kch, n_kv, c, s, HALF, BLOCK_HKV, BLOCK_HALF, True,
+                      FP32_MATH)
+        _rotate_store(v_ptr + t * stride_vt, vc_ptr + page * stride_vcp + off * stride_vcs,
+                      stride_vh, stride_vch, n_kv, c, s, HALF, BLOCK_HKV, BLOCK_HALF, False,
+                      FP32_MATH)
+
+
+def inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[D/2] fp32 ``1 / theta^(2i/D)``, the same expression as ``layers.rotary.Rotary``."""
+    return (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            ).to(device)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 Hkv) D] -> zero-copy views q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    T = qkv.shape[0]
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    check(qkv.dim() == 2 and qkv.shape[1] == (H + 2 * Hkv) * D,
+          f"split_qkv: qkv must be [T, {(H + 2 * Hkv) * D}] for H={H} Hkv={Hkv} D={D}, got "
+          f"{tuple(qkv.shape)}")
+    q = qkv[:, :H * D].view(T, H, D)                           # [T, H, D]
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)            # [T, Hkv, D]
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)                 # [T, Hkv, D]
+    return q, k, v
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_in_fp32: bool
+          ) -> torch.Tensor:
+    # x [T, heads, D]; cos/sin [T, 1, D] fp32
+    x1, x2 = x.chunk(2, dim=-1)
+    if apply_in_fp32:
+        xf = x.float()
+        rot = torch.cat((-x2, x1), dim=-1).float()
+        return (xf * cos + rot * sin).to(x.dtype)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+
+
+def rope_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, inv_freq: torch.Tensor,
+                         apply_in_fp32: bool = True) -> torch.Tensor:
+    """PyTorch reference: same contract as ``rope_cache_triton`` (writes the caches in place)."""
+    freqs = positions.float()[:, None] * inv_freq.float()       # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, D]
+    cos, sin = emb.cos(), emb.sin()
+    q_rot = _rope(q, cos, sin, apply_in_fp32)
+    k_rot = _rope(k, cos, sin, apply_in_fp32)
+    page_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache[slots // page_size, slots % page_size] = k_rot[keep].to(k_cache.dtype)
+    v_cache[slots // page_size, slots % page_size] = v[keep].to(v_cache.dtype)
+    return q_rot.contiguous()
+
+
+def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      inv_freq: torch.Tensor, apply_in_fp32: bool = True) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D], positions/slot_mapping [T] int, k/v_cache
+    [num_pages, page_size, Hkv, D], inv_freq [D/2] fp32 -> rotated q [T, H, D] (caches written)."""
+    check(HAS_TRITON, "rope_cache_triton: triton is not importable")
+    check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+          f"rope_cache: q/k/v must be [T, heads, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+          f"{tuple(v.shape)}")
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    check(k.shape == (T, Hkv, D) and v.shape == (T, Hkv, D),
+          f"rope_cache: k and v must both be [{T}, Hkv, {D}], got {tuple(k.shape)} and "
+          f"{tuple(v.shape)}")
+    check(D % 2 == 0, f"rope_cache: head_dim must be even, got {D}")
+    check(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D) and v_cache.shape == k_cache.shape,
+          f"rope_cache: caches must be [num_pages, page_size, {Hkv}, {D}], got "
+          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dtype(f"rope_cache: {name}", t, FLOAT_DTYPES)
+        check(t.dtype == q.dtype, f"rope_cache: {name} dtype {t.dtype} != q dtype {q.dtype}")
+        check(t.stride(2) == 1, f"rope_cache: {name}'s head_dim must be contiguous, strides "
+                                f"{t.stride()}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check(t.dtype == q.dtype, f"rope_cache: {name} dtype {t.dtype} != activations {q.dtype}")
+        check(t.stride(3) == 1, f"rope_cache: {name}'s head_dim must be contiguous, strides "
+                                f"{t.stride()}")
+    check(positions.shape == (T,) and slot_mapping.shape == (T,),
+          f"rope_cache: positions and slot_mapping must be [{T}], got {tuple(positions.shape)} "
+          f"and {tuple(slot_mapping.shape)}")
+    check_dtype("rope_cache: positions", positions, INT_DTYPES)
+    check_dtype("rope_cache: slot_mapping", slot_mapping, INT_DTYPES)
+    check(inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+          and inv_freq.is_contiguous(),
+          f"rope_cache: inv_freq must be contiguous fp32 [{D // 2}], got {inv_freq.dtype} "
+          f"{tuple(inv_freq.shape)}")
+    check_device("rope_cache", INTERPRET, q, k, v, positions, k_cache, v_cache, slot_mapping,
+                 inv_freq)
+    q_out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return q_out
+    _rope_cache_kernel[(T,)](
+        q, k, v, positions, slot_mapping, inv_freq, q_out, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), H, Hkv,
+        PAGE_SIZE=k_cache.shape[1], HALF=D // 2, BLOCK_HALF=next_pow2(D // 2),
+        BLOCK_H=next_pow2(H), BLOCK_HKV=next_pow2(Hkv), FP32_MATH=bool(apply_in_fp32),
+        num_warps=4)
+    return q_out
+
+
+def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+       inv_freq: torch.Tensor, apply_in_fp32: bool = True) -> torch.Tensor:
+    """Rotated q [T, H, D]; k (rotated) and v land in their cache slots. Triton on CUDA."""
+    if use_triton(q, k, v, k_cache):
+        return rope_cache_triton(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq,
+                                 apply_in_fp32)
+    return rope_cache_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq,
+                                apply_in_fp32)

@@ -1,0 +1,1 @@
+"""HTTP serving: FastAPI app (OpenAI + /generate), SSE streaming, Prometheus metrics, `serve` CLI."""

@@ -1,0 +1,320 @@
+"""The FastAPI app: OpenAI completions + chat, ``/generate``, health, readiness and metrics.
+
+``build_app`` takes a ready ``AsyncEngine`` and tokenizer, so tests drive the app in-process
+(httpx ``ASGITransport`` / ``TestClient``) and ``flash-dllm serve`` wraps it in uvicorn.
+
+Every error is a 4xx/5xx with OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body:
+bad JSON, wrong types and unknown fields are 400 (not FastAPI's 422), a bad API key is 401, an
+oversized body 413, an unknown model 404, a full queue 429 and a draining engine 503 (both with
+``Retry-After``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flash_dllm.config import SamplingParams
+from flash_dllm.engine.async_engine import (AsyncEngine, EngineUnavailableError, QueueFullError,
+                                            RequestStream)
+from flash_dllm.engine.request import RequestOutput
+from flash_dllm.server.detokenize import IncrementalDetokenizer
+from flash_dllm.server.errors import (DEFAULT_MAX_BODY_BYTES, APIError, Guard, param_of,
+                                      validation_message)
+from flash_dllm.server.metrics import ServerMetrics
+from flash_dllm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                        ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                        ChatMessageOut, CompletionChoice, CompletionChunk,
+                                        CompletionRequest, CompletionResponse, DLLMKnobs,
+                                        GenerateRequest, GenerateResponse, Usage, error_body)
+
+
+# ----------------------------------------------------------------------------------- the app
+def build_app(async_engine: AsyncEngine, tokenizer, served_model_name: str,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server for one model. ``tokenizer`` needs ``encode``, ``decode`` and
+    ``apply_chat_template`` (``flash_dllm.models.tokenizer.Tokenizer``)."""
+    metrics = ServerMetrics(async_engine)
+    async_engine.observer = metrics
+    max_len = async_engine.engine.cfg.max_position
+    created = int(time.time())
+
+    def count_error(status: int) -> None:
+        metrics.http_errors.labels(status=str(status)).inc()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown()     # SIGTERM: uvicorn drained the connections first
+
+    app = FastAPI(title="flash-dllm", version="0.1.0", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_error=count_error)
+
+    # ------------------------------------------------------------------------ error handlers
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        count_error(e.status)
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        count_error(400)
+        msg, param = validation_message(list(e.errors()))
+        return JSONResponse(error_body(msg, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        count_error(e.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(error_body(str(e.detail), code=code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        count_error(500)
+        return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), status_code=500)
+
+    # ------------------------------------------------------------------------------ helpers
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{served_model_name}'", param="model", code="model_not_found")
+
+    def encode_prompt(prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"only one prompt per request is supported, got {len(prompt)}",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt), prompt
+        return list(prompt), None
+
+    def make_params(knobs: DLLMKnobs, max_tokens: int | None) -> SamplingParams:
+        try:
+            return knobs.sampling_params(max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param_of(str(e))) from None
+
+    def submit(prompt_ids: list[int], params: SamplingParams, prefix: str,
+               prompt: str | None) -> RequestStream:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            return async_engine.submit(prompt_ids, params, request_id=rid, prompt=prompt)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), "server_error", code="unavailable",
+                           headers={"Retry-After": "5"}) from None
+        except ValueError as e:
+            msg = str(e)
+            if "maximum length" in msg or "KV pages" in msg:
+                param = "prompt" if len(prompt_ids) >= max_len else "max_tokens"
+                raise APIError(400, msg, param=param, code="context_length_exceeded") from None
+            raise APIError(400, msg, param="prompt") from None
+
+    async def final_output(stream: RequestStream, request: Request) -> RequestOutput:
+        """The finished output; aborts the request if the client disconnects first."""
+        async def consume():
+            last = None
+            async for out in stream:
+                last = out
+            return last
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer in done:
+                out = consumer.result()
+                if out is None or not out.finished:
+                    raise APIError(503, "the request ended without output", "server_error")
+                return out
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), "server_error", code="unavailable") from None
+        finally:
+            consumer.cancel()
+            watcher.cancel()
+            stream.abort()
+
+    def usage(out: RequestOutput) -> Usage:
+        n_p, n_c = len(out.prompt_token_ids), len(out.token_ids)
+        return Usage(prompt_tokens=n_p, completion_tokens=n_c, total_tokens=n_p + n_c,
+                     num_forwards=out.num_forwards)
+
+    def sse(stream: RequestStream, events: Callable[[str, RequestOutput | None], list[dict]],
+            ) -> StreamingResponse:
+        """Stream ``events(delta_text, output)`` as SSE ``data:`` lines, then ``data: [DONE]``;
+        ``events("", None)`` gives the opening events."""
+        detok = IncrementalDetokenizer(tokenizer.decode)
+
+        async def gen() -> AsyncIterator[str]:
+            try:
+                for ev in events("", None):
+                    yield f"data: {json.dumps(ev)}\n\n"
+                async for out in stream:
+                    delta = detok.step(out.token_ids, final=out.finished)
+                    if delta or out.finished:
+                        for ev in events(delta, out):
+                            yield f"data: {json.dumps(ev)}\n\n"
+            except EngineUnavailableError as e:
+                yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return _SSEResponse(gen(), stream)
+
+    # ---------------------------------------------------------------------------- endpoints
+    @app.get("/health")
+    async def health():
+        if not async_engine.alive:
+            return JSONResponse({"status": "error", "error": repr(async_engine.error)}, 503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not async_engine.ready:
+            return JSONResponse({"status": "draining" if async_engine.draining else "error"}, 503,
+                                headers={"Retry-After": "5"})
+        return {"status": "ready", "running": async_engine.num_running,
+                "waiting": async_engine.num_waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model",
+                                            "created": created, "owned_by": "flash-dllm",
+                                            "max_model_len": max_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        _check_supported(body)
+        ids, text = encode_prompt(body.prompt)
+        stream = submit(ids, make_params(body, body.max_tokens), "cmpl", text)
+        model = served_model_name
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            t0 = int(time.time())
+
+            def events(delta: str, out: RequestOutput | None) -> list[dict]:
+                if out is None:
+                    return []
+                done = out.finished
+                ev = [CompletionChunk(id=stream.request_id, created=t0, model=model, choices=[
+                    CompletionChoice(text=delta, finish_reason=out.finish_reason if done else None)
+                ]).model_dump(exclude_none=False, exclude={"usage"})]
+                if done and include_usage:
+                    ev.append({"id": stream.request_id, "object": "text_completion", "created": t0,
+                               "model": model, "choices": [], "usage": usage(out).model_dump()})
+                return ev
+            return sse(stream, events)
+        out = await final_output(stream, request)
+        return CompletionResponse(id=stream.request_id, model=model, usage=usage(out), choices=[
+            CompletionChoice(text=tokenizer.decode(out.token_ids), finish_reason=out.finish_reason)])
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        _check_supported(body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        stream = submit(tokenizer.encode(text), make_params(body, max_tokens), "chatcmpl", text)
+        model = served_model_name
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            t0 = int(time.time())
+
+            def chunk(delta: ChatDelta, finish: str | None) -> dict:
+                ev = ChatCompletionChunk(id=stream.request_id, created=t0, model=model, choices=[
+                    ChatChunkChoice(delta=delta, finish_reason=finish)]).model_dump(
+                        exclude={"usage"})
+                ev["choices"][0]["delta"] = delta.model_dump(exclude_none=True)   # as OpenAI
+                return ev
+
+            def events(delta: str, out: RequestOutput | None) -> list[dict]:
+                if out is None:
+                    return [chunk(ChatDelta(role="assistant", content=""), None)]
+                ev = [chunk(ChatDelta(content=delta), None)] if delta else []
+                if out.finished:
+                    ev.append(chunk(ChatDelta(), out.finish_reason))
+                    if include_usage:
+                        ev.append({"id": stream.request_id, "object": "chat.completion.chunk",
+                                   "created": t0, "model": model, "choices": [],
+                                   "usage": usage(out).model_dump()})
+                return ev
+            return sse(stream, events)
+        out = await final_output(stream, request)
+        return ChatCompletionResponse(id=stream.request_id, model=model, usage=usage(out), choices=[
+            ChatChoice(message=ChatMessageOut(content=tokenizer.decode(out.token_ids)),
+                       finish_reason=out.finish_reason)])
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        ids, text = encode_prompt(body.prompt)
+        knobs = body.model_copy(update={"steps": body.num_inference_steps}) \
+            if body.num_inference_steps is not None else body
+        stream = submit(ids, make_params(knobs, body.max_new_tokens), "gen", text)
+        if body.stream:
+            def events(delta: str, out: RequestOutput | None) -> list[dict]:
+                if out is None:
+                    return []
+                ev = {"id": stream.request_id, "text": delta, "finished": out.finished}
+                if out.finished:
+                    ev.update(finish_reason=out.finish_reason, num_forwards=out.num_forwards,
+                              token_ids=out.token_ids, usage=usage(out).model_dump())
+                return [ev]
+            return sse(stream, events)
+        out = await final_output(stream, request)
+        return GenerateResponse(id=stream.request_id, text=tokenizer.decode(out.token_ids),
+                                token_ids=out.token_ids, finish_reason=out.finish_reason,
+                                num_forwards=out.num_forwards,
+                                tokens_per_forward=round(out.tokens_per_forward, 4),
+                                usage=usage(out))
+
+    return app
+
+
+def _check_supported(body) -> None:
+    bad = body.unsupported()
+    if bad is not None:
+        raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose request is aborted (pages freed) however the response ends:
+    finished, client disconnected, or cancelled."""
+
+    def __init__(self, content, stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()
+            await self.body_iterator.aclose()

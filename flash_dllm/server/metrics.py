@@ -1,0 +1,109 @@
+"""Prometheus metrics of one server (own registry, prefix ``flash_dllm_``); the AsyncEngine's observer.
+
+Gauges are read from the engine at scrape time; counters and histograms are fed by the engine thread
+through the ``StepObserver`` hooks (``prometheus_client`` metrics are thread-safe).
+
+NOTE: ``flash_dllm_sentinel_triggers_total{sentinel=...}`` is read from
+``Engine.stats["sentinel_triggers"]`` at scrape time; an engine without sentinels exports the three
+names (entropy, kv_consistency, perturbation) at 0.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from flash_dllm.engine.async_engine import AsyncEngine
+from flash_dllm.engine.request import RequestOutput
+
+PREFIX = "flash_dllm_"
+SENTINELS = ("entropy", "kv_consistency", "perturbation")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
+
+
+class ServerMetrics:
+    """Every metric of one server in its own registry (several apps can live in one process)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        r = self.registry = CollectorRegistry()
+        pool = engine.engine.pool
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(PREFIX + name, doc, registry=r).set_function(fn)
+
+        gauge("requests_running", "Requests in the running batch.", lambda: engine.num_running)
+        gauge("requests_waiting", "Requests queued for KV pages.", lambda: engine.num_waiting)
+        gauge("kv_pages_used", "KV pages reserved by admitted requests.", lambda: pool.num_used)
+        gauge("kv_pages_total", "KV pages in the pool.", lambda: pool.num_pages)
+        self.forwards = Counter(PREFIX + "forwards", "Model forwards (denoising steps of the batch).",
+                                registry=r)
+        self.generated_tokens = Counter(PREFIX + "generated_tokens",
+                                        "Tokens added to committed answer prefixes.", registry=r)
+        self.finished = Counter(PREFIX + "requests_finished", "Finished requests by reason.",
+                                ["finish_reason"], registry=r)
+        self.tokens_per_forward = Histogram(
+            PREFIX + "tokens_per_forward",
+            "Per finished request: answer tokens / forwards that included it.",
+            buckets=TPF_BUCKETS, registry=r)
+        self.step_seconds = Histogram(PREFIX + "step_seconds", "Wall time of one engine step.",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram(PREFIX + "batch_size", "Requests in one forward.",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Submission to the first committed answer token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram(PREFIX + "request_seconds",
+                                         "Submission to finish (any reason).",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_SentinelCollector(engine.engine.stats))
+        self.http_errors = Counter(PREFIX + "http_errors", "Error responses by HTTP status.",
+                                   ["status"], registry=r)
+
+    # ------------------------------------------------------------------ StepObserver (engine thread)
+    def on_step(self, seconds: float, batch_size: int) -> None:
+        self.forwards.inc()
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(batch_size)
+
+    def on_tokens(self, n: int) -> None:
+        self.generated_tokens.inc(n)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_finish(self, output: RequestOutput, seconds: float) -> None:
+        self.finished.labels(finish_reason=output.finish_reason or "unknown").inc()
+        self.request_seconds.observe(seconds)
+        if output.num_forwards:
+            self.tokens_per_forward.observe(output.tokens_per_forward)
+
+    # ------------------------------------------------------------------------------------- export
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SentinelCollector:
+    """``flash_dllm_sentinel_triggers_total{sentinel}`` from the engine's own counters."""
+
+    def __init__(self, stats: dict) -> None:
+        self.stats = stats
+
+    def collect(self):
+        fam = CounterMetricFamily(PREFIX + "sentinel_triggers",
+                                  "Slots a sentinel flagged (demoted to verification / refreshed).",
+                                  labels=["sentinel"])
+        try:
+            counts = dict(self.stats.get("sentinel_triggers") or {})
+        except RuntimeError:         # resized by the engine thread mid-copy: report zeros once
+            counts = {}
+        for name in sorted(set(SENTINELS) | set(counts)):
+            fam.add_metric([name], float(counts.get(name, 0)))
+        yield fam
+
+    def describe(self):
+        return []

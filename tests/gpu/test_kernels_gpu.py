@@ -1,0 +1,199 @@
+"""Triton kernels vs their PyTorch references at real shapes, bf16, on CUDA.
+
+Run on the GPU box: ``python -m pytest -m gpu tests/gpu -q`` (the repo's pytest config deselects
+the ``gpu`` marker by default). Shapes: LLaDA-8B (d 4096, 32 heads = 32 kv heads, head_dim 128,
+vocab 126,464, MASK 126,336) and Dream-7B (d 3584, 28 heads, 4 kv heads, head_dim 128, vocab
+152,064). Acceptance: relative error <= 1e-2 (bf16), exact where the math allows it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect or skip
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+from flash_dllm.cache import paged
+from flash_dllm.kernels import OPS, confidence, paged_attention, rmsnorm, rope_cache
+from flash_dllm.kernels._triton import use_triton
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+LLADA = dict(d=4096, H=32, Hkv=32, D=128, V=126464, mask=126336, theta=500000.0, fp32_rope=True)
+DREAM = dict(d=3584, H=28, Hkv=4, D=128, V=152064, mask=151666, theta=1000000.0, fp32_rope=False)
+MODELS = {"llada": LLADA, "dream": DREAM}
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _randn(*shape, seed, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, generator=_gen(seed), device=DEV) * scale).to(dtype)
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def test_dispatch_picks_triton_on_cuda():
+    x = _randn(4, 64, seed=0)
+    assert use_triton(x)
+
+
+# ---- rmsnorm -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 37, 4096])
+@pytest.mark.parametrize("model", ["llada", "dream"])
+def test_rmsnorm(T, model):
+    d = MODELS[model]["d"]
+    x, r = _randn(T, d, seed=1), _randn(T, d, seed=2)
+    w = (1 + 0.1 * torch.randn(d, generator=_gen(3), device=DEV)).to(BF16)
+    out, res = OPS["rmsnorm"](x, w, 1e-5, r)
+    ref, ref_res = rmsnorm.rmsnorm_reference(x, w, 1e-5, r)
+    assert torch.equal(res, ref_res)                    # same fp32 add, same RNE rounding
+    assert _rel(out, ref) < 1e-2
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1.6e-2)   # <= 1 bf16 ulp apart
+    out3, res3 = OPS["rmsnorm"](x.view(1, T, d), w, 1e-5, r.view(1, T, d))  # [1, T, d] works
+    assert torch.equal(out3[0], out) and torch.equal(res3[0], res)
+    out2, _ = OPS["rmsnorm"](x, w, 1e-5)
+    torch.testing.assert_close(out2, rmsnorm.rmsnorm_reference(x, w, 1e-5)[0], rtol=1.6e-2,
+                               atol=1.6e-2)
+
+
+# ---- confidence --------------------------------------------------------------------------------
+@pytest.mark.parametrize("N", [1, 32, 300])
+@pytest.mark.parametrize("model", ["llada", "dream"])
+def test_confidence(N, model):
+    cfg = MODELS[model]
+    d, V, mask = cfg["d"], cfg["V"], cfg["mask"]
+    h = _randn(N, d, seed=10)
+    w = _randn(V, d, seed=11, scale=0.05)
+    w[mask] = (h.float().mean(0) * 4 / h.float().mean(0).norm()).to(BF16)  # MASK wins most rows
+    tok, conf, ent = OPS["confidence"](h, w, mask)
+    logits = h.float() @ w.float().t()                 # [N, V]
+    ref_tok, ref_conf, ref_ent = confidence.confidence_reference(h, w, mask)
+    assert not (tok == mask).any()
+    masked = logits.clone()
+    masked[:, mask] = float("-inf")
+    best = masked.max(-1).values
+    torch.testing.assert_close(masked.gather(1, tok[:, None])[:, 0], best, rtol=0, atol=1e-3)
+    assert (tok == ref_tok).float().mean().item() >= 0.98
+    torch.testing.assert_close(conf, ref_conf, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-3, atol=1e-3)
+    # and without exclusion the planted MASK column is the argmax where it wins in the reference
+    tok2, _, _ = OPS["confidence"](h, w)
+    assert ((tok2 == mask) == (logits.argmax(-1) == mask)).float().mean().item() >= 0.98
+
+
+# ---- rope + cache write ------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [37, 2048])
+@pytest.mark.parametrize("model", ["llada", "dream"])
+def test_rope_cache(T, model):
+    cfg = MODELS[model]
+    H, Hkv, D, S = cfg["H"], cfg["Hkv"], cfg["D"], 16
+    P = paged.pages_needed(T, S) * 2 + 3
+    qkv = _randn(T, (H + 2 * Hkv) * D, seed=20)
+    q, k, v = rope_cache.split_qkv(qkv, H, Hkv, D)
+    positions = torch.randperm(4096, generator=_gen(21), device=DEV)[:T]
+    slots = torch.randperm(P * S, generator=_gen(22), device=DEV)[:T]
+    slots[T // 2] = -1
+    inv = rope_cache.inv_freq(D, cfg["theta"], DEV)
+    cache = _randn(1, 2, P, S, Hkv, D, seed=23)
+    ref_cache = cache.clone()
+    kc, vc = paged.layer_kv(cache, 0)
+    q_out = OPS["rope_cache"](q, k, v, positions, kc, vc, slots, inv, cfg["fp32_rope"])
+    rk, rv = paged.layer_kv(ref_cache, 0)
+    q_ref = rope_cache.rope_cache_reference(q, k, v, positions, rk, rv, slots, inv,
+                                            cfg["fp32_rope"])
+    assert _rel(q_out, q_ref) < 1e-2 and _rel(kc, rk) < 1e-2
+    torch.testing.assert_close(q_out, q_ref, rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(kc, rk, rtol=1.6e-2, atol=1.6e-2)
+    assert torch.equal(vc, rv)
+
+
+# ---- paged attention ---------------------------------------------------------------------------
+def _problem(model, q_lens, k_lens, S=16, seed=30):
+    cfg = MODELS[model]
+    H, Hkv, D = cfg["H"], cfg["Hkv"], cfg["D"]
+    need = [paged.pages_needed(L, S) for L in k_lens]
+    total = sum(need) + 5
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    rows, i = [], 0
+    for n in need:
+        rows.append(perm[i:i + n])
+        i += n
+    cache = _randn(1, 2, total, S, Hkv, D, seed=seed + 1)
+    q = _randn(sum(q_lens), H, D, seed=seed + 2)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEV)
+    lens = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+    return q, cache, cu, lens, paged.block_table(rows, DEV)
+
+
+@pytest.mark.parametrize("model", ["llada", "dream"])
+@pytest.mark.parametrize("case", ["block", "ragged", "canvas"])
+def test_paged_attention(model, case):
+    q_lens, k_lens = {
+        "block": ([32] * 8, [1024] * 8),                            # dual-cache step, batch 8
+        "ragged": ([32, 1, 77, 5, 32], [1024, 545, 77, 1000, 33]),  # not multiples of 16/64
+        "canvas": ([1024], [1024]),                                  # a block's first step
+    }[case]
+    q, cache, cu, lens, table = _problem(model, q_lens, k_lens)
+    kc, vc = paged.layer_kv(cache, 0)
+    out, mass = OPS["paged_attention"](q, kc, vc, cu, lens, table, max(q_lens), return_mass=True)
+    ref, ref_mass = paged_attention.paged_attention_reference(q, kc, vc, cu, lens, table,
+                                                              return_mass=True)
+    assert _rel(out, ref) < 1e-2
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert _rel(mass, ref_mass) < 1e-2
+    H = q.shape[1]
+    torch.testing.assert_close(mass.sum(1), torch.tensor(q_lens, device=DEV).float() * H,
+                               rtol=1e-3, atol=1e-2)
+    # and against torch's own SDPA on the gathered dense K/V of each request
+    for b in range(len(q_lens)):
+        k, v = paged.gather_kv(cache, 0, table[b], k_lens[b])
+        qb = q[cu[b]:cu[b + 1]]
+        o = F.scaled_dot_product_attention(qb.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], enable_gqa=True)
+        assert _rel(out[cu[b]:cu[b + 1]], o[0].transpose(0, 1)) < 1e-2
+
+
+def test_kernels_capture_in_cuda_graph():
+    """No host syncs: the step's kernels replay from a CUDA graph with fresh inputs."""
+    cfg = LLADA
+    H, Hkv, D, S = cfg["H"], cfg["Hkv"], cfg["D"], 16
+    q_lens, k_lens = [32, 32], [512, 300]
+    q, cache, cu, lens, table = _problem("llada", q_lens, k_lens)
+    kc, vc = paged.layer_kv(cache, 0)
+    T = q.shape[0]
+    qkv = _randn(T, (H + 2 * Hkv) * D, seed=40)
+    positions = torch.cat([torch.arange(480, 512), torch.arange(268, 300)]).to(DEV)
+    req = paged.token_requests(cu, T)
+    slots = paged.slot_mapping(table, req, positions, S)
+    inv = rope_cache.inv_freq(D, cfg["theta"], DEV)
+    h = _randn(T, cfg["d"], seed=41)
+    w = _randn(4096, cfg["d"], seed=42, scale=0.05)
+
+    def step():
+        qq, kk, vv = rope_cache.split_qkv(qkv, H, Hkv, D)
+        q_rot = OPS["rope_cache"](qq, kk, vv, positions, kc, vc, slots, inv, True)
+        out, mass = OPS["paged_attention"](q_rot, kc, vc, cu, lens, table, 32, return_mass=True)
+        return (out, mass) + tuple(OPS["confidence"](h, w, 7))
+
+    step()                                                             # compile + warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    qkv.copy_(_randn(T, (H + 2 * Hkv) * D, seed=43))
+    h.copy_(_randn(T, cfg["d"], seed=44))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(outs, eager):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
