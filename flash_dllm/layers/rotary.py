@@ -29,9 +29,16 @@ class Rotary(nn.Module):
         return torch.cat((-x2, x1), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: every layer of one forward passes the same `positions` tensor (and q and k both
+        # need it), so the tables are computed once per forward, not 2 x layers times.
+        cached = getattr(self, "_last", None)
+        if cached is not None and cached[0] is positions:
+            return cached[1], cached[2]
         freqs = positions.float().unsqueeze(-1) * self._freqs(positions.device)  # [..., D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                                  # [..., D]
-        return emb.cos(), emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., tokens, heads, head_dim]; positions: [..., tokens] (broadcastable)."""
