@@ -78,15 +78,24 @@ def matrix_table(reports: list[dict]) -> str:
 
 def plot_matrix(reports: list[dict], path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    # NOTE: policies often land on the same point; a legend with one colour per cache mode and
+    # one (hollow, differently sized) marker per policy keeps coincident points readable.
+    colors = {"none": "tab:blue", "prefix": "tab:orange", "dual": "tab:green"}
+    markers = {"vanilla": ("o", 140), "threshold": ("s", 80), "verify": ("^", 40)}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in reports:
         p = r["params"]
-        ax.scatter(r["forwards_per_sample"], 100 * r["accuracy"], s=40)
-        ax.annotate(f"{p['cache']}/{p['decode']}", (r["forwards_per_sample"], 100 * r["accuracy"]),
-                    fontsize=8, xytext=(4, 4), textcoords="offset points")
+        marker, size = markers.get(p["decode"], ("x", 60))
+        ax.scatter(r["forwards_per_sample"], 100 * r["accuracy"], s=size, marker=marker,
+                   facecolors="none", edgecolors=colors.get(p["cache"], "black"), linewidths=1.5,
+                   label=f"{p['cache']}/{p['decode']}")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.legend(fontsize=8, loc="best")
     ax.set_xlabel("forwards per sample")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"{reports[0]['suite']}: accuracy vs forwards (n={reports[0]['n']})")
