@@ -123,13 +123,11 @@ class Request:
     def generated_ids(self) -> list[int]:
         """Committed answer ids: the left-contiguous committed prefix of the generated region, cut at
         the first end-of-answer id. Emitted text built from it never changes."""
-        gen = self.canvas[self.prompt_len:].tolist()
-        out = []
-        for t in gen:
-            if t == self.mask_id or t in self.stop_ids:
-                break
-            out.append(t)
-        return out
+        gen = self.canvas[self.prompt_len:]
+        ends = (gen == self.mask_id) | torch.isin(gen, self._stop_tensor())   # [max_tokens]
+        # argmax of a bool row is its first True; an all-False row means the whole region counts
+        n = int(ends.to(torch.uint8).argmax()) if bool(ends.any()) else gen.numel()
+        return gen[:n].tolist()
 
     def answer_complete(self) -> bool:
         """True once the committed prefix can grow no further (an end-of-answer id was committed
