@@ -39,6 +39,43 @@ def add_bench_parser(sub) -> None:
     add_engine_flags(s)
     s.set_defaults(func=cmd_bench_serve)
 
+    t = bsub.add_parser("step", help="time one denoising forward of a random-init model")
+    t.add_argument("--model-shape", default="llada-8b", help="llada-8b, dream-7b or demo")
+    t.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    t.add_argument("--cache", nargs="+", default=["prefix", "dual"],
+                   choices=["none", "prefix", "dual"])
+    t.add_argument("--prompt-len", type=int, default=512)
+    t.add_argument("--gen-len", type=int, default=512)
+    t.add_argument("--block-length", type=int, default=32)
+    t.add_argument("--steps", type=int, default=50, help="timed steps per case")
+    t.add_argument("--warmup", type=int, default=5)
+    t.add_argument("--device", default="cuda")
+    t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--json", default=None, help="write the report here")
+    t.set_defaults(func=cmd_bench_step)
+
+
+def cmd_bench_step(a: argparse.Namespace) -> int:
+    from flash_dllm.bench.step import run_bench, write_report
+    from flash_dllm.engine.llm import resolve_device
+
+    for name in ("steps", "prompt_len", "gen_len", "block_length"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if any(b < 1 for b in a.batch):
+        raise ValueError("--batch values must be >= 1")
+    resolve_device(a.device)
+    report = run_bench(a.model_shape, a.batch, a.cache, a.device, a.dtype, a.prompt_len,
+                       a.gen_len, a.block_length, a.steps, a.warmup,
+                       progress=lambda line: print(line, file=sys.stderr))
+    write_report(report, a.json)
+    print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
+          f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")
+    from flash_dllm.bench.step import row_line
+    for r in report["rows"]:
+        print(row_line(r))
+    return 0
+
 
 def _prompts(a: argparse.Namespace) -> list[str]:
     if a.prompt is not None:

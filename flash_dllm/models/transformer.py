@@ -63,7 +63,10 @@ class DiffusionTransformer(nn.Module):
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "DiffusionTransformer":
         """Random init (normal(0, std), unit norms, zero biases) for tests and training."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        device = next(self.parameters()).device
+        # NOTE: drawn on the parameters' device (an 8B model is not drawn on the host first);
+        # on the CPU the values are those of a seeded float32 torch.randn, whatever the dtype.
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
             with torch.no_grad():
                 if name.endswith("norm.weight"):
@@ -71,5 +74,5 @@ class DiffusionTransformer(nn.Module):
                 elif name.endswith("bias"):
                     p.zero_()
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
         return self

@@ -1,0 +1,184 @@
+"""``flash-dllm bench step``: time one denoising forward of a random-init model of a real shape.
+
+Reports, per (batch, cache mode): the median step time, the weight-read floor (weight bytes over the
+measured copy bandwidth) and the ratio to it, MFU (FLOPs of the step's linear layers and attention
+over the measured bf16 matmul rate), and peak memory against weights + exact KV bytes.
+
+NOTE: with ``decode=vanilla`` and one token per step, a block takes one refresh step (the whole
+canvas) and ``block_length - 1`` cached steps. ``ms`` is the median over the timed steps, i.e. the
+cached step for ``prefix``/``dual``; ``ms_refresh`` is reported apart.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flash_dllm.cache.modes import query_range
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.engine import Engine
+from flash_dllm.models.config import ModelConfig
+from flash_dllm.models.loader import build_model, read_json
+
+SHAPES: dict[str, dict] = {
+    "llada-8b": {"architectures": ["LLaDAModelLM"], "d_model": 4096, "n_layers": 32, "n_heads": 32,
+                 "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
+                 "embedding_size": 126464, "rope_theta": 500000.0, "max_sequence_length": 4096,
+                 "mask_token_id": 126336, "eos_token_id": 126081},
+    "dream-7b": {"architectures": ["DreamModel"], "hidden_size": 3584, "num_hidden_layers": 28,
+                 "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+                 "vocab_size": 152064, "rope_theta": 1e6, "max_position_embeddings": 32768,
+                 "mask_token_id": 151666, "eos_token_id": 151643},
+}
+
+
+def shape_config(name: str) -> dict:
+    if name == "demo":
+        from flash_dllm.engine.llm import default_model_path
+        return read_json(default_model_path() / "config.json")
+    if name not in SHAPES:
+        raise ValueError(f"--model-shape must be one of {sorted(SHAPES) + ['demo']}, got {name!r}")
+    return SHAPES[name]
+
+
+class _Timer:
+    """Wall time of a callable: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timer = _Timer(device)
+    dst.copy_(src)
+    best = min(timer(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * nbytes / best
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    """FLOP/s of one n^3 matmul (the MFU denominator)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    timer = _Timer(device)
+    a @ b
+    best = min(timer(lambda: a @ b) for _ in range(3))
+    return 2 * n**3 / best
+
+
+def step_flops(cfg: ModelConfig, reqs) -> float:
+    """FLOPs of the next step: linear layers over every recomputed token, attention over each
+    request's canvas, and the LM head over the masked slots of the active blocks."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_token = 2 * (d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+                     + 3 * d * cfg.intermediate_size) * cfg.num_layers
+    total = 0.0
+    for r in reqs:
+        q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, r.first_step,
+                             cfg.logit_shift)
+        q = q1 - q0
+        masked = int((r.canvas[r.block_start:r.block_end] == cfg.mask_token_id).sum())
+        total += q * per_token
+        total += 4 * q * r.canvas_len * cfg.num_heads * hd * cfg.num_layers
+        total += 2 * masked * d * cfg.vocab_size
+    return total
+
+
+def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
+               steps: int, warmup: int, device: torch.device) -> dict:
+    engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
+        (prompt + gen) // 16 + 1)))
+    g = torch.Generator().manual_seed(batch)
+    vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
+    params = SamplingParams(max_tokens=gen, block_length=block, cache=cache, early_stop=False)
+    reqs = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)
+            for _ in range(batch)]
+    timer = _Timer(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    cached, refresh, flops = [], [], []
+    for i in range(warmup + steps):
+        first = reqs[0].first_step
+        f = step_flops(cfg, reqs)
+        t = timer(engine.step)
+        if i < warmup:
+            continue
+        (refresh if first and cache != "none" else cached).append(t)
+        if not (first and cache != "none"):
+            flops.append(f / t)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    for r in reqs:
+        engine.abort(r.request_id)
+    ms = 1e3 * statistics.median(cached)
+    return {"batch": batch, "cache": cache, "prompt": prompt, "gen": gen, "block": block,
+            "timed_steps": len(cached), "ms": ms, "ms_mean": 1e3 * statistics.fmean(cached),
+            "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
+            "flops_per_s": statistics.median(flops) if flops else None,
+            "peak_bytes": peak}
+
+
+def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dtype: str,
+              prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print) -> dict:
+    dev = torch.device(device)
+    cfg_dict = shape_config(shape)
+    model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0)
+    cfg = model.cfg
+    tdtype = next(model.parameters()).dtype
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27)
+    rate = matmul_rate(dev, tdtype, 8192 if dev.type == "cuda" else 1024)
+    floor_ms = 1e3 * weight_bytes / bw
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(tdtype).bits // 8
+    rows = []
+    for cache in caches:
+        for b in batches:
+            r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev)
+            r["ratio_to_floor"] = r["ms"] / floor_ms
+            r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
+            exact_kv = 0 if cache == "none" else kv_per_token * (prompt + gen) * b
+            r["expected_bytes"] = weight_bytes + exact_kv
+            r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
+            r["expected_gib"] = r["expected_bytes"] / 2**30
+            r["peak_over_expected"] = (r["peak_bytes"] / r["expected_bytes"]
+                                       if r["peak_bytes"] is not None else None)
+            rows.append(r)
+            progress(row_line(r))
+    return {"model_shape": shape, "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "dtype": str(tdtype).replace("torch.", ""), "torch": torch.__version__,
+            "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
+            "copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
+            "floor_ms": floor_ms, "rows": rows}
+
+
+def row_line(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
+    peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
+    return (f"batch {r['batch']:3d}  cache {r['cache']:6s}  {r['ms']:9.2f} ms  "
+            f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "
+            f"(weights+KV {r['expected_gib']:.2f})")
+
+
+def write_report(report: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
