@@ -4,6 +4,15 @@ from __future__ import annotations
 import torch
 
 
+def group_ids(n: int, bounds: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Row -> index (in ``bounds`` order) of the group whose ``[start, end)`` holds it, -1 for rows
+    of no listed group: the layout ``select_threshold`` and the verify rules take."""
+    gid = torch.full((n,), -1, dtype=torch.long, device=device)
+    for g, (start, end) in enumerate(bounds):
+        gid[start:end] = g
+    return gid
+
+
 def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds: list[tuple[int, int]],
                  k_per_group: list[int], canvas_lens: list[int]) -> torch.Tensor:
     """LLaDA ``vanilla``: in each group commit its ``k`` most confident slots.

@@ -23,7 +23,7 @@ import torch
 from flash_dllm.cache.modes import keeps_cache, query_range
 from flash_dllm.cache.page_pool import PagePool
 from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.decoding.policies import select_threshold, select_top_k
+from flash_dllm.decoding.policies import group_ids, select_threshold, select_top_k
 from flash_dllm.decoding.sampling import RowGroup, propose
 from flash_dllm.engine.request import Request, RequestOutput
 from flash_dllm.engine.verify_step import (
@@ -54,7 +54,7 @@ class Engine:
         self._ids = itertools.count()
         # serving: KV pages are the admission ledger (see flash_dllm.cache.page_pool)
         self.pool = PagePool(self.config.num_pages(cfg.kv_bytes_per_token), self.config.page_size)
-        self.stats = {"forwards": 0, "steps": 0, "tokens_committed": 0, "step_seconds": 0.0,
+        self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
 
@@ -174,6 +174,7 @@ class Engine:
             select_verify(batch, plans, logits, n_slot, tokens, conf, positions_all, bounds, keep,
                           mask_id, self.stats)
 
+        self.stats["tokens_committed"] += int(keep.sum())     # one host sync, not one per request
         finished = []
         for req, seg, (s, e) in zip(batch, segments, bounds):
             k = keep[s:e]
@@ -182,14 +183,12 @@ class Engine:
                 update_drafts(req, tokens[s:e], conf[s:e], positions_all[s:e], k)
             if seg.probe is not None:
                 kv_consistency(req, seg.probe_weights, positions_all[s:e], self.stats)
-            self.stats["tokens_committed"] += int(k.sum())
             req.advance()
             if req.finished:
                 finished.append(req)
                 self._release(req)
         self.running = [r for r in self.running if not r.finished]
         self.stats["forwards"] += 1
-        self.stats["steps"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0
         self.stats["last_batch_size"] = len(batch)
         return finished
@@ -213,9 +212,7 @@ class Engine:
                                  [batch[i].canvas_len for i in idx])
         if "threshold" in by_policy:
             idx = by_policy["threshold"]
-            gid = torch.full_like(positions, -1)
-            for g, i in enumerate(idx):
-                gid[bounds[i][0]:bounds[i][1]] = g
+            gid = group_ids(conf.shape[0], [bounds[i] for i in idx], conf.device)
             sel = gid >= 0
             tau = torch.tensor([batch[i].params.threshold for i in idx], dtype=conf.dtype,
                                device=conf.device)

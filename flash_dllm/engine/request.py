@@ -41,6 +41,7 @@ class Request:
         self.params = params
         self.mask_id = mask_id
         self.stop_ids = stop_ids
+        self._stops = torch.tensor(stop_ids, dtype=torch.long, device=device)   # for isin()
         self.prompt_len = len(prompt_ids)
         self.canvas = torch.full((self.prompt_len + params.max_tokens,), mask_id, dtype=torch.long,
                                  device=device)
@@ -96,7 +97,7 @@ class Request:
         self.block += 1
         self.step_in_block = 0
         self.first_step = True
-        ended = bool(torch.isin(done_block, self._stop_tensor()).any())
+        ended = bool(torch.isin(done_block, self._stops).any())
         if self.block == self.params.num_blocks:
             self._finish("stop" if self._has_stop() else "length")
         elif ended and self.params.early_stop:
@@ -105,11 +106,8 @@ class Request:
             self.early_stopped = True
             self._finish("stop")
 
-    def _stop_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.stop_ids, dtype=torch.long, device=self.canvas.device)
-
     def _has_stop(self) -> bool:
-        return bool(torch.isin(self.canvas[self.prompt_len:], self._stop_tensor()).any())
+        return bool(torch.isin(self.canvas[self.prompt_len:], self._stops).any())
 
     def _finish(self, reason: str) -> None:
         self.finished = True
@@ -124,7 +122,7 @@ class Request:
         """Committed answer ids: the left-contiguous committed prefix of the generated region, cut at
         the first end-of-answer id. Emitted text built from it never changes."""
         gen = self.canvas[self.prompt_len:]
-        ends = (gen == self.mask_id) | torch.isin(gen, self._stop_tensor())   # [max_tokens]
+        ends = (gen == self.mask_id) | torch.isin(gen, self._stops)   # [max_tokens]
         # argmax of a bool row is its first True; an all-False row means the whole region counts
         n = int(ends.to(torch.uint8).argmax()) if bool(ends.any()) else gen.numel()
         return gen[:n].tolist()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_dllm.decoding.policies import group_ids
 from flash_dllm.decoding.sampling import RowGroup, propose
 from flash_dllm.decoding.sentinels import (
     SENTINELS,
@@ -93,9 +94,7 @@ def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n
     """
     vidx = [i for i, r in enumerate(batch) if r.params.decode == "verify"]
     G, dev = len(vidx), conf.device
-    gid = torch.full_like(positions, -1)
-    for g, i in enumerate(vidx):
-        gid[bounds[i][0]:bounds[i][1]] = g
+    gid = group_ids(positions.shape[0], [bounds[i] for i in vidx], dev)
     sel = gid >= 0
     gsel = gid[sel]
     available = torch.ones_like(positions, dtype=torch.bool)    # masked and not accepted
