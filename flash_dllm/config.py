@@ -140,7 +140,18 @@ class EngineConfig:
     page_size: int = 16                  # tokens per KV page
     kv_cache_gb: float = 1.0             # pool size: kv_cache_gb * 2**30 // (page_size * kv bytes/token)
     num_kv_pages: int | None = None      # explicit pool size (overrides kv_cache_gb; tests)
+    # GPU only: size the pool to this fraction of the device's memory minus what is allocated when
+    # the engine starts (the weights); the rest of the fraction is KV, 1 - fraction is left for
+    # activations and CUDA graphs. Overrides kv_cache_gb; num_kv_pages overrides both.
+    gpu_memory_utilization: float | None = None
     max_waiting: int = 256               # AsyncEngine: queued requests before new ones are refused
+    # "paged": K/V live in the shared page pool and attention runs the paged kernels (default);
+    # "dense": the plain PyTorch path, a canvas-sized cache per request (reference, parity tests).
+    kv_layout: str = "paged"
+    # CUDA only: replay the model forward from CUDA graphs (paged layout; captured per step shape
+    # on its second sighting, at most max_cuda_graphs kept).
+    cuda_graphs: bool = True
+    max_cuda_graphs: int = 32
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -151,13 +162,26 @@ class EngineConfig:
         if self.num_kv_pages is not None:
             _check_int("num_kv_pages", self.num_kv_pages, 1)
         _check_int("max_waiting", self.max_waiting, 1)
+        _check_choice("kv_layout", self.kv_layout, ("paged", "dense"))
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float))
+                              or not 0.0 < u < 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1) or None, got {u!r}")
 
-    def num_pages(self, kv_bytes_per_token: int) -> int:
-        """Pages in the pool for a model whose cached token takes ``kv_bytes_per_token`` bytes."""
+    def num_pages(self, kv_bytes_per_token: int, budget_bytes: int | None = None) -> int:
+        """Pages in the pool for a model whose cached token takes ``kv_bytes_per_token`` bytes;
+        ``budget_bytes`` (from ``gpu_memory_utilization``) replaces ``kv_cache_gb`` when given."""
         if self.num_kv_pages is not None:
             return self.num_kv_pages
-        n = int(self.kv_cache_gb * 2**30) // (self.page_size * kv_bytes_per_token)
+        budget = int(self.kv_cache_gb * 2**30) if budget_bytes is None else budget_bytes
+        n = budget // (self.page_size * kv_bytes_per_token)
         if n < 1:
-            raise ValueError(f"kv_cache_gb={self.kv_cache_gb} holds no page of {self.page_size} "
-                             f"tokens x {kv_bytes_per_token} bytes")
+            what = (f"kv_cache_gb={self.kv_cache_gb}" if budget_bytes is None else
+                    f"gpu_memory_utilization={self.gpu_memory_utilization} "
+                    f"({budget_bytes / 2**30:.2f} GiB left for KV)")
+            raise ValueError(f"{what} holds no page of {self.page_size} tokens x "
+                             f"{kv_bytes_per_token} bytes")
         return n

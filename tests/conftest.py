@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import string
 from pathlib import Path
+
+# NOTE: the engine imports the Triton kernel modules, and a kernel module fixes whether it runs
+# interpreted when it is imported. On a machine with no NVIDIA GPU, choose the interpreter before
+# anything imports triton, so tests/test_kernels.py runs in this process (the CPU engine path
+# never calls a kernel: it dispatches CPU tensors to the PyTorch references).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

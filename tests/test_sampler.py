@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.config import SamplingParams
+from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.models.loader import build_model
 
@@ -235,14 +235,17 @@ def test_early_stop_after_block_with_eos():
         assert e.num_forwards == 8 < f.num_forwards == 24
 
 
-def test_abort_frees_request():
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+def test_abort_frees_request(layout):
     model = tiny("llada")
-    eng = Engine(model, model.cfg)
+    eng = Engine(model, model.cfg, EngineConfig(kv_layout=layout))
     r = eng.add_request([1, 2, 3], SamplingParams(max_tokens=16, block_length=8, cache="dual"))
     eng.step()
-    assert r.kv is not None
+    held = r.page_row if layout == "paged" else r.kv
+    assert held is not None and eng.pool.num_used > 0
     assert eng.abort(r.request_id)
-    assert r.kv is None and r.finish_reason == "abort"
+    assert r.kv is None and r.page_row is None and r.finish_reason == "abort"
+    assert eng.pool.num_used == 0
     eng.step()
     assert not eng.has_unfinished()
 

@@ -22,6 +22,7 @@ import torch
 
 from flash_dllm.cache.modes import keeps_cache, query_range
 from flash_dllm.cache.page_pool import PagePool
+from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.decoding.policies import group_ids, select_threshold, select_top_k
 from flash_dllm.decoding.sampling import RowGroup, propose
@@ -33,7 +34,9 @@ from flash_dllm.engine.verify_step import (
     select_verify,
     update_drafts,
 )
-from flash_dllm.layers.attention import PackedContext, Segment
+from flash_dllm.engine.cuda_graph import GraphRunner
+from flash_dllm.kernels.rope_cache import inv_freq
+from flash_dllm.layers.attention import PackedContext, PagedBatch, PagedContext, Segment
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
 
@@ -52,11 +55,35 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
-        # serving: KV pages are the admission ledger (see flash_dllm.cache.page_pool)
-        self.pool = PagePool(self.config.num_pages(cfg.kv_bytes_per_token), self.config.page_size)
+        # KV pages: the admission ledger (flash_dllm.cache.page_pool) and, with kv_layout="paged",
+        # where K/V physically live: one tensor [layers, 2, pages, page_size, kv_heads, head_dim]
+        elem = torch.finfo(self.dtype).bits // 8
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        self.pool = PagePool(self.config.num_pages(kv_bytes, self._gpu_kv_budget()),
+                             self.config.page_size)
+        self.paged = self.config.kv_layout == "paged"
+        self.kv: torch.Tensor | None = None
+        self.graphs: GraphRunner | None = None
+        if self.paged:
+            layout = PagedKVLayout(cfg.num_layers, self.pool.num_pages, self.pool.page_size,
+                                   cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            self.kv = allocate_kv_cache(layout, self.device)
+            self.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, self.device)
+            if self.device.type == "cuda" and self.config.cuda_graphs:
+                self.graphs = GraphRunner(model, self.config.max_cuda_graphs)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
+
+    def _gpu_kv_budget(self) -> int | None:
+        u = self.config.gpu_memory_utilization
+        if u is None or self.config.num_kv_pages is not None:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError("gpu_memory_utilization needs a CUDA device; use kv_cache_gb on "
+                             f"{self.device}")
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(0, int(u * total) - torch.cuda.memory_allocated(self.device))
 
     # ----------------------------------------------------------------------------------- requests
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -110,7 +137,9 @@ class Engine:
             if req.pages is None:
                 self.waiting.appendleft(req)
                 break
-            if keeps_cache(req.params.cache):
+            if self.paged:
+                req.page_row = torch.tensor(req.pages, dtype=torch.int32, device=self.device)
+            elif keeps_cache(req.params.cache):
                 c = self.cfg
                 req.kv = torch.empty(c.num_layers, 2, req.canvas_len, c.num_kv_heads, c.head_dim,
                                      dtype=self.dtype, device=self.device)
@@ -131,6 +160,7 @@ class Engine:
 
         ids, positions, segments = [], [], []
         slot_pos, slot_rows, groups, bounds, plans = [], [], [], [], []
+        cu, uncached = [0], []          # paged: per-request row boundaries; verify row ranges
         n_tok = n_slot = 0
         for req in batch:
             q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
@@ -141,7 +171,8 @@ class Engine:
                 req.refresh = None
             ids.append(req.canvas[pos])
             positions.append(pos)
-            seg = Segment(n_tok, n_tok + pos.numel(), pos, req.kv)
+            seg = Segment(n_tok, n_tok + pos.numel(), pos, req.kv,
+                          pages=req.page_row if self.paged else None, length=req.canvas_len)
             segments.append(seg)
             block = req.canvas[req.block_start:req.block_end]
             masked = torch.nonzero(block == mask_id).squeeze(-1) + req.block_start   # canvas slots
@@ -155,7 +186,9 @@ class Engine:
                 ids.append(plan.block.ids)
                 positions.append(plan.block.positions)
                 seg.verify = plan.rows
+                uncached.append((n_tok, n_tok + plan.block.num_rows))
                 n_tok += plan.block.num_rows
+            cu.append(n_tok)
             plans.append(plan)
             p = req.params
             groups.append(RowGroup(n_slot, n_slot + masked.numel(), p.temperature, p.top_k, p.top_p,
@@ -163,8 +196,15 @@ class Engine:
             bounds.append((n_slot, n_slot + masked.numel()))
             n_slot += masked.numel()
 
-        ctx = PackedContext(segments, probe_layer=self.cfg.num_layers - 1)
-        hidden = self.model.hidden(torch.cat(ids), torch.cat(positions), ctx)
+        ids_t, pos_t = torch.cat(ids), torch.cat(positions)
+        if self.paged:
+            ctx = PagedContext(self._paged_batch(batch, pos_t, cu, uncached), segments,
+                               probe_layer=self.cfg.num_layers - 1)
+            run = self.graphs.forward if self.graphs is not None else self.model.hidden
+            hidden = run(ids_t, pos_t, ctx)
+        else:
+            ctx = PackedContext(segments, probe_layer=self.cfg.num_layers - 1)
+            hidden = self.model.hidden(ids_t, pos_t, ctx)
         rows = torch.cat(slot_rows + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
         tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
@@ -192,6 +232,22 @@ class Engine:
         self.stats["step_seconds"] += time.perf_counter() - t0
         self.stats["last_batch_size"] = len(batch)
         return finished
+
+    def _paged_batch(self, batch: list[Request], positions: torch.Tensor, cu: list[int],
+                     uncached: list[tuple[int, int]]) -> PagedBatch:
+        """The step's index tensors on the paged cache: a handful of launches for the whole batch."""
+        dev, ps = self.device, self.pool.page_size
+        counts = [b - a for a, b in zip(cu, cu[1:])]
+        table = torch.nn.utils.rnn.pad_sequence([r.page_row for r in batch], batch_first=True)
+        req_idx = torch.repeat_interleave(torch.arange(len(batch), device=dev),
+                                          torch.tensor(counts, device=dev),
+                                          output_size=positions.shape[0])
+        slots = table[req_idx, positions // ps].long() * ps + positions % ps
+        for a, b in uncached:               # verification rows: never written to the cache
+            slots[a:b] = -1
+        return PagedBatch(self.kv, slots, torch.tensor(cu, dtype=torch.int32, device=dev),
+                          torch.tensor([r.canvas_len for r in batch], dtype=torch.int32, device=dev),
+                          table, max(counts), self.inv_freq)
 
     def _release(self, req: Request) -> None:
         """Return a finished request's KV pages to the pool (serving ledger)."""

@@ -52,6 +52,7 @@ class Request:
         self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
         self.kv: torch.Tensor | None = None
         self.pages: list[int] | None = None    # KV pages reserved at admission (serving ledger)
+        self.page_row: torch.Tensor | None = None  # the same page ids, int32 on the device (paged)
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -113,7 +114,7 @@ class Request:
         self.finished = True
         self.finish_reason = reason
         self.finish_time = time.monotonic()
-        self.kv = None
+        self.kv = self.page_row = None
 
     def abort(self) -> None:
         self._finish("abort")

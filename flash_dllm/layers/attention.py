@@ -4,10 +4,18 @@ The attention module owns the projections and RoPE; *where keys come from* is th
 
 - ``DenseContext``: a padded batch ``[B, L]`` attends to itself (training, parity tests, the
   exact reference). An optional key mask hides padding.
-- ``PackedContext``: the engine's layout. Tokens of many requests are packed into one ``[T]``
-  axis with no padding; each request (a *segment*) writes its fresh K/V into its own cache at the
-  canvas positions it recomputes, then attends to the whole cached canvas. Cache modes differ only in
-  which positions a step recomputes (see ``flash_dllm.cache.modes``).
+- ``PackedContext``: the plain PyTorch engine layout (``EngineConfig(kv_layout="dense")``). Tokens
+  of many requests are packed into one ``[T]`` axis with no padding; each request (a *segment*)
+  writes its fresh K/V into its own dense canvas-sized cache at the positions it recomputes, then
+  attends to the whole cached canvas, one SDPA call per request.
+- ``PagedContext``: the default engine layout. K/V live in the shared page pool
+  ``[layers, 2, pages, page_size, kv_heads, head_dim]``; per layer, one fused kernel rotates q/k
+  and writes k/v into the recomputed positions' page slots (``kernels.rope_cache``) and one paged
+  attention launch serves every request through its block table (``kernels.paged_attention``).
+  On the CPU the same calls run the kernels' PyTorch references.
+
+Cache modes differ only in which positions a step recomputes (see ``flash_dllm.cache.modes``).
+Contexts own RoPE (``attend`` gets un-rotated q/k) so the paged path can fuse it with the cache write.
 """
 from __future__ import annotations
 
@@ -17,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_dllm.kernels import paged_attention as paged_attention_op
+from flash_dllm.kernels import rope_cache as rope_cache_op
 from flash_dllm.layers.rotary import Rotary
 
 
@@ -26,8 +36,10 @@ class DenseContext:
     def __init__(self, key_mask: torch.Tensor | None = None) -> None:
         self.key_mask = key_mask  # [B, L] bool, True = real token
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         # q: [B, L, H, D], k/v: [B, L, Hkv, D]
+        q, k = rotary(q, positions), rotary(k, positions)
         mask = None
         if self.key_mask is not None:
             mask = self.key_mask[:, None, None, :]            # [B, 1, 1, L]
@@ -53,6 +65,8 @@ class Segment:
     verify: VerifyRows | None = None     # decode="verify": extra rows after ``end``
     probe: torch.Tensor | None = None      # rows (from ``start``) whose attention is recorded
     probe_weights: torch.Tensor | None = None   # out: [probe rows, canvas], mean over heads
+    pages: torch.Tensor | None = None      # paged layout: the request's page ids (int32)
+    length: int = 0                        # paged layout: the request's canvas length
 
 
 @dataclass
@@ -102,8 +116,10 @@ class PackedContext:
         self.segments = segments
         self.probe_layer = probe_layer
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         # q: [T, H, D], k/v: [T, Hkv, D]
+        q, k = rotary(q, positions), rotary(k, positions)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for seg in self.segments:
             qs, ks, vs = q[seg.start:seg.end], k[seg.start:seg.end], v[seg.start:seg.end]
@@ -129,6 +145,77 @@ class PackedContext:
                 seg.probe_weights = _attention_weights(qs[seg.probe], ks)
         return out
 
+@dataclass
+class PagedBatch:
+    """What one packed step needs on the paged cache (built once per step by the engine).
+
+    ``slots`` [T] int64: the page slot (``page * page_size + offset``) each packed row's K/V goes to,
+    -1 for rows that are never cached (verification rows). Request b owns packed rows
+    ``cu_q[b]:cu_q[b+1]`` and attends to its ``seq_lens[b]`` canvas keys through
+    ``block_table[b]``; ``max_q`` is a host bound on every request's row count (kernel grid)."""
+
+    kv: torch.Tensor               # [layers, 2, pages, page_size, kv_heads, head_dim]
+    slots: torch.Tensor            # [T] int64
+    cu_q: torch.Tensor             # [B + 1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    block_table: torch.Tensor      # [B, max_pages] int32
+    max_q: int
+    inv_freq: torch.Tensor         # [head_dim / 2] float32
+
+
+class PagedContext:
+    """Attention over the shared page pool: per layer one RoPE + cache-write launch and one paged
+    attention launch for the whole batch (no per-request loop, no host sync), so the forward can be
+    captured in a CUDA graph.
+
+    Segments with verification rows or probes (decode="verify", the KV sentinel) additionally get
+    their exact special rows recomputed from a dense copy of their canvas K/V; a batch without them
+    never takes that path. ``mass_layer``: the layer whose per-key attention mass is kept in
+    ``self.mass`` [B, max_pages * page_size] (the ``flash`` cache mode's top-k tracking)."""
+
+    def __init__(self, batch: PagedBatch, segments: list[Segment] | None = None,
+                 probe_layer: int | None = None, mass_layer: int | None = None) -> None:
+        self.batch = batch
+        self.segments = segments or []
+        self.special = [s for s in self.segments if s.verify is not None or s.probe is not None]
+        self.probe_layer = probe_layer
+        self.mass_layer = mass_layer
+        self.mass: torch.Tensor | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        b = self.batch
+        kc, vc = b.kv[layer, 0], b.kv[layer, 1]                   # [pages, page_size, Hkv, D]
+        qr = rope_cache_op.op(q, k, v, positions, kc, vc, b.slots, b.inv_freq,
+                              rotary.apply_in_fp32)                # rotated q; k/v now in pages
+        track = layer == self.mass_layer
+        out = paged_attention_op.op(qr, kc, vc, b.cu_q, b.seq_lens, b.block_table, b.max_q,
+                                    return_mass=track)
+        if track:
+            out, self.mass = out
+        out = out.flatten(1)                                       # [T, H * D]
+        for seg in self.special:
+            self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
+        return out
+
+    def _special_rows(self, seg: Segment, layer: int, out: torch.Tensor, qr: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      rotary: Rotary) -> None:
+        kv = self.batch.kv
+        ps = kv.shape[3]
+        n = -(-seg.length // ps)
+        idx = seg.pages[:n].long()
+        ks = kv[layer, 0, idx].flatten(0, 1)[:seg.length]          # [canvas, Hkv, D] (a copy)
+        vs = kv[layer, 1, idx].flatten(0, 1)[:seg.length]
+        if seg.verify is not None:
+            vr = seg.verify
+            d0, d1 = vr.start, vr.start + vr.num_keys
+            kd = rotary(k[d0:d1], positions[d0:d1])                # draft views' keys, rotated
+            out[vr.start:vr.end] = _masked_attention(qr[vr.start:vr.end], ks, vs, kd, v[d0:d1],
+                                                     vr.allow)
+        if seg.probe is not None and layer == self.probe_layer:
+            seg.probe_weights = _attention_weights(qr[seg.start:seg.end][seg.probe], ks)
+
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
@@ -146,5 +233,4 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)     # [..., H, D]
         k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., Hkv, D]
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
-        return self.o_proj(ctx.attend(layer, q, k, v))
+        return self.o_proj(ctx.attend(layer, q, k, v, positions, self.rotary))

@@ -6,7 +6,7 @@ from torch import nn
 
 from flash_dllm.layers.attention import Attention, DenseContext
 from flash_dllm.layers.mlp import SwiGLU
-from flash_dllm.layers.norm import RMSNorm
+from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
 from flash_dllm.models.config import ModelConfig
 
@@ -45,10 +45,20 @@ class DiffusionTransformer(nn.Module):
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """ids/positions: [B, L] (DenseContext) or [T] packed (PackedContext) -> pre-norm hidden."""
+        # NOTE: the same sums as ``Block.forward`` layer after layer, but each residual add is fused
+        # with the norm that follows it (``add_rmsnorm``): one kernel per add+norm on the GPU.
         x = self.embed(ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, i, ctx)
-        return x
+        layers = self.layers
+        normed, res = add_rmsnorm(x, layers[0].attn_norm)
+        for i, layer in enumerate(layers):
+            a = layer.attn(normed, positions, i, ctx)
+            normed, res = add_rmsnorm(a, layer.mlp_norm, res)
+            m = layer.mlp(normed)
+            if i + 1 < len(layers):
+                normed, res = add_rmsnorm(m, layers[i + 1].attn_norm, res)
+            else:
+                res = m + res
+        return res
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on just the rows given (the engine passes masked slots only)."""
