@@ -15,6 +15,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests decoded together")
+    p.add_argument("--kv-layout", default="paged", choices=["paged", "dense"],
+                   help="paged: K/V in the page pool, paged kernels (default); dense: plain "
+                        "PyTorch path")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run every forward eagerly (no graph capture)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -61,7 +66,10 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
 
 def load_llm(a: argparse.Namespace):
     from flash_dllm.engine.llm import LLM
-    return LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
+    from flash_dllm.config import EngineConfig
+    return LLM(a.model, device=a.device, dtype=a.dtype,
+               engine_config=EngineConfig(max_num_seqs=a.max_num_seqs, kv_layout=a.kv_layout,
+                                          cuda_graphs=not a.no_cuda_graphs))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -152,6 +152,10 @@ class EngineConfig:
     # on its second sighting, at most max_cuda_graphs kept).
     cuda_graphs: bool = True
     max_cuda_graphs: int = 32
+    # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
+    # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
+    # results bit-identical to a plain forward of the same model).
+    fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -166,6 +170,9 @@ class EngineConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"fuse_projections must be a bool or None, got "
+                             f"{self.fuse_projections!r}")
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float))
                               or not 0.0 < u < 1.0):

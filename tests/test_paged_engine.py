@@ -87,6 +87,16 @@ def test_pool_is_the_storage_and_frees():
     assert eng.pool.num_used == 0
 
 
+def test_fused_projections_same_tokens():
+    model = tiny("dream", seed=5)
+    params = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="threshold",
+                            threshold=0.3)
+    ref, _ = run_engine(model, PROMPTS, params)
+    fused, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fuse_projections=True))
+    assert model.layers[0].attn.qkv_proj is not None and model.layers[0].mlp.gate_up_proj is not None
+    assert all(torch.equal(a.canvas, b.canvas) for a, b in zip(ref, fused))
+
+
 def test_engine_config_validation():
     for kw, match in [(dict(kv_layout="flat"), "kv_layout"), (dict(cuda_graphs=1), "cuda_graphs"),
                       (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),

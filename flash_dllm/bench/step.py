@@ -102,9 +102,10 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 
 
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
-               steps: int, warmup: int, device: torch.device) -> dict:
+               steps: int, warmup: int, device: torch.device, kv_layout: str = "paged",
+               cuda_graphs: bool = True) -> dict:
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
-        (prompt + gen) // 16 + 1)))
+        (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
     params = SamplingParams(max_tokens=gen, block_length=block, cache=cache, early_stop=False)
@@ -128,7 +129,10 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     for r in reqs:
         engine.abort(r.request_id)
     ms = 1e3 * statistics.median(cached)
-    return {"batch": batch, "cache": cache, "prompt": prompt, "gen": gen, "block": block,
+    graphs = engine.graphs.stats if engine.graphs is not None else None
+    return {"batch": batch, "cache": cache, "kv_layout": kv_layout,
+            "cuda_graphs": graphs is not None, "graph_stats": graphs,
+            "prompt": prompt, "gen": gen, "block": block,
             "timed_steps": len(cached), "ms": ms, "ms_mean": 1e3 * statistics.fmean(cached),
             "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
             "flops_per_s": statistics.median(flops) if flops else None,
@@ -136,7 +140,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
 
 
 def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dtype: str,
-              prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print) -> dict:
+              prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print,
+              kv_layouts: tuple[str, ...] = ("paged",), cuda_graphs: bool = True) -> dict:
     dev = torch.device(device)
     cfg_dict = shape_config(shape)
     model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0)
@@ -148,19 +153,21 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     floor_ms = 1e3 * weight_bytes / bw
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(tdtype).bits // 8
     rows = []
-    for cache in caches:
-        for b in batches:
-            r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev)
-            r["ratio_to_floor"] = r["ms"] / floor_ms
-            r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
-            exact_kv = 0 if cache == "none" else kv_per_token * (prompt + gen) * b
-            r["expected_bytes"] = weight_bytes + exact_kv
-            r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
-            r["expected_gib"] = r["expected_bytes"] / 2**30
-            r["peak_over_expected"] = (r["peak_bytes"] / r["expected_bytes"]
-                                       if r["peak_bytes"] is not None else None)
-            rows.append(r)
-            progress(row_line(r))
+    cases = [(lay, c, b) for lay in kv_layouts for c in caches for b in batches]
+    for lay, cache, b in cases:
+        r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev, lay,
+                       cuda_graphs)
+        r["ratio_to_floor"] = r["ms"] / floor_ms
+        r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
+        # the paged layout writes K/V to pages in every mode; the dense one keeps none for "none"
+        exact_kv = 0 if cache == "none" and lay == "dense" else kv_per_token * (prompt + gen) * b
+        r["expected_bytes"] = weight_bytes + exact_kv
+        r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
+        r["expected_gib"] = r["expected_bytes"] / 2**30
+        r["peak_over_expected"] = (r["peak_bytes"] / r["expected_bytes"]
+                                   if r["peak_bytes"] is not None else None)
+        rows.append(r)
+        progress(row_line(r))
     return {"model_shape": shape, "device": str(dev),
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(tdtype).replace("torch.", ""), "torch": torch.__version__,
@@ -172,7 +179,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
 def row_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
     peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
-    return (f"batch {r['batch']:3d}  cache {r['cache']:6s}  {r['ms']:9.2f} ms  "
+    return (f"{r.get('kv_layout', 'paged'):5s} batch {r['batch']:3d}  cache {r['cache']:6s}  "
+            f"{r['ms']:9.2f} ms  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "
             f"(weights+KV {r['expected_gib']:.2f})")
 

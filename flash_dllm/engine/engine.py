@@ -52,6 +52,9 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.decode_text = decode_text or (lambda ids: "")
+        fuse = self.config.fuse_projections
+        if fuse or (fuse is None and self.device.type == "cuda"):
+            model.fuse_projections()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()

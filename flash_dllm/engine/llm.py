@@ -1,6 +1,7 @@
 """``LLM``: the offline Python API (load a checkpoint folder, generate, chat)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Sequence
@@ -43,7 +44,8 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "cpu",
-                 dtype: str = "float32", max_num_seqs: int = 64) -> None:
+                 dtype: str = "float32", max_num_seqs: int | None = None,
+                 engine_config: EngineConfig | None = None) -> None:
         folder = Path(model) if model is not None else default_model_path()
         self.model_path = folder
         self.device = resolve_device(device)
@@ -51,8 +53,10 @@ class LLM:
         self.tokenizer = Tokenizer(folder)
         cfg = self.tokenizer.resolve_ids(cfg)
         self.cfg = cfg
-        self.engine = Engine(net, cfg, EngineConfig(max_num_seqs=max_num_seqs),
-                             decode_text=self.tokenizer.decode)
+        config = engine_config or EngineConfig()
+        if max_num_seqs is not None:
+            config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
+        self.engine = Engine(net, cfg, config, decode_text=self.tokenizer.decode)
 
     # ------------------------------------------------------------------------------------ public
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -131,7 +131,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                               block_table: torch.Tensor, max_seqlen_q: int | None = None,
                               scale: float | None = None, return_mass: bool = False):
-    """PyTorch reference (a loop over requests; host syncs): same contract as the Triton op."""
+    """PyTorch reference (a loop over requests; host syncs): same contract as the Triton op.
+
+    Without ``return_mass`` each request is one SDPA call over its gathered pages (the engine's CPU
+    path runs this); with it, explicit float32 softmax so the probabilities can be summed."""
     _, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     page_size = k_cache.shape[1]
@@ -144,6 +147,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if q1 == q0 or L == 0:
             continue
         pages = block_table[b, :-(-L // page_size)].long()
+        if not return_mass:
+            k = k_cache[pages].flatten(0, 1)[:L].transpose(0, 1)           # [Hkv, L, D]
+            v = v_cache[pages].flatten(0, 1)[:L].transpose(0, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), k, v, scale=scale, enable_gqa=H != Hkv)  # [H, Tq, D]
+            out[q0:q1] = o.transpose(0, 1)
+            continue
         k = k_cache[pages].flatten(0, 1)[:L].float()                      # [L, Hkv, D]
         v = v_cache[pages].flatten(0, 1)[:L].float()
         k = k.repeat_interleave(H // Hkv, dim=1)                           # [L, H, D]

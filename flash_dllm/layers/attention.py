@@ -228,9 +228,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.rotary = rotary
 
+        self.qkv_proj: nn.Linear | None = None      # set by fuse(): q, k, v in one GEMM
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference: replace q/k/v_proj by one Linear over their concatenated weights (one GEMM
+        that streams the weights once, instead of three launches). The separate weights are
+        freed; the math is unchanged."""
+        if self.qkv_proj is not None:
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight for p in parts])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
+                          device=w.device, dtype=w.dtype)
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        del w
+        self.q_proj = self.k_proj = self.v_proj = None
+        self.qkv_proj = fused
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
         lead = x.shape[:-1]                                   # [B, L] or [T]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)     # [..., H, D]
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)  # [..., Hkv, D]
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
+        else:
+            q = self.q_proj(x).view(*lead, H, D)              # [..., H, D]
+            k = self.k_proj(x).view(*lead, Hkv, D)            # [..., Hkv, D]
+            v = self.v_proj(x).view(*lead, Hkv, D)
         return self.o_proj(ctx.attend(layer, q, k, v, positions, self.rotary))

@@ -12,6 +12,22 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_up_proj: nn.Linear | None = None   # set by fuse()
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Inference: gate and up projections in one GEMM (see ``Attention.fuse``)."""
+        if self.gate_up_proj is not None:
+            return
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        fused.weight.copy_(w)
+        del w
+        self.gate_proj = self.up_proj = None
+        self.gate_up_proj = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

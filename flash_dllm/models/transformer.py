@@ -71,6 +71,19 @@ class DiffusionTransformer(nn.Module):
         positions = torch.arange(ids.shape[-1], device=ids.device)
         return self.logits(self.hidden(ids, positions, DenseContext(key_mask)))
 
+    def fuse_projections(self) -> "DiffusionTransformer":
+        """Inference only: q/k/v and gate/up projections each become one GEMM (in place; the
+        parameter names change, so fuse after loading and never save a fused model)."""
+        for layer in self.layers:
+            layer.attn.fuse()
+            layer.mlp.fuse()
+        if self.device_type() == "cuda":
+            torch.cuda.empty_cache()
+        return self
+
+    def device_type(self) -> str:
+        return next(self.parameters()).device.type
+
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "DiffusionTransformer":
         """Random init (normal(0, std), unit norms, zero biases) for tests and training."""
         device = next(self.parameters()).device

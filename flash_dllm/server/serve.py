@@ -18,12 +18,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-pages", type=int, default=None, help="explicit pool size in pages")
     g.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queued requests before new ones get 429")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: size the KV pool to this fraction of GPU memory minus the weights "
+                        "(overrides --kv-cache-gb)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_num_seqs=a.max_num_seqs, page_size=a.page_size,
                         kv_cache_gb=a.kv_cache_gb, num_kv_pages=a.num_kv_pages,
-                        max_waiting=a.max_waiting)
+                        max_waiting=a.max_waiting, kv_layout=a.kv_layout,
+                        cuda_graphs=not a.no_cuda_graphs,
+                        gpu_memory_utilization=a.gpu_memory_utilization)
 
 
 def load_async_engine(model: str | os.PathLike | None, device: str = "cpu", dtype: str = "float32",
