@@ -152,6 +152,7 @@ class EngineConfig:
     # on its second sighting, at most max_cuda_graphs kept).
     cuda_graphs: bool = True
     max_cuda_graphs: int = 32
+    cuda_graph_max_rows: int = 128       # steps with more rows per request run eagerly
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).
@@ -170,6 +171,7 @@ class EngineConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
+        _check_int("cuda_graph_max_rows", self.cuda_graph_max_rows, 1)
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be a bool or None, got "
                              f"{self.fuse_projections!r}")

@@ -112,10 +112,18 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     reqs = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)
             for _ in range(batch)]
     timer = _Timer(device)
+    fwd: list = []                     # the model forward alone, inside each step
+    orig_forward = engine._forward
+
+    def timed_forward(ids, positions, ctx):
+        fwd.clear()
+        fwd.append(timer(lambda: fwd.append(orig_forward(ids, positions, ctx))))
+        return fwd[0]
+    engine._forward = timed_forward
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    cached, refresh, flops = [], [], []
+    cached, refresh, flops, fwd_cached = [], [], [], []
     for i in range(warmup + steps):
         first = reqs[0].first_step
         f = step_flops(cfg, reqs)
@@ -123,6 +131,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
         if i < warmup:
             continue
         (refresh if first and cache != "none" else cached).append(t)
+        if not (first and cache != "none"):
+            fwd_cached.append(fwd[1])
         if not (first and cache != "none"):
             flops.append(f / t)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
@@ -134,6 +144,9 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
             "cuda_graphs": graphs is not None, "graph_stats": graphs,
             "prompt": prompt, "gen": gen, "block": block,
             "timed_steps": len(cached), "ms": ms, "ms_mean": 1e3 * statistics.fmean(cached),
+            # the forward alone (graph replay or eager layers); ms - ms_forward is the host-side
+            # work of the step: scheduling, sampling, committing
+            "ms_forward": 1e3 * statistics.median(fwd_cached),
             "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
             "flops_per_s": statistics.median(flops) if flops else None,
             "peak_bytes": peak}
@@ -180,7 +193,7 @@ def row_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
     peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
     return (f"{r.get('kv_layout', 'paged'):5s} batch {r['batch']:3d}  cache {r['cache']:6s}  "
-            f"{r['ms']:9.2f} ms  "
+            f"{r['ms']:9.2f} ms (forward {r.get('ms_forward', float('nan')):8.2f})  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "
             f"(weights+KV {r['expected_gib']:.2f})")
 

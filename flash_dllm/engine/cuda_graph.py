@@ -3,7 +3,7 @@
 A step's shape is ``(tokens, requests, block-table width, max rows per request, mass layer)``. In
 steady decoding that shape repeats every step (``dual``: each request recomputes its block; the
 first step of a block is a different shape), so a shape is captured the second time it is seen
-and replayed from then on; at most ``max_graphs`` are kept (least recently used dropped). All graphs
+and replayed from then on, for steps of at most ``max_rows`` rows per request; at most ``max_graphs`` are kept (least recently used dropped). All graphs
 share one memory pool: they never run at the same time.
 
 Everything the forward reads comes from the step's small index tensors (ids, positions, slots,
@@ -32,9 +32,10 @@ class _Graph:
 
 
 class GraphRunner:
-    def __init__(self, model, max_graphs: int = 32) -> None:
+    def __init__(self, model, max_graphs: int = 32, max_rows: int = 128) -> None:
         self.model = model
         self.max_graphs = max_graphs
+        self.max_rows = max_rows
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: set[tuple] = set()
         self.pool = None
@@ -48,7 +49,10 @@ class GraphRunner:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext
                 ) -> torch.Tensor:
         """The model's hidden states for this step; ``ctx.mass`` is set as an eager run sets it."""
-        if ctx.special or not ids.is_cuda:
+        # NOTE: only decode-sized steps are captured. A full-canvas refresh (the first step of a
+        # block) is GEMM-bound, so launches cost little there, and its shape follows the prompt
+        # lengths, which rarely repeat: capturing it would cost more than replaying it saves.
+        if ctx.special or not ids.is_cuda or ctx.batch.max_q > self.max_rows:
             return self._eager(ids, positions, ctx)
         key = self.key(ids, ctx.batch, ctx.mass_layer)
         g = self.graphs.get(key)

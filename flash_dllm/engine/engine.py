@@ -73,7 +73,8 @@ class Engine:
             self.kv = allocate_kv_cache(layout, self.device)
             self.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, self.device)
             if self.device.type == "cuda" and self.config.cuda_graphs:
-                self.graphs = GraphRunner(model, self.config.max_cuda_graphs)
+                self.graphs = GraphRunner(model, self.config.max_cuda_graphs,
+                                          self.config.cuda_graph_max_rows)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
@@ -203,11 +204,9 @@ class Engine:
         if self.paged:
             ctx = PagedContext(self._paged_batch(batch, pos_t, cu, uncached), segments,
                                probe_layer=self.cfg.num_layers - 1)
-            run = self.graphs.forward if self.graphs is not None else self.model.hidden
-            hidden = run(ids_t, pos_t, ctx)
         else:
             ctx = PackedContext(segments, probe_layer=self.cfg.num_layers - 1)
-            hidden = self.model.hidden(ids_t, pos_t, ctx)
+        hidden = self._forward(ids_t, pos_t, ctx)
         rows = torch.cat(slot_rows + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
         tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
@@ -236,12 +235,24 @@ class Engine:
         self.stats["last_batch_size"] = len(batch)
         return finished
 
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The model forward of one step (from a CUDA graph when one fits); benchmarks time it."""
+        if self.graphs is not None and isinstance(ctx, PagedContext):
+            return self.graphs.forward(ids, positions, ctx)
+        return self.model.hidden(ids, positions, ctx)
+
     def _paged_batch(self, batch: list[Request], positions: torch.Tensor, cu: list[int],
                      uncached: list[tuple[int, int]]) -> PagedBatch:
         """The step's index tensors on the paged cache: a handful of launches for the whole batch."""
         dev, ps = self.device, self.pool.page_size
         counts = [b - a for a, b in zip(cu, cu[1:])]
-        table = torch.nn.utils.rnn.pad_sequence([r.page_row for r in batch], batch_first=True)
+        # NOTE: the table is always as wide as the longest possible canvas (the kernels read only
+        # each request's own columns), so a step's shape, hence its CUDA graph, does not depend on
+        # how long the requests' canvases happen to be.
+        width = self.pool.pages_for(self.cfg.max_position)
+        table = torch.zeros(len(batch), width, dtype=torch.int32, device=dev)
+        table[:, :max(r.page_row.numel() for r in batch)] = torch.nn.utils.rnn.pad_sequence(
+            [r.page_row for r in batch], batch_first=True)
         req_idx = torch.repeat_interleave(torch.arange(len(batch), device=dev),
                                           torch.tensor(counts, device=dev),
                                           output_size=positions.shape[0])

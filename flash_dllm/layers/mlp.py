@@ -7,6 +7,7 @@ from torch import nn
 
 
 class SwiGLU(nn.Module):
+    CHUNK_ROWS = 4096          # inference: rows per chunk of a large packed batch
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
@@ -27,6 +28,17 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] > self.CHUNK_ROWS and not torch.is_grad_enabled()):
+            # NOTE: a full-canvas refresh of a large batch has tens of thousands of rows; the
+            # [rows, 2 x intermediate] activations would dominate peak memory. Row chunks give the
+            # same values (each row is independent) with a bounded working set.
+            out = torch.empty_like(x)
+            for i in range(0, x.shape[0], self.CHUNK_ROWS):
+                out[i:i + self.CHUNK_ROWS] = self._rows(x[i:i + self.CHUNK_ROWS])
+            return out
+        return self._rows(x)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)

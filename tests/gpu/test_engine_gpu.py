@@ -39,7 +39,7 @@ def test_cuda_graphs_equal_eager(cache, decode):
     _, eager = _run("bfloat16", cache, decode, max_num_seqs=8, cuda_graphs=False)
     assert graphs == eager
     st = llm_g.engine.graphs.stats
-    if decode != "verify":           # verify steps carry verification rows: always eager
+    if decode == "vanilla":          # 32 steps per block: the block-sized step shape repeats
         assert st["graph_replays"] > 0, st
 
 
