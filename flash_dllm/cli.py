@@ -48,6 +48,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-jaccard-min", type=float, default=None,
                    help="KV sentinel: refresh keys when a slot's top-k overlap drops below this")
     g.add_argument("--kv-top-k", type=int, default=d.kv_top_k)
+    g.add_argument("--flash-budget", type=int, default=d.flash_budget,
+                   help="cache=flash: most-attended cached positions recomputed per step")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-early-stop", action="store_true",
                    help="decode every block even after the answer ended")
@@ -59,7 +61,7 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
               cache=a.cache, threshold=a.threshold, seed=a.seed, early_stop=not a.no_early_stop,
               gamma=a.gamma, verify_rule=a.verify_rule, max_verify=a.max_verify,
               entropy_max=a.entropy_max, perturb_sigma=a.perturb_sigma,
-              kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k)
+              kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k, flash_budget=a.flash_budget)
     kw.update(override)
     return SamplingParams(**kw)
 

@@ -57,6 +57,8 @@ class SamplingParams:
     perturb_sigma: float | None = None   # logit noise scale; top-1 flips -> verified
     kv_jaccard_min: float | None = None  # top-k attention overlap with last step; below -> refresh
     kv_top_k: int = 8                    # k of the KV-consistency sentinel
+    # --- cache="flash": cached positions (most attended last step) recomputed per step
+    flash_budget: int = 32
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -112,6 +114,7 @@ class SamplingParams:
             raise ValueError(f"kv_jaccard_min must be in (0, 1] or None, "
                              f"got {self.kv_jaccard_min!r}")
         _check_int("kv_top_k", self.kv_top_k, 1)
+        _check_int("flash_budget", self.flash_budget, 0)
 
     @property
     def num_blocks(self) -> int:

@@ -42,8 +42,8 @@ def add_bench_parser(sub) -> None:
     t = bsub.add_parser("step", help="time one denoising forward of a random-init model")
     t.add_argument("--model-shape", default="llada-8b", help="llada-8b, dream-7b or demo")
     t.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
-    t.add_argument("--cache", nargs="+", default=["prefix", "dual"],
-                   choices=["none", "prefix", "dual"])
+    t.add_argument("--cache", nargs="+", default=["prefix", "dual", "flash"],
+                   choices=["none", "prefix", "dual", "flash"])
     t.add_argument("--prompt-len", type=int, default=512)
     t.add_argument("--gen-len", type=int, default=512)
     t.add_argument("--block-length", type=int, default=32)

@@ -92,8 +92,10 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
     total = 0.0
     for r in reqs:
         q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, r.first_step,
-                             cfg.logit_shift)
+                             cfg.logit_shift, first_block=r.block == 0)
         q = q1 - q0
+        if r.params.cache == "flash" and r.attn_mass is not None:
+            q += min(r.params.flash_budget, r.canvas_len - q)
         masked = int((r.canvas[r.block_start:r.block_end] == cfg.mask_token_id).sum())
         total += q * per_token
         total += 4 * q * r.canvas_len * cfg.num_heads * hd * cfg.num_layers
@@ -125,7 +127,9 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
         torch.cuda.reset_peak_memory_stats()
     cached, refresh, flops, fwd_cached = [], [], [], []
     for i in range(warmup + steps):
-        first = reqs[0].first_step
+        # a refresh recomputes the whole canvas: the first step of every block for prefix/dual,
+        # only the request's very first step for flash
+        first = reqs[0].first_step and (cache != "flash" or reqs[0].block == 0)
         f = step_flops(cfg, reqs)
         t = timer(engine.step)
         if i < warmup:

@@ -9,25 +9,39 @@ cached canvas. A mode is therefore only a choice of query range:
 | `none`   | whole canvas          | whole canvas (nothing is cached)   |
 | `prefix` | whole canvas          | active block + masked suffix       |
 | `dual`   | whole canvas          | active block only                  |
+| `flash`  | previous + active block + top-k | active block + top-k     |
 
 Fast-dLLM's prefix cache keeps only prompt/committed K/V and recomputes the suffix; its dual cache
 also keeps the suffix's K/V from the block's first step. Both refresh the whole cache at the first
 step of every block, so that step equals the exact mode's.
+
+`flash` (paged layout only) never refreshes the whole canvas after the first step of the request
+(the prefill). Each step recomputes a fixed-size query: the active block (whose tokens committed last
+step are in it), at a block's first step also the previous block (its last commits are stale in the
+cache), plus the ``flash_budget`` cached positions outside that window that received the most
+attention mass in the request's previous step (last layer, summed over heads and query rows, from
+the paged attention kernel's mass output); their K/V are rewritten in place, everything else is
+read from the cache.
 
 NOTE: models with a one-position logit shift (Dream) read slot i's logits from output i-1, so the
 query also starts one position earlier; the extra row is committed text whose K/V gets refreshed.
 """
 from __future__ import annotations
 
-CACHE_MODES = ("none", "prefix", "dual")
+CACHE_MODES = ("none", "prefix", "dual", "flash")
 
 
 def query_range(mode: str, canvas_len: int, block_start: int, block_end: int, first_step: bool,
-                logit_shift: int) -> tuple[int, int]:
-    """Half-open range [q0, q1) of canvas positions to recompute this step."""
+                logit_shift: int, first_block: bool = True) -> tuple[int, int]:
+    """Half-open range [q0, q1) of canvas positions to recompute this step (for ``flash``, the
+    window only: the engine adds the top-k positions)."""
+    if mode == "flash" and first_step and not first_block:
+        return block_start - (block_end - block_start) - logit_shift, block_end
     if mode == "none" or first_step:
         return 0, canvas_len
     q0 = block_start - logit_shift
+    if mode == "flash":
+        return q0, block_end
     if mode == "prefix":
         return q0, canvas_len
     if mode == "dual":

@@ -97,6 +97,9 @@ class Engine:
         if total > self.cfg.max_position:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"= {total} exceeds the model's maximum length {self.cfg.max_position}")
+        if params.cache == "flash" and not self.paged:
+            raise ValueError("cache='flash' needs the paged KV layout (EngineConfig(kv_layout="
+                             "'paged')): it ranks keys by the paged kernel's attention mass")
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
@@ -168,8 +171,10 @@ class Engine:
         n_tok = n_slot = 0
         for req in batch:
             q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
-                                 req.first_step, shift)
+                                 req.first_step, shift, first_block=req.block == 0)
             pos = torch.arange(q0, q1, device=self.device)
+            if req.params.cache == "flash":
+                pos = self._flash_query(req, pos, q0, q1)
             if req.refresh is not None:    # KV-consistency sentinel: also recompute these keys
                 pos = torch.cat([pos, req.refresh[(req.refresh < q0) | (req.refresh >= q1)]])
                 req.refresh = None
@@ -201,12 +206,16 @@ class Engine:
             n_slot += masked.numel()
 
         ids_t, pos_t = torch.cat(ids), torch.cat(positions)
+        flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
         if self.paged:
             ctx = PagedContext(self._paged_batch(batch, pos_t, cu, uncached), segments,
-                               probe_layer=self.cfg.num_layers - 1)
+                               probe_layer=self.cfg.num_layers - 1,
+                               mass_layer=self.cfg.num_layers - 1 if flash else None)
         else:
             ctx = PackedContext(segments, probe_layer=self.cfg.num_layers - 1)
         hidden = self._forward(ids_t, pos_t, ctx)
+        for i in flash:     # cache="flash": where this step's attention went, for the next top-k
+            batch[i].attn_mass = ctx.mass[i, :batch[i].canvas_len].clone()
         rows = torch.cat(slot_rows + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
         tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
@@ -234,6 +243,21 @@ class Engine:
         self.stats["step_seconds"] += time.perf_counter() - t0
         self.stats["last_batch_size"] = len(batch)
         return finished
+
+    @staticmethod
+    def _flash_query(req: Request, window: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+        """cache="flash": the window plus the ``flash_budget`` cached positions outside it that
+        got the most attention mass in the request's previous step (none before the first step
+        has run: that step recomputes the whole canvas)."""
+        if req.attn_mass is None:
+            return window
+        k = min(req.params.flash_budget, req.canvas_len - (q1 - q0))
+        if k <= 0:
+            return window
+        mass = req.attn_mass.clone()
+        mass[q0:q1] = -1.0
+        top = torch.topk(mass, k).indices.sort().values
+        return torch.cat([window, top])
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits); benchmarks time it."""

@@ -53,6 +53,7 @@ class Request:
         self.kv: torch.Tensor | None = None
         self.pages: list[int] | None = None    # KV pages reserved at admission (serving ledger)
         self.page_row: torch.Tensor | None = None  # the same page ids, int32 on the device (paged)
+        self.attn_mass: torch.Tensor | None = None  # cache="flash": [canvas] last step's key mass
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -114,7 +115,7 @@ class Request:
         self.finished = True
         self.finish_reason = reason
         self.finish_time = time.monotonic()
-        self.kv = self.page_row = None
+        self.kv = self.page_row = self.attn_mass = None
 
     def abort(self) -> None:
         self._finish("abort")
