@@ -165,11 +165,25 @@ class Engine:
         shift = self.cfg.logit_shift
         mask_id = self.cfg.mask_token_id
 
+        dev = self.device
+        # every request's masked slots at once: one nonzero over the stacked active blocks, sized
+        # by the host-kept MASK counts (no device->host sync)
+        blocks = torch.nn.utils.rnn.pad_sequence(
+            [r.canvas[r.block_start:r.block_end] for r in batch], batch_first=True,
+            padding_value=mask_id + 1 if mask_id + 1 < self.cfg.vocab_size else mask_id - 1)
+        counts = [r.num_masked for r in batch]
+        n_slot = sum(counts)
+        where = torch.nonzero_static(blocks == mask_id, size=n_slot)          # [n_slot, 2]
+        slot_req, slot_off = where[:, 0], where[:, 1]
+        starts = torch.tensor([r.block_start for r in batch], device=dev)
+        positions_all = starts[slot_req] + slot_off                            # canvas slots
+
         ids, positions, segments = [], [], []
-        slot_pos, slot_rows, groups, bounds, plans = [], [], [], [], []
+        slot_rows, groups, bounds, plans, row_base = [], [], [], [], []
         cu, uncached = [0], []          # paged: per-request row boundaries; verify row ranges
-        n_tok = n_slot = 0
-        for req in batch:
+        n_tok = 0
+        s0 = 0
+        for req, cnt in zip(batch, counts):
             q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
                                  req.first_step, shift, first_block=req.block == 0)
             pos = torch.arange(q0, q1, device=self.device)
@@ -183,12 +197,9 @@ class Engine:
             seg = Segment(n_tok, n_tok + pos.numel(), pos, req.kv,
                           pages=req.page_row if self.paged else None, length=req.canvas_len)
             segments.append(seg)
-            block = req.canvas[req.block_start:req.block_end]
-            masked = torch.nonzero(block == mask_id).squeeze(-1) + req.block_start   # canvas slots
-            slot_pos.append(masked)
-            slot_rows.append(masked - shift - q0 + n_tok)      # packed rows that predict them
+            row_base.append(n_tok - shift - q0)     # packed row predicting slot p: p + base
             if req.params.kv_jaccard_min is not None:
-                seg.probe = masked - q0
+                seg.probe = positions_all[s0:s0 + cnt] - q0
             n_tok += pos.numel()
             plan = plan_verification(req, shift, n_tok)       # last forward's drafts, folded in
             if plan is not None and plan.block is not None:
@@ -200,10 +211,9 @@ class Engine:
             cu.append(n_tok)
             plans.append(plan)
             p = req.params
-            groups.append(RowGroup(n_slot, n_slot + masked.numel(), p.temperature, p.top_k, p.top_p,
-                                   req.generator))
-            bounds.append((n_slot, n_slot + masked.numel()))
-            n_slot += masked.numel()
+            groups.append(RowGroup(s0, s0 + cnt, p.temperature, p.top_k, p.top_p, req.generator))
+            bounds.append((s0, s0 + cnt))
+            s0 += cnt
 
         ids_t, pos_t = torch.cat(ids), torch.cat(positions)
         flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
@@ -216,25 +226,33 @@ class Engine:
         hidden = self._forward(ids_t, pos_t, ctx)
         for i in flash:     # cache="flash": where this step's attention went, for the next top-k
             batch[i].attn_mass = ctx.mass[i, :batch[i].canvas_len].clone()
-        rows = torch.cat(slot_rows + [p.mask_rows for p in plans if p is not None])
+        slot_rows = positions_all + torch.tensor(row_base, device=dev)[slot_req]
+        rows = torch.cat([slot_rows] + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
         tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
-        positions_all = torch.cat(slot_pos)
         keep = self._select(batch, conf, positions_all, bounds)
         if any(r.params.decode == "verify" for r in batch):
             select_verify(batch, plans, logits, n_slot, tokens, conf, positions_all, bounds, keep,
                           mask_id, self.stats)
 
-        self.stats["tokens_committed"] += int(keep.sum())     # one host sync, not one per request
+        # commit: masked slots take their token where kept and stay MASK elsewhere (no sync)
+        new = torch.where(keep, tokens, torch.full_like(tokens, mask_id))
+        for req, (s, e) in zip(batch, bounds):
+            req.canvas.index_put_((positions_all[s:e],), new[s:e])
+        # one device->host copy for the whole batch: commits per request, first-slot commits
+        first = torch.tensor([r.prompt_len for r in batch], device=dev)[slot_req]
+        per_req = torch.zeros(2, len(batch), dtype=torch.long, device=dev)
+        per_req[0].index_add_(0, slot_req, keep.long())
+        per_req[1].index_add_(0, slot_req, (keep & (positions_all == first)).long())
+        committed, firsts = per_req.tolist()
+        self.stats["tokens_committed"] += sum(committed)
         finished = []
-        for req, seg, (s, e) in zip(batch, segments, bounds):
-            k = keep[s:e]
-            req.canvas[positions_all[s:e][k]] = tokens[s:e][k]
+        for req, seg, (s, e), n, f in zip(batch, segments, bounds, committed, firsts):
             if req.params.decode == "verify":
-                update_drafts(req, tokens[s:e], conf[s:e], positions_all[s:e], k)
+                update_drafts(req, tokens[s:e], conf[s:e], positions_all[s:e], keep[s:e])
             if seg.probe is not None:
                 kv_consistency(req, seg.probe_weights, positions_all[s:e], self.stats)
-            req.advance()
+            req.advance(n, bool(f))
             if req.finished:
                 finished.append(req)
                 self._release(req)

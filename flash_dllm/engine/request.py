@@ -47,6 +47,9 @@ class Request:
                                  device=device)
         self.canvas[:self.prompt_len] = torch.tensor(prompt_ids, dtype=torch.long, device=device)
         self.block = 0
+        # NOTE: only the active block ever commits, so every block starts all MASK; the engine
+        # keeps this count instead of reading the canvas back after each step
+        self.num_masked = params.block_length      # MASK slots left in the active block
         self.step_in_block = 0
         self.first_step = True
         self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
@@ -85,20 +88,24 @@ class Request:
         """Tokens ``vanilla`` commits at this step of the block."""
         return self.schedule[min(self.step_in_block, len(self.schedule) - 1)]
 
-    def advance(self) -> None:
-        """Book-keeping after this request's slots of a step were committed."""
+    def advance(self, committed: int, first_token: bool) -> None:
+        """Book-keeping after a step committed ``committed`` of this request's slots
+        (``first_token``: the first generated slot was among them). Host-side only: the engine
+        gathers these numbers for the whole batch in one device->host copy."""
         self.num_forwards += 1
         self.step_in_block += 1
         self.first_step = False
-        if self.first_token_time is None and bool(self.canvas[self.prompt_len] != self.mask_id):
+        if first_token and self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if bool((self.canvas[self.block_start:self.block_end] == self.mask_id).any()):
+        self.num_masked -= committed
+        if self.num_masked > 0:
             return
         done_block = self.canvas[self.block_start:self.block_end]
         self.drafts = self.refresh = self.kv_history = None   # all per-block
         self.block += 1
         self.step_in_block = 0
         self.first_step = True
+        self.num_masked = self.params.block_length
         ended = bool(torch.isin(done_block, self._stops).any())
         if self.block == self.params.num_blocks:
             self._finish("stop" if self._has_stop() else "length")

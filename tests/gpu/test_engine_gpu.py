@@ -33,7 +33,7 @@ def _run(dtype, cache, decode, **cfg):
 
 
 @pytest.mark.parametrize("cache,decode", [("dual", "vanilla"), ("prefix", "threshold"),
-                                          ("dual", "verify")])
+                                          ("dual", "verify"), ("flash", "vanilla")])
 def test_cuda_graphs_equal_eager(cache, decode):
     llm_g, graphs = _run("bfloat16", cache, decode, max_num_seqs=8)
     _, eager = _run("bfloat16", cache, decode, max_num_seqs=8, cuda_graphs=False)
