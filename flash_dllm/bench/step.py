@@ -10,6 +10,7 @@ cached step for ``prefix``/``dual``; ``ms_refresh`` is reported apart.
 """
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -142,8 +143,15 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     for r in reqs:
         engine.abort(r.request_id)
-    ms = 1e3 * statistics.median(cached)
     graphs = engine.graphs.stats if engine.graphs is not None else None
+    # NOTE: the timing hook makes a reference cycle (engine -> closure -> engine): break it and
+    # collect, so this case's KV pool and graphs are freed before the next case's peak is read
+    del engine._forward
+    del engine, reqs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    ms = 1e3 * statistics.median(cached)
     return {"batch": batch, "cache": cache, "kv_layout": kv_layout,
             "cuda_graphs": graphs is not None, "graph_stats": graphs,
             "prompt": prompt, "gen": gen, "block": block,
@@ -176,6 +184,13 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                        cuda_graphs)
         r["ratio_to_floor"] = r["ms"] / floor_ms
         r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
+        # the forward alone at the same FLOPs (what the step would reach with no host work)
+        r["mfu_forward"] = r["mfu"] * r["ms"] / r["ms_forward"] if r["mfu"] else None
+        # per step over a whole block: prefix/dual pay one full refresh per block, flash none
+        if r["ms_refresh"] is not None and cache in ("prefix", "dual"):
+            r["ms_per_step_in_block"] = (r["ms_refresh"] + (block - 1) * r["ms"]) / block
+        else:
+            r["ms_per_step_in_block"] = r["ms"]
         # the paged layout writes K/V to pages in every mode; the dense one keeps none for "none"
         exact_kv = 0 if cache == "none" and lay == "dense" else kv_per_token * (prompt + gen) * b
         r["expected_bytes"] = weight_bytes + exact_kv
@@ -197,7 +212,8 @@ def row_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
     peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
     return (f"{r.get('kv_layout', 'paged'):5s} batch {r['batch']:3d}  cache {r['cache']:6s}  "
-            f"{r['ms']:9.2f} ms (forward {r.get('ms_forward', float('nan')):8.2f})  "
+            f"{r['ms']:9.2f} ms (forward {r.get('ms_forward', float('nan')):8.2f}, per step in "
+            f"block {r.get('ms_per_step_in_block', float('nan')):8.2f})  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "
             f"(weights+KV {r['expected_gib']:.2f})")
 

@@ -7,10 +7,11 @@ import torch
 def group_ids(n: int, bounds: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """Row -> index (in ``bounds`` order) of the group whose ``[start, end)`` holds it, -1 for rows
     of no listed group: the layout ``select_threshold`` and the verify rules take."""
-    gid = torch.full((n,), -1, dtype=torch.long, device=device)
+    # NOTE: built on the host and copied once (a fill per group would be one launch per request)
+    gid = [-1] * n
     for g, (start, end) in enumerate(bounds):
-        gid[start:end] = g
-    return gid
+        gid[start:end] = [g] * (end - start)
+    return torch.tensor(gid, dtype=torch.long, device=device)
 
 
 def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds: list[tuple[int, int]],
@@ -19,19 +20,31 @@ def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds
 
     NOTE: confident models saturate float32 probabilities at exactly 1.0, so ties are common and
     the tie-break decides the commit order. We reproduce the reference's: ``torch.topk`` over a row
-    the length of the canvas, -inf everywhere but the candidate slots. This costs one small topk
-    per request; a vectorised rule would break ties differently.
+    the length of the canvas, -inf everywhere but the candidate slots (rows of equal length are
+    stacked into one topk call; padding rows to a common length could change the tie order).
     """
     keep = torch.zeros_like(confidence, dtype=torch.bool)
+    dev = confidence.device
+    # Groups whose rows have the same length run as one [G, length] topk (each row is the very row
+    # the per-request rule builds, so ties break the same way); one batch per distinct length.
+    by_len: dict[int, list[tuple[int, int, int]]] = {}
     for (start, end), k, length in zip(group_bounds, k_per_group, canvas_lens):
-        if end <= start or k <= 0:
-            continue
-        row = torch.full((length,), float("-inf"), dtype=confidence.dtype, device=confidence.device)
-        row[positions[start:end]] = confidence[start:end]
-        chosen = torch.topk(row, min(k, end - start)).indices           # canvas positions
-        local = torch.zeros(length, dtype=torch.bool, device=confidence.device)
-        local[chosen] = True
-        keep[start:end] = local[positions[start:end]]
+        if end > start and k > 0:
+            by_len.setdefault(length, []).append((start, end, min(k, end - start)))
+    for length, groups in by_len.items():
+        sel = [(r, s, e) for r, (s, e, _) in enumerate(groups)]
+        slot = torch.tensor([i for _, s, e in sel for i in range(s, e)], device=dev)
+        grow = torch.tensor([r for r, s, e in sel for _ in range(s, e)], device=dev)
+        rows = torch.full((len(groups), length), float("-inf"), dtype=confidence.dtype, device=dev)
+        rows[grow, positions[slot]] = confidence[slot]
+        kmax = max(k for _, _, k in groups)
+        chosen = torch.topk(rows, kmax, dim=-1).indices                  # [G, kmax] positions
+        ks = torch.tensor([k for _, _, k in groups], device=dev)
+        valid = torch.arange(kmax, device=dev)[None, :] < ks[:, None]
+        # topk indices of a row are distinct, so scattering the valid flags never collides
+        local = torch.zeros((len(groups), length), dtype=torch.bool, device=dev)
+        local.scatter_(1, chosen, valid)
+        keep[slot] = local[grow, positions[slot]]
     return keep
 
 

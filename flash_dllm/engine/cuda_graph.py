@@ -3,7 +3,7 @@
 A step's shape is ``(tokens, requests, block-table width, max rows per request, mass layer)``. In
 steady decoding that shape repeats every step (``dual``: each request recomputes its block; the
 first step of a block is a different shape), so a shape is captured the second time it is seen
-and replayed from then on, for steps of at most ``max_rows`` rows per request; at most ``max_graphs`` are kept (least recently used dropped). All graphs
+and replayed from then on (larger steps than ``max_rows`` rows per request: the third time); at most ``max_graphs`` are kept (least recently used dropped). All graphs
 share one memory pool: they never run at the same time.
 
 Everything the forward reads comes from the step's small index tensors (ids, positions, slots,
@@ -37,7 +37,7 @@ class GraphRunner:
         self.max_graphs = max_graphs
         self.max_rows = max_rows
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: set[tuple] = set()
+        self.seen: dict[tuple, int] = {}
         self.pool = None
         self.stats = {"graph_replays": 0, "graph_captures": 0, "eager_forwards": 0}
 
@@ -49,16 +49,18 @@ class GraphRunner:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext
                 ) -> torch.Tensor:
         """The model's hidden states for this step; ``ctx.mass`` is set as an eager run sets it."""
-        # NOTE: only decode-sized steps are captured. A full-canvas refresh (the first step of a
-        # block) is GEMM-bound, so launches cost little there, and its shape follows the prompt
-        # lengths, which rarely repeat: capturing it would cost more than replaying it saves.
-        if ctx.special or not ids.is_cuda or ctx.batch.max_q > self.max_rows:
+        if ctx.special or not ids.is_cuda:
             return self._eager(ids, positions, ctx)
         key = self.key(ids, ctx.batch, ctx.mass_layer)
         g = self.graphs.get(key)
         if g is None:
-            if key not in self.seen:
-                self.seen.add(key)
+            # NOTE: a decode-sized step (<= max_rows rows per request) is captured when its shape
+            # comes back a second time; a larger one (a full-canvas refresh, a prefix-mode suffix)
+            # only the third time: its shape follows the prompt lengths and often never returns,
+            # and a capture costs about two forwards.
+            n = self.seen.get(key, 0) + 1
+            self.seen[key] = n
+            if n < (2 if ctx.batch.max_q <= self.max_rows else 3):
                 return self._eager(ids, positions, ctx)
             g = self._capture(key, ids, positions, ctx)
         else:

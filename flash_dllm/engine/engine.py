@@ -18,6 +18,7 @@ import itertools
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from flash_dllm.cache.modes import keeps_cache, query_range
@@ -168,9 +169,13 @@ class Engine:
         dev = self.device
         # every request's masked slots at once: one nonzero over the stacked active blocks, sized
         # by the host-kept MASK counts (no device->host sync)
-        blocks = torch.nn.utils.rnn.pad_sequence(
-            [r.canvas[r.block_start:r.block_end] for r in batch], batch_first=True,
-            padding_value=mask_id + 1 if mask_id + 1 < self.cfg.vocab_size else mask_id - 1)
+        views = [r.canvas[r.block_start:r.block_end] for r in batch]
+        if len({v.shape[0] for v in views}) == 1:
+            blocks = torch.stack(views)                   # one copy kernel for the batch
+        else:
+            blocks = torch.nn.utils.rnn.pad_sequence(
+                views, batch_first=True,
+                padding_value=mask_id + 1 if mask_id + 1 < self.cfg.vocab_size else mask_id - 1)
         counts = [r.num_masked for r in batch]
         n_slot = sum(counts)
         where = torch.nonzero_static(blocks == mask_id, size=n_slot)          # [n_slot, 2]
@@ -186,21 +191,28 @@ class Engine:
         for req, cnt in zip(batch, counts):
             q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
                                  req.first_step, shift, first_block=req.block == 0)
-            pos = torch.arange(q0, q1, device=self.device)
+            extra = None
             if req.params.cache == "flash":
-                pos = self._flash_query(req, pos, q0, q1)
+                extra = self._flash_extra(req, q0, q1)
             if req.refresh is not None:    # KV-consistency sentinel: also recompute these keys
-                pos = torch.cat([pos, req.refresh[(req.refresh < q0) | (req.refresh >= q1)]])
+                r = req.refresh[(req.refresh < q0) | (req.refresh >= q1)]
+                extra = r if extra is None else torch.cat([extra, r])
                 req.refresh = None
-            ids.append(req.canvas[pos])
-            positions.append(pos)
-            seg = Segment(n_tok, n_tok + pos.numel(), pos, req.kv,
+            # the window is a contiguous slice (a view: the final cat is the only copy), its
+            # positions a host range; only extra positions are gathered on the device
+            n = q1 - q0 + (0 if extra is None else extra.numel())
+            ids.append(req.canvas[q0:q1])
+            positions.append((q0, q1))
+            if extra is not None:
+                ids.append(req.canvas[extra])
+                positions.append(extra)
+            seg = Segment(n_tok, n_tok + n, None, req.kv,
                           pages=req.page_row if self.paged else None, length=req.canvas_len)
             segments.append(seg)
             row_base.append(n_tok - shift - q0)     # packed row predicting slot p: p + base
             if req.params.kv_jaccard_min is not None:
                 seg.probe = positions_all[s0:s0 + cnt] - q0
-            n_tok += pos.numel()
+            n_tok += n
             plan = plan_verification(req, shift, n_tok)       # last forward's drafts, folded in
             if plan is not None and plan.block is not None:
                 ids.append(plan.block.ids)
@@ -215,10 +227,12 @@ class Engine:
             bounds.append((s0, s0 + cnt))
             s0 += cnt
 
-        ids_t, pos_t = torch.cat(ids), torch.cat(positions)
+        ids_t, pos_t = torch.cat(ids), self._positions(positions)
+        for seg in segments:
+            seg.slots = pos_t[seg.start:seg.end]
         flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
         if self.paged:
-            ctx = PagedContext(self._paged_batch(batch, pos_t, cu, uncached), segments,
+            ctx = PagedContext(self._paged_batch(batch, pos_t, positions, cu, uncached), segments,
                                probe_layer=self.cfg.num_layers - 1,
                                mass_layer=self.cfg.num_layers - 1 if flash else None)
         else:
@@ -262,20 +276,28 @@ class Engine:
         self.stats["last_batch_size"] = len(batch)
         return finished
 
+    def _positions(self, parts: list) -> torch.Tensor:
+        """Packed positions from host ranges ``(q0, q1)`` and device index tensors, in order; one
+        host->device copy for all the ranges."""
+        if all(isinstance(p, tuple) for p in parts):
+            host = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parts])
+            return torch.from_numpy(host).to(self.device, non_blocking=True)
+        return torch.cat([torch.arange(p[0], p[1], device=self.device) if isinstance(p, tuple)
+                          else p for p in parts])
+
     @staticmethod
-    def _flash_query(req: Request, window: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
-        """cache="flash": the window plus the ``flash_budget`` cached positions outside it that
-        got the most attention mass in the request's previous step (none before the first step
-        has run: that step recomputes the whole canvas)."""
+    def _flash_extra(req: Request, q0: int, q1: int) -> torch.Tensor | None:
+        """cache="flash": the ``flash_budget`` cached positions outside the window ``[q0, q1)``
+        that got the most attention mass in the request's previous step (none before the first
+        step has run: that step recomputes the whole canvas)."""
         if req.attn_mass is None:
-            return window
+            return None
         k = min(req.params.flash_budget, req.canvas_len - (q1 - q0))
         if k <= 0:
-            return window
+            return None
         mass = req.attn_mass.clone()
         mass[q0:q1] = -1.0
-        top = torch.topk(mass, k).indices.sort().values
-        return torch.cat([window, top])
+        return torch.topk(mass, k).indices.sort().values
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits); benchmarks time it."""
@@ -283,27 +305,42 @@ class Engine:
             return self.graphs.forward(ids, positions, ctx)
         return self.model.hidden(ids, positions, ctx)
 
-    def _paged_batch(self, batch: list[Request], positions: torch.Tensor, cu: list[int],
-                     uncached: list[tuple[int, int]]) -> PagedBatch:
-        """The step's index tensors on the paged cache: a handful of launches for the whole batch."""
+    def _paged_batch(self, batch: list[Request], positions: torch.Tensor, parts: list,
+                     cu: list[int], uncached: list[tuple[int, int]]) -> PagedBatch:
+        """The step's index tensors on the paged cache. When every packed position is a host
+        range (no flash top-k, sentinel refresh or verification rows), slots, block table,
+        ``cu_q`` and ``seq_lens`` are computed on the host and cross in ONE int32 copy."""
         dev, ps = self.device, self.pool.page_size
+        B = len(batch)
         counts = [b - a for a, b in zip(cu, cu[1:])]
         # NOTE: the table is always as wide as the longest possible canvas (the kernels read only
         # each request's own columns), so a step's shape, hence its CUDA graph, does not depend on
         # how long the requests' canvases happen to be.
         width = self.pool.pages_for(self.cfg.max_position)
-        table = torch.zeros(len(batch), width, dtype=torch.int32, device=dev)
-        table[:, :max(r.page_row.numel() for r in batch)] = torch.nn.utils.rnn.pad_sequence(
-            [r.page_row for r in batch], batch_first=True)
-        req_idx = torch.repeat_interleave(torch.arange(len(batch), device=dev),
-                                          torch.tensor(counts, device=dev),
-                                          output_size=positions.shape[0])
-        slots = table[req_idx, positions // ps].long() * ps + positions % ps
-        for a, b in uncached:               # verification rows: never written to the cache
-            slots[a:b] = -1
-        return PagedBatch(self.kv, slots, torch.tensor(cu, dtype=torch.int32, device=dev),
-                          torch.tensor([r.canvas_len for r in batch], dtype=torch.int32, device=dev),
-                          table, max(counts), self.inv_freq)
+        T = positions.shape[0]
+        host = np.zeros(T + (B + 1) + B + B * width, dtype=np.int32)
+        table = host[2 * B + 1 + T:].reshape(B, width)
+        for b, r in enumerate(batch):
+            table[b, :len(r.pages)] = r.pages
+        host[T:T + B + 1] = cu
+        host[T + B + 1:T + 2 * B + 1] = [r.canvas_len for r in batch]
+        on_host = all(isinstance(p, tuple) for p in parts)
+        if on_host:            # one request per range, in batch order
+            for b, ((q0, q1), a) in enumerate(zip(parts, cu)):
+                pos = np.arange(q0, q1)
+                host[a:a + q1 - q0] = table[b, pos // ps] * ps + pos % ps
+        dev_all = torch.from_numpy(host).to(dev, non_blocking=True)
+        cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
+        table_t = dev_all[T + 2 * B + 1:].view(B, width)
+        if on_host:
+            slots = dev_all[:T]
+        else:
+            req_idx = torch.repeat_interleave(torch.arange(B, device=dev),
+                                              torch.tensor(counts, device=dev), output_size=T)
+            slots = table_t[req_idx, positions // ps].long() * ps + positions % ps
+            for a, b in uncached:           # verification rows: never written to the cache
+                slots[a:b] = -1
+        return PagedBatch(self.kv, slots, cu_t, lens_t, table_t, max(counts), self.inv_freq)
 
     def _release(self, req: Request) -> None:
         """Return a finished request's KV pages to the pool (serving ledger)."""
@@ -325,10 +362,13 @@ class Engine:
         if "threshold" in by_policy:
             idx = by_policy["threshold"]
             gid = group_ids(conf.shape[0], [bounds[i] for i in idx], conf.device)
-            sel = gid >= 0
-            tau = torch.tensor([batch[i].params.threshold for i in idx], dtype=conf.dtype,
-                               device=conf.device)
-            keep[sel] = select_threshold(conf[sel], gid[sel], len(idx), tau)
+            # rows of other policies join a last, never-passing group (no boolean indexing,
+            # which would sync), and are masked out of the result
+            G = len(idx)
+            tau = torch.tensor([batch[i].params.threshold for i in idx] + [float("inf")],
+                               dtype=conf.dtype, device=conf.device)
+            mine = gid >= 0
+            keep |= select_threshold(conf, torch.where(mine, gid, G), G + 1, tau) & mine
         return keep
 
     # ------------------------------------------------------------------------------------ outputs

@@ -62,7 +62,7 @@ class DiffusionTransformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on just the rows given (the engine passes masked slots only)."""
-        h = self.norm(h)
+        h, _ = add_rmsnorm(h, self.norm)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return h @ weight.t()
 
