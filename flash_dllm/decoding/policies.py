@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from flash_dllm.transfer import h2d
+
 
 def group_ids(n: int, bounds: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """Row -> index (in ``bounds`` order) of the group whose ``[start, end)`` holds it, -1 for rows
@@ -11,7 +13,7 @@ def group_ids(n: int, bounds: list[tuple[int, int]], device: torch.device) -> to
     gid = [-1] * n
     for g, (start, end) in enumerate(bounds):
         gid[start:end] = [g] * (end - start)
-    return torch.tensor(gid, dtype=torch.long, device=device)
+    return h2d(gid, torch.long, torch.device(device))
 
 
 def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds: list[tuple[int, int]],
@@ -33,13 +35,13 @@ def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds
             by_len.setdefault(length, []).append((start, end, min(k, end - start)))
     for length, groups in by_len.items():
         sel = [(r, s, e) for r, (s, e, _) in enumerate(groups)]
-        slot = torch.tensor([i for _, s, e in sel for i in range(s, e)], device=dev)
-        grow = torch.tensor([r for r, s, e in sel for _ in range(s, e)], device=dev)
+        slot = h2d([i for _, s, e in sel for i in range(s, e)], torch.long, dev)
+        grow = h2d([r for r, s, e in sel for _ in range(s, e)], torch.long, dev)
         rows = torch.full((len(groups), length), float("-inf"), dtype=confidence.dtype, device=dev)
         rows[grow, positions[slot]] = confidence[slot]
         kmax = max(k for _, _, k in groups)
         chosen = torch.topk(rows, kmax, dim=-1).indices                  # [G, kmax] positions
-        ks = torch.tensor([k for _, _, k in groups], device=dev)
+        ks = h2d([k for _, _, k in groups], torch.long, dev)
         valid = torch.arange(kmax, device=dev)[None, :] < ks[:, None]
         # topk indices of a row are distinct, so scattering the valid flags never collides
         local = torch.zeros((len(groups), length), dtype=torch.bool, device=dev)

@@ -40,6 +40,7 @@ from flash_dllm.kernels.rope_cache import inv_freq
 from flash_dllm.layers.attention import PackedContext, PagedBatch, PagedContext, Segment
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
+from flash_dllm.transfer import h2d
 
 
 class Engine:
@@ -180,7 +181,7 @@ class Engine:
         n_slot = sum(counts)
         where = torch.nonzero_static(blocks == mask_id, size=n_slot)          # [n_slot, 2]
         slot_req, slot_off = where[:, 0], where[:, 1]
-        starts = torch.tensor([r.block_start for r in batch], device=dev)
+        starts = h2d([r.block_start for r in batch], torch.long, dev)
         positions_all = starts[slot_req] + slot_off                            # canvas slots
 
         ids, positions, segments = [], [], []
@@ -240,7 +241,7 @@ class Engine:
         hidden = self._forward(ids_t, pos_t, ctx)
         for i in flash:     # cache="flash": where this step's attention went, for the next top-k
             batch[i].attn_mass = ctx.mass[i, :batch[i].canvas_len].clone()
-        slot_rows = positions_all + torch.tensor(row_base, device=dev)[slot_req]
+        slot_rows = positions_all + h2d(row_base, torch.long, dev)[slot_req]
         rows = torch.cat([slot_rows] + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
         tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
@@ -254,7 +255,7 @@ class Engine:
         for req, (s, e) in zip(batch, bounds):
             req.canvas.index_put_((positions_all[s:e],), new[s:e])
         # one device->host copy for the whole batch: commits per request, first-slot commits
-        first = torch.tensor([r.prompt_len for r in batch], device=dev)[slot_req]
+        first = h2d([r.prompt_len for r in batch], torch.long, dev)[slot_req]
         per_req = torch.zeros(2, len(batch), dtype=torch.long, device=dev)
         per_req[0].index_add_(0, slot_req, keep.long())
         per_req[1].index_add_(0, slot_req, (keep & (positions_all == first)).long())
@@ -281,7 +282,7 @@ class Engine:
         host->device copy for all the ranges."""
         if all(isinstance(p, tuple) for p in parts):
             host = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parts])
-            return torch.from_numpy(host).to(self.device, non_blocking=True)
+            return h2d(host, torch.long, self.device)
         return torch.cat([torch.arange(p[0], p[1], device=self.device) if isinstance(p, tuple)
                           else p for p in parts])
 
@@ -329,14 +330,14 @@ class Engine:
             for b, ((q0, q1), a) in enumerate(zip(parts, cu)):
                 pos = np.arange(q0, q1)
                 host[a:a + q1 - q0] = table[b, pos // ps] * ps + pos % ps
-        dev_all = torch.from_numpy(host).to(dev, non_blocking=True)
+        dev_all = h2d(host, torch.int32, dev)
         cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
         table_t = dev_all[T + 2 * B + 1:].view(B, width)
         if on_host:
             slots = dev_all[:T]
         else:
             req_idx = torch.repeat_interleave(torch.arange(B, device=dev),
-                                              torch.tensor(counts, device=dev), output_size=T)
+                                              h2d(counts, torch.long, dev), output_size=T)
             slots = table_t[req_idx, positions // ps].long() * ps + positions % ps
             for a, b in uncached:           # verification rows: never written to the cache
                 slots[a:b] = -1
@@ -365,8 +366,8 @@ class Engine:
             # rows of other policies join a last, never-passing group (no boolean indexing,
             # which would sync), and are masked out of the result
             G = len(idx)
-            tau = torch.tensor([batch[i].params.threshold for i in idx] + [float("inf")],
-                               dtype=conf.dtype, device=conf.device)
+            tau = h2d([batch[i].params.threshold for i in idx] + [float("inf")], conf.dtype,
+                      conf.device)
             mine = gid >= 0
             keep |= select_threshold(conf, torch.where(mine, gid, G), G + 1, tau) & mine
         return keep

@@ -37,6 +37,7 @@ from flash_dllm.decoding.verify import (
     select_after_verify,
 )
 from flash_dllm.layers.attention import VerifyRows
+from flash_dllm.transfer import h2d
 
 
 def new_counters() -> dict:
@@ -125,9 +126,8 @@ def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n
         ctok, cgid, cslot = torch.cat(cand_tok), torch.cat(cand_gid), torch.cat(cand_slot)
         view_tok, _ = propose(vlog, vgroups, forbid=mask_id)
         view_prob = draft_probability(vlog, ctok)
-        gamma = torch.tensor([batch[i].params.gamma for i in vidx], dtype=torch.float64, device=dev)
-        cumprod = torch.tensor([batch[i].params.verify_rule == "cumprod" for i in vidx],
-                               dtype=torch.bool, device=dev)
+        gamma = h2d([batch[i].params.gamma for i in vidx], torch.float64, dev)
+        cumprod = h2d([batch[i].params.verify_rule == "cumprod" for i in vidx], torch.bool, dev)
         acc = accept_prefix(ctok, view_tok, view_prob, cgid, G, gamma, cumprod)
         keep[cslot[acc]] = True
         tokens[cslot[acc]] = ctok[acc]
@@ -138,15 +138,15 @@ def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n
             _count(batch[i], stats, "verify_accepted", n_acc[g])
 
     # 2. sentinels demote threshold-passing slots to drafts
-    tau = torch.tensor([batch[i].params.threshold for i in vidx], dtype=conf.dtype, device=dev)
+    tau = h2d([batch[i].params.threshold for i in vidx], conf.dtype, dev)
     passing = torch.zeros_like(available)
     passing[sel] = available[sel] & (conf[sel] >= tau[gsel])
     demoted = torch.zeros_like(available)
     h_max = [batch[i].params.entropy_max for i in vidx]
     if any(h is not None for h in h_max):
-        hm = torch.tensor([float("inf") if h is None else h for h in h_max], device=dev)
+        hm = h2d([float("inf") if h is None else h for h in h_max], torch.float32, dev)
         on = torch.zeros_like(available)
-        on[sel] = torch.tensor([h is not None for h in h_max], device=dev)[gsel]
+        on[sel] = h2d([h is not None for h in h_max], torch.bool, dev)[gsel]
         rows = torch.nonzero(passing & on).squeeze(-1)
         trig = entropy(logits[rows]) > hm[gid[rows]]
         demoted[rows[trig]] = True
