@@ -54,6 +54,8 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--kv-layout", nargs="+", default=["paged"], choices=["paged", "dense"],
                    help="paged: the engine's page pool and kernels; dense: the plain PyTorch path")
     t.add_argument("--no-cuda-graphs", action="store_true", help="run the forward eagerly")
+    t.add_argument("--flash-budget", type=int, default=None,
+                   help="cache=flash: top-k positions recomputed per step (default: SamplingParams')")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
 
@@ -71,7 +73,8 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
     report = run_bench(a.model_shape, a.batch, a.cache, a.device, a.dtype, a.prompt_len,
                        a.gen_len, a.block_length, a.steps, a.warmup,
                        progress=lambda line: print(line, file=sys.stderr),
-                       kv_layouts=tuple(a.kv_layout), cuda_graphs=not a.no_cuda_graphs)
+                       kv_layouts=tuple(a.kv_layout), cuda_graphs=not a.no_cuda_graphs,
+                       flash_budget=a.flash_budget)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

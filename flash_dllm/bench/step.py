@@ -106,12 +106,14 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
                steps: int, warmup: int, device: torch.device, kv_layout: str = "paged",
-               cuda_graphs: bool = True) -> dict:
+               cuda_graphs: bool = True, flash_budget: int | None = None) -> dict:
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
         (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
-    params = SamplingParams(max_tokens=gen, block_length=block, cache=cache, early_stop=False)
+    extra = {} if flash_budget is None else {"flash_budget": flash_budget}
+    params = SamplingParams(max_tokens=gen, block_length=block, cache=cache, early_stop=False,
+                            **extra)
     reqs = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)
             for _ in range(batch)]
     timer = _Timer(device)
@@ -166,7 +168,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
 
 def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dtype: str,
               prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print,
-              kv_layouts: tuple[str, ...] = ("paged",), cuda_graphs: bool = True) -> dict:
+              kv_layouts: tuple[str, ...] = ("paged",), cuda_graphs: bool = True,
+              flash_budget: int | None = None) -> dict:
     dev = torch.device(device)
     cfg_dict = shape_config(shape)
     model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0)
@@ -181,7 +184,10 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     cases = [(lay, c, b) for lay in kv_layouts for c in caches for b in batches]
     for lay, cache, b in cases:
         r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev, lay,
-                       cuda_graphs)
+                       cuda_graphs, flash_budget)
+        if cache == "flash":
+            r["flash_budget"] = (flash_budget if flash_budget is not None
+                                 else SamplingParams.flash_budget)
         r["ratio_to_floor"] = r["ms"] / floor_ms
         r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
         # the forward alone at the same FLOPs (what the step would reach with no host work)

@@ -184,17 +184,17 @@ class Engine:
         starts = h2d([r.block_start for r in batch], torch.long, dev)
         positions_all = starts[slot_req] + slot_off                            # canvas slots
 
+        windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
+                               r.first_step, shift, first_block=r.block == 0) for r in batch]
+        extras = self._flash_extras(batch, windows)
         ids, positions, segments = [], [], []
         slot_rows, groups, bounds, plans, row_base = [], [], [], [], []
         cu, uncached = [0], []          # paged: per-request row boundaries; verify row ranges
         n_tok = 0
         s0 = 0
-        for req, cnt in zip(batch, counts):
-            q0, q1 = query_range(req.params.cache, req.canvas_len, req.block_start, req.block_end,
-                                 req.first_step, shift, first_block=req.block == 0)
-            extra = None
-            if req.params.cache == "flash":
-                extra = self._flash_extra(req, q0, q1)
+        for b, (req, cnt) in enumerate(zip(batch, counts)):
+            q0, q1 = windows[b]
+            extra = extras.get(b)
             if req.refresh is not None:    # KV-consistency sentinel: also recompute these keys
                 r = req.refresh[(req.refresh < q0) | (req.refresh >= q1)]
                 extra = r if extra is None else torch.cat([extra, r])
@@ -239,8 +239,10 @@ class Engine:
         else:
             ctx = PackedContext(segments, probe_layer=self.cfg.num_layers - 1)
         hidden = self._forward(ids_t, pos_t, ctx)
-        for i in flash:     # cache="flash": where this step's attention went, for the next top-k
-            batch[i].attn_mass = ctx.mass[i, :batch[i].canvas_len].clone()
+        if flash:           # cache="flash": where this step's attention went, for the next top-k
+            mass = ctx.mass.clone()          # one copy (a graph's output is overwritten on replay)
+            for i in flash:
+                batch[i].mass_src = (mass, i)
         slot_rows = positions_all + h2d(row_base, torch.long, dev)[slot_req]
         rows = torch.cat([slot_rows] + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
@@ -286,19 +288,42 @@ class Engine:
         return torch.cat([torch.arange(p[0], p[1], device=self.device) if isinstance(p, tuple)
                           else p for p in parts])
 
-    @staticmethod
-    def _flash_extra(req: Request, q0: int, q1: int) -> torch.Tensor | None:
-        """cache="flash": the ``flash_budget`` cached positions outside the window ``[q0, q1)``
-        that got the most attention mass in the request's previous step (none before the first
-        step has run: that step recomputes the whole canvas)."""
-        if req.attn_mass is None:
-            return None
-        k = min(req.params.flash_budget, req.canvas_len - (q1 - q0))
-        if k <= 0:
-            return None
-        mass = req.attn_mass.clone()
-        mass[q0:q1] = -1.0
-        return torch.topk(mass, k).indices.sort().values
+    def _flash_extras(self, batch: list[Request], windows: list[tuple[int, int]]
+                      ) -> dict[int, torch.Tensor]:
+        """cache="flash": for each flash request (by batch index) with a previous step, the
+        ``flash_budget`` cached positions outside its window ``[q0, q1)`` that got the most
+        attention mass in that step, ascending. One batched topk per previous-step mass tensor
+        (normally one per step); a request's very first step recomputes its whole canvas."""
+        dev = self.device
+        groups: dict[int, list[int]] = {}
+        for b, r in enumerate(batch):
+            if r.params.cache == "flash" and r.mass_src is not None:
+                q0, q1 = windows[b]
+                if min(r.params.flash_budget, r.canvas_len - (q1 - q0)) > 0:
+                    groups.setdefault(id(r.mass_src[0]), []).append(b)
+        out: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            src = batch[members[0]].mass_src[0]                       # [rows, keys]
+            rows = src[h2d([batch[b].mass_src[1] for b in members], torch.long, dev)]
+            q0 = h2d([windows[b][0] for b in members], torch.long, dev)[:, None]
+            q1 = h2d([windows[b][1] for b in members], torch.long, dev)[:, None]
+            length = h2d([batch[b].canvas_len for b in members], torch.long, dev)[:, None]
+            col = torch.arange(rows.shape[1], device=dev)[None, :]
+            # NOTE: -1 for the window (mass >= 0 elsewhere), -inf past the canvas: never chosen
+            # while k <= canvas - window, which the budget below guarantees
+            rows = rows.masked_fill((col >= q0) & (col < q1), -1.0)
+            rows = rows.masked_fill(col >= length, float("-inf"))
+            ks = [min(batch[b].params.flash_budget,
+                      batch[b].canvas_len - (windows[b][1] - windows[b][0])) for b in members]
+            top = torch.topk(rows, max(ks), dim=-1).indices            # [members, kmax]
+            if len(set(ks)) == 1:                                      # the usual case: one sort
+                top = top.sort(dim=-1).values
+                for j, b in enumerate(members):
+                    out[b] = top[j]
+            else:
+                for j, (b, k) in enumerate(zip(members, ks)):
+                    out[b] = top[j, :k].sort().values
+        return out
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits); benchmarks time it."""

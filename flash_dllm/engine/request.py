@@ -56,7 +56,8 @@ class Request:
         self.kv: torch.Tensor | None = None
         self.pages: list[int] | None = None    # KV pages reserved at admission (serving ledger)
         self.page_row: torch.Tensor | None = None  # the same page ids, int32 on the device (paged)
-        self.attn_mass: torch.Tensor | None = None  # cache="flash": [canvas] last step's key mass
+        # cache="flash": (the last step's mass [batch, keys], this request's row in it)
+        self.mass_src: tuple[torch.Tensor, int] | None = None
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -71,6 +72,14 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @property
+    def attn_mass(self) -> torch.Tensor | None:
+        """cache="flash": attention mass [canvas] each key got in this request's last step."""
+        if self.mass_src is None:
+            return None
+        mass, row = self.mass_src
+        return mass[row, :self.canvas_len]
 
     @property
     def canvas_len(self) -> int:
@@ -122,7 +131,7 @@ class Request:
         self.finished = True
         self.finish_reason = reason
         self.finish_time = time.monotonic()
-        self.kv = self.page_row = self.attn_mass = None
+        self.kv = self.page_row = self.mass_src = None
 
     def abort(self) -> None:
         self._finish("abort")
