@@ -58,7 +58,7 @@ class SamplingParams:
     kv_jaccard_min: float | None = None  # top-k attention overlap with last step; below -> refresh
     kv_top_k: int = 8                    # k of the KV-consistency sentinel
     # --- cache="flash": cached positions (most attended last step) recomputed per step
-    flash_budget: int = 32
+    flash_budget: int = 8
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -151,11 +151,13 @@ class EngineConfig:
     # "paged": K/V live in the shared page pool and attention runs the paged kernels (default);
     # "dense": the plain PyTorch path, a canvas-sized cache per request (reference, parity tests).
     kv_layout: str = "paged"
-    # CUDA only: replay the model forward from CUDA graphs (paged layout; captured per step shape
-    # on its second sighting, at most max_cuda_graphs kept).
+    # CUDA only: replay the model forward from CUDA graphs (paged layout; one graph per step shape,
+    # captured on its second sighting (third above cuda_graph_max_rows rows per request), at most
+    # max_cuda_graphs kept; steps above cuda_graph_max_tokens rows run eagerly).
     cuda_graphs: bool = True
     max_cuda_graphs: int = 32
-    cuda_graph_max_rows: int = 128       # steps with more rows per request run eagerly
+    cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
+    cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).
@@ -175,6 +177,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
         _check_int("cuda_graph_max_rows", self.cuda_graph_max_rows, 1)
+        _check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, 1)
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be a bool or None, got "
                              f"{self.fuse_projections!r}")

@@ -178,3 +178,38 @@ def test_flash_batched_equals_solo_and_needs_paged():
     eng = Engine(model, model.cfg, EngineConfig(kv_layout="dense"))
     with pytest.raises(ValueError, match="cache='flash' needs the paged"):
         eng.add_request([5, 6], params)
+
+
+def _top_k_one_by_one(conf, positions, bounds, ks, lens):
+    """The per-request rule (LLaDA's loop): one topk over a canvas-length row per request."""
+    keep = torch.zeros_like(conf, dtype=torch.bool)
+    for (s, e), k, n in zip(bounds, ks, lens):
+        row = torch.full((n,), float("-inf"))
+        row[positions[s:e]] = conf[s:e]
+        chosen = torch.topk(row, min(k, e - s)).indices
+        local = torch.zeros(n, dtype=torch.bool)
+        local[chosen] = True
+        keep[s:e] = local[positions[s:e]]
+    return keep
+
+
+@pytest.mark.parametrize("ks", [[1, 6], [3, 3], [8, 2], [5, 7]])
+def test_batched_top_k_keeps_the_reference_tie_order(ks):
+    """Saturated (tied) confidences: the batched rule commits exactly the per-request rule's slots,
+    also when requests of the same canvas length commit different counts."""
+    from flash_dllm.decoding.policies import select_top_k
+    conf = torch.ones(16)
+    positions = torch.cat([torch.arange(4, 12), torch.arange(4, 12)])
+    bounds, lens = [(0, 8), (8, 16)], [16, 16]
+    assert torch.equal(select_top_k(conf, positions, bounds, ks, lens),
+                       _top_k_one_by_one(conf, positions, bounds, ks, lens))
+
+
+def test_flash_mixed_budgets_batched_equals_solo():
+    model = tiny("dream", seed=10)
+    params = [SamplingParams(max_tokens=16, block_length=8, cache="flash", flash_budget=b,
+                             decode="vanilla") for b in (1, 5, 0, 9)]
+    together, _ = run_engine(model, LONG, params)
+    for p, prm, r in zip(LONG, params, together):
+        solo, _ = run_engine(model, [p], prm)
+        assert torch.equal(solo[0].canvas, r.canvas)

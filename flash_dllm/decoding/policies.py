@@ -22,18 +22,22 @@ def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds
 
     NOTE: confident models saturate float32 probabilities at exactly 1.0, so ties are common and
     the tie-break decides the commit order. We reproduce the reference's: ``torch.topk`` over a row
-    the length of the canvas, -inf everywhere but the candidate slots (rows of equal length are
-    stacked into one topk call; padding rows to a common length could change the tie order).
+    the length of the canvas, -inf everywhere but the candidate slots (rows of equal length and
+    equal k are stacked into one topk call; padding rows to a common length, or taking the first k
+    of a larger topk, could change the tie order).
     """
     keep = torch.zeros_like(confidence, dtype=torch.bool)
     dev = confidence.device
     # Groups whose rows have the same length run as one [G, length] topk (each row is the very row
     # the per-request rule builds, so ties break the same way); one batch per distinct length.
-    by_len: dict[int, list[tuple[int, int, int]]] = {}
+    # NOTE: rows are batched only with rows of the same length AND the same k: topk(x, kmax)[:k]
+    # may pick other tied elements than topk(x, k)
+    by_len: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for (start, end), k, length in zip(group_bounds, k_per_group, canvas_lens):
         if end > start and k > 0:
-            by_len.setdefault(length, []).append((start, end, min(k, end - start)))
-    for length, groups in by_len.items():
+            k = min(k, end - start)
+            by_len.setdefault((length, k), []).append((start, end, k))
+    for (length, _), groups in by_len.items():
         sel = [(r, s, e) for r, (s, e, _) in enumerate(groups)]
         slot = h2d([i for _, s, e in sel for i in range(s, e)], torch.long, dev)
         grow = h2d([r for r, s, e in sel for _ in range(s, e)], torch.long, dev)

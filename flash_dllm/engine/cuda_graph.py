@@ -3,7 +3,8 @@
 A step's shape is ``(tokens, requests, block-table width, max rows per request, mass layer)``. In
 steady decoding that shape repeats every step (``dual``: each request recomputes its block; the
 first step of a block is a different shape), so a shape is captured the second time it is seen
-and replayed from then on (larger steps than ``max_rows`` rows per request: the third time); at most ``max_graphs`` are kept (least recently used dropped). All graphs
+and replayed from then on (larger steps than ``max_rows`` rows per request: the third time;
+steps of more than ``max_tokens`` rows in all: never); at most ``max_graphs`` are kept (least recently used dropped). All graphs
 share one memory pool: they never run at the same time.
 
 Everything the forward reads comes from the step's small index tensors (ids, positions, slots,
@@ -32,10 +33,14 @@ class _Graph:
 
 
 class GraphRunner:
-    def __init__(self, model, max_graphs: int = 32, max_rows: int = 128) -> None:
+    MAX_SEEN = 4096              # shapes remembered (refresh shapes follow prompt lengths)
+
+    def __init__(self, model, max_graphs: int = 32, max_rows: int = 128,
+                 max_tokens: int = 8192) -> None:
         self.model = model
         self.max_graphs = max_graphs
         self.max_rows = max_rows
+        self.max_tokens = max_tokens
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: dict[tuple, int] = {}
         self.pool = None
@@ -49,7 +54,10 @@ class GraphRunner:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext
                 ) -> torch.Tensor:
         """The model's hidden states for this step; ``ctx.mass`` is set as an eager run sets it."""
-        if ctx.special or not ids.is_cuda:
+        # NOTE: a step of more than max_tokens rows (a large batch's full-canvas refresh) always
+        # runs eagerly: a captured graph would hold its activations in the graph pool for good,
+        # and at that size launches cost nothing next to the GEMMs.
+        if ctx.special or not ids.is_cuda or ids.shape[0] > self.max_tokens:
             return self._eager(ids, positions, ctx)
         key = self.key(ids, ctx.batch, ctx.mass_layer)
         g = self.graphs.get(key)
@@ -58,6 +66,8 @@ class GraphRunner:
             # comes back a second time; a larger one (a full-canvas refresh, a prefix-mode suffix)
             # only the third time: its shape follows the prompt lengths and often never returns,
             # and a capture costs about two forwards.
+            if len(self.seen) >= self.MAX_SEEN:
+                self.seen.clear()
             n = self.seen.get(key, 0) + 1
             self.seen[key] = n
             if n < (2 if ctx.batch.max_q <= self.max_rows else 3):

@@ -76,7 +76,8 @@ class Engine:
             self.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, self.device)
             if self.device.type == "cuda" and self.config.cuda_graphs:
                 self.graphs = GraphRunner(model, self.config.max_cuda_graphs,
-                                          self.config.cuda_graph_max_rows)
+                                          self.config.cuda_graph_max_rows,
+                                          self.config.cuda_graph_max_tokens)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
@@ -299,10 +300,11 @@ class Engine:
         for b, r in enumerate(batch):
             if r.params.cache == "flash" and r.mass_src is not None:
                 q0, q1 = windows[b]
-                if min(r.params.flash_budget, r.canvas_len - (q1 - q0)) > 0:
-                    groups.setdefault(id(r.mass_src[0]), []).append(b)
+                k = min(r.params.flash_budget, r.canvas_len - (q1 - q0))
+                if k > 0:      # same source and same k per topk call (ties: see select_top_k)
+                    groups.setdefault((id(r.mass_src[0]), k), []).append(b)
         out: dict[int, torch.Tensor] = {}
-        for members in groups.values():
+        for (_, k), members in groups.items():
             src = batch[members[0]].mass_src[0]                       # [rows, keys]
             rows = src[h2d([batch[b].mass_src[1] for b in members], torch.long, dev)]
             q0 = h2d([windows[b][0] for b in members], torch.long, dev)[:, None]
@@ -313,16 +315,9 @@ class Engine:
             # while k <= canvas - window, which the budget below guarantees
             rows = rows.masked_fill((col >= q0) & (col < q1), -1.0)
             rows = rows.masked_fill(col >= length, float("-inf"))
-            ks = [min(batch[b].params.flash_budget,
-                      batch[b].canvas_len - (windows[b][1] - windows[b][0])) for b in members]
-            top = torch.topk(rows, max(ks), dim=-1).indices            # [members, kmax]
-            if len(set(ks)) == 1:                                      # the usual case: one sort
-                top = top.sort(dim=-1).values
-                for j, b in enumerate(members):
-                    out[b] = top[j]
-            else:
-                for j, (b, k) in enumerate(zip(members, ks)):
-                    out[b] = top[j, :k].sort().values
+            top = torch.topk(rows, k, dim=-1).indices.sort(dim=-1).values   # [members, k]
+            for j, b in enumerate(members):
+                out[b] = top[j]
         return out
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

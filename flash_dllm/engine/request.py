@@ -115,8 +115,11 @@ class Request:
         self.step_in_block = 0
         self.first_step = True
         self.num_masked = self.params.block_length
-        ended = bool(torch.isin(done_block, self._stops).any())
-        if self.block == self.params.num_blocks:
+        last = self.block == self.params.num_blocks
+        # a host sync, once per block and only when its answer matters
+        ended = self.params.early_stop and not last and bool(
+            torch.isin(done_block, self._stops).any())
+        if last:
             self._finish("stop" if self._has_stop() else "length")
         elif ended and self.params.early_stop:
             # NOTE: blocks are final once complete and decoded left to right, so nothing after an

@@ -14,7 +14,7 @@ Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b *
 Kernel: program ``(m, h, b)`` owns ``BLOCK_M`` queries of request b and one head; it loops over the
 request's keys in ``BLOCK_N`` tiles, looking up each key's page in the block table (any page size;
 a key row is ``D`` contiguous values, 256 B in bf16, so gathered rows still load as full sectors),
-``tl.dot`` for QK^T and PV with fp32 accumulation, exp2-based online softmax. Programs past their
+``tl.dot`` for QK^T and PV with fp32 accumulation (IEEE fp32 products for fp32 inputs, not TF32), exp2-based online softmax. Programs past their
 request's query count exit at once, so the grid needs only the host-known ``max_seqlen_q`` (no
 device->host sync). With mass tracking, a second sweep recomputes QK^T with the final row
 max/normaliser (no V reads) and ``atomic_add``s each tile's column sums into the mass row.
@@ -48,7 +48,7 @@ if HAS_TRITON:
                            stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
                            qk_scale, D, GROUP, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           TRACK: tl.constexpr):
+                           TRACK: tl.constexpr, PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
@@ -78,7 +78,7 @@ if HAS_TRITON:
             k = tl.load(k_ptr + (page * stride_kp + slot_in_page * stride_ks
                                  + kvh * stride_kh)[:, None] + offs_d[None, :],
                         mask=kv_mask, other=0.0)                                # [BN, BD]
-            s = tl.dot(q, tl.trans(k)) * qk_scale                               # log2 domain
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale         # log2 domain
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -87,7 +87,7 @@ if HAS_TRITON:
             v = tl.load(v_ptr + (page * stride_vp + slot_in_page * stride_vs
                                  + kvh * stride_vh)[:, None] + offs_d[None, :],
                         mask=kv_mask, other=0.0)                                # [BN, BD]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
         out = acc / l_safe[:, None]
@@ -103,7 +103,7 @@ if HAS_TRITON:
                 k = tl.load(k_ptr + (page * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
                                      + kvh * stride_kh)[:, None] + offs_d[None, :],
                             mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
                 p = tl.exp2(s - lse[:, None])
                 p = tl.where(m_mask[:, None] & n_mask[None, :], p, 0.0)
                 tl.atomic_add(mass_row + offs_n, tl.sum(p, axis=0), mask=n_mask)
@@ -133,8 +133,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               scale: float | None = None, return_mass: bool = False):
     """PyTorch reference (a loop over requests; host syncs): same contract as the Triton op.
 
-    Without ``return_mass`` each request is one SDPA call over its gathered pages (the engine's CPU
-    path runs this); with it, explicit float32 softmax so the probabilities can be summed."""
+    Each request is one SDPA call over its gathered pages (the engine's CPU path runs this); the
+    mass, when asked for, comes from an explicit float32 softmax on the side."""
     _, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     page_size = k_cache.shape[1]
@@ -147,21 +147,17 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if q1 == q0 or L == 0:
             continue
         pages = block_table[b, :-(-L // page_size)].long()
-        if not return_mass:
-            k = k_cache[pages].flatten(0, 1)[:L].transpose(0, 1)           # [Hkv, L, D]
-            v = v_cache[pages].flatten(0, 1)[:L].transpose(0, 1)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), k, v, scale=scale, enable_gqa=H != Hkv)  # [H, Tq, D]
-            out[q0:q1] = o.transpose(0, 1)
-            continue
-        k = k_cache[pages].flatten(0, 1)[:L].float()                      # [L, Hkv, D]
-        v = v_cache[pages].flatten(0, 1)[:L].float()
-        k = k.repeat_interleave(H // Hkv, dim=1)                           # [L, H, D]
-        v = v.repeat_interleave(H // Hkv, dim=1)
-        qb = q[q0:q1].float()                                              # [Tq, H, D]
-        p = torch.softmax(torch.einsum("qhd,khd->hqk", qb, k) * scale, dim=-1)  # [H, Tq, L]
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
-        mass[b, :L] = p.sum(dim=(0, 1))
+        # NOTE: the output is always SDPA's, with or without mass, so that asking for the mass
+        # (cache="flash" in the batch) never changes any request's numbers
+        k = k_cache[pages].flatten(0, 1)[:L].transpose(0, 1)               # [Hkv, L, D]
+        v = v_cache[pages].flatten(0, 1)[:L].transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k, v, scale=scale, enable_gqa=H != Hkv)  # [H, Tq, D]
+        out[q0:q1] = o.transpose(0, 1)
+        if return_mass:
+            kf = k.float().repeat_interleave(H // Hkv, dim=0)              # [H, L, D]
+            s = torch.einsum("qhd,hkd->hqk", q[q0:q1].float(), kf) * scale  # [H, Tq, L]
+            mass[b, :L] = torch.softmax(s, dim=-1).sum(dim=(0, 1))
     return (out, mass) if return_mass else out
 
 
@@ -211,7 +207,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), mass.stride(0), scale * 1.4426950408889634, D, H // Hkv,
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=max(16, next_pow2(D)), TRACK=bool(return_mass), num_warps=num_warps,
+            BLOCK_D=max(16, next_pow2(D)), TRACK=bool(return_mass),
+            # fp32 inputs: full-precision dots (Triton's default would be TF32, ~1e-3 off)
+            PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
             num_stages=num_stages)
     elif T > 0:
         out.zero_()

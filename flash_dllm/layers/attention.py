@@ -201,6 +201,8 @@ class PagedContext:
     def _special_rows(self, seg: Segment, layer: int, out: torch.Tensor, qr: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       rotary: Rotary) -> None:
+        if seg.verify is None and layer != self.probe_layer:
+            return                        # a probe-only segment needs the probe layer alone
         kv = self.batch.kv
         ps = kv.shape[3]
         n = -(-seg.length // ps)
