@@ -278,6 +278,10 @@ class AsyncEngine:
     def _publish(self) -> None:
         """Post an output for every request whose committed prefix grew or that finished."""
         now = time.monotonic()
+        # NOTE: counts first: a client that got its final output must already see it gone from
+        # requests_running (the step has removed finished requests from engine.running)
+        self._engine_running = len(self.engine.running)
+        self._engine_waiting = sum(1 for r in self.engine.waiting if not r.finished)
         for rid, live in list(self._live.items()):
             req = live.req
             if req.pages is None and not req.finished:
@@ -297,8 +301,6 @@ class AsyncEngine:
                 del self._live[rid]      # final output already sees it in the counters
                 self._done(live, out)
             self._post(live.stream, out)
-        self._engine_running = len(self.engine.running)
-        self._engine_waiting = sum(1 for r in self.engine.waiting if not r.finished)
 
     def _done(self, live: _Live, out: RequestOutput) -> None:
         with self._cv:

@@ -10,9 +10,12 @@ import time
 from dataclasses import fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flash_dllm.config import DEFAULT_BLOCK_LENGTH, SamplingParams
+from flash_dllm.server.stops import stop_strings
+
+MAX_N = 16                                       # choices per request (OpenAI ``n``)
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
@@ -60,17 +63,20 @@ class _OpenAICommon(DLLMKnobs):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)                      # only 1 is supported (checked by the app)
-    stop: str | list[str] | None = None          # not supported: only null / [] pass
+    # n choices = n engine requests for the same prompt; with a seed, choice i uses seed + i
+    n: int = Field(1, ge=1, le=MAX_N)
+    # the answer ends right before the first stop string (finish_reason "stop"); up to 4
+    stop: str | list[str] | None = None
     user: str | None = None                      # accepted, unused
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for an OpenAI field set to a value this server cannot honour."""
-        if self.n != 1:
-            return "n", f"only n=1 is supported, got n={self.n}"
-        if self.stop:
-            return "stop", "stop strings are not supported; the answer ends at the model's EOS"
-        return None
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stop_strings(v)                          # raises ValueError: a 400 naming "stop"
+        return v
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return stop_strings(self.stop)
 
 
 class CompletionRequest(_OpenAICommon):
