@@ -149,13 +149,13 @@ class PackedContext:
 class PagedBatch:
     """What one packed step needs on the paged cache (built once per step by the engine).
 
-    ``slots`` [T] int64: the page slot (``page * page_size + offset``) each packed row's K/V goes to,
+    ``slots`` [T] int32 or int64: the page slot (``page * page_size + offset``) each packed row's K/V goes to,
     -1 for rows that are never cached (verification rows). Request b owns packed rows
     ``cu_q[b]:cu_q[b+1]`` and attends to its ``seq_lens[b]`` canvas keys through
     ``block_table[b]``; ``max_q`` is a host bound on every request's row count (kernel grid)."""
 
     kv: torch.Tensor               # [layers, 2, pages, page_size, kv_heads, head_dim]
-    slots: torch.Tensor            # [T] int64
+    slots: torch.Tensor            # [T] int32 (host-built) or int64
     cu_q: torch.Tensor             # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32
     block_table: torch.Tensor      # [B, max_pages] int32
