@@ -194,7 +194,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27)
     rate = matmul_rate(dev, tdtype, 8192 if dev.type == "cuda" else 1024)
     floor_ms = 1e3 * weight_bytes / bw
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(tdtype).bits // 8
+    kv_per_token = cfg.kv_bytes_per_token(tdtype)
     rows = []
     cases = [(lay, c, b) for lay in kv_layouts for c in caches for b in batches]
     for lay, cache, b in cases:

@@ -62,9 +62,8 @@ class Engine:
         self._ids = itertools.count()
         # KV pages: the admission ledger (flash_dllm.cache.page_pool) and, with kv_layout="paged",
         # where K/V physically live: one tensor [layers, 2, pages, page_size, kv_heads, head_dim]
-        elem = torch.finfo(self.dtype).bits // 8
-        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-        self.pool = PagePool(self.config.num_pages(kv_bytes, self._gpu_kv_budget()),
+        self.pool = PagePool(self.config.num_pages(cfg.kv_bytes_per_token(self.dtype),
+                                                   self._gpu_kv_budget()),
                              self.config.page_size)
         self.paged = self.config.kv_layout == "paged"
         self.kv: torch.Tensor | None = None
@@ -182,8 +181,6 @@ class Engine:
         n_slot = sum(counts)
         where = torch.nonzero_static(blocks == mask_id, size=n_slot)          # [n_slot, 2]
         slot_req, slot_off = where[:, 0], where[:, 1]
-        starts = h2d([r.block_start for r in batch], torch.long, dev)
-        positions_all = starts[slot_req] + slot_off                            # canvas slots
 
         windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
                                r.first_step, shift, first_block=r.block == 0) for r in batch]
@@ -212,8 +209,6 @@ class Engine:
                           pages=req.page_row if self.paged else None, length=req.canvas_len)
             segments.append(seg)
             row_base.append(n_tok - shift - q0)     # packed row predicting slot p: p + base
-            if req.params.kv_jaccard_min is not None:
-                seg.probe = positions_all[s0:s0 + cnt] - q0
             n_tok += n
             plan = plan_verification(req, shift, n_tok)       # last forward's drafts, folded in
             if plan is not None and plan.block is not None:
@@ -229,9 +224,15 @@ class Engine:
             bounds.append((s0, s0 + cnt))
             s0 += cnt
 
+        # per-request vectors, one host->device copy: block starts, row bases, prompt lengths
+        per_req_h = h2d([[r.block_start for r in batch], row_base, [r.prompt_len for r in batch]],
+                        torch.long, dev)
+        positions_all = per_req_h[0][slot_req] + slot_off                     # canvas slots
         ids_t, pos_t = torch.cat(ids), self._positions(positions)
-        for seg in segments:
+        for req, seg, (s, e), (q0, _) in zip(batch, segments, bounds, windows):
             seg.slots = pos_t[seg.start:seg.end]
+            if req.params.kv_jaccard_min is not None:
+                seg.probe = positions_all[s:e] - q0
         flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
         if self.paged:
             ctx = PagedContext(self._paged_batch(batch, pos_t, positions, cu, uncached), segments,
@@ -244,7 +245,7 @@ class Engine:
             mass = ctx.mass.clone()          # one copy (a graph's output is overwritten on replay)
             for i in flash:
                 batch[i].mass_src = (mass, i)
-        slot_rows = positions_all + h2d(row_base, torch.long, dev)[slot_req]
+        slot_rows = positions_all + per_req_h[1][slot_req]
         rows = torch.cat([slot_rows] + [p.mask_rows for p in plans if p is not None])
         logits = self.model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
         tokens, conf = propose(logits[:n_slot], groups, forbid=mask_id)
@@ -258,7 +259,7 @@ class Engine:
         for req, (s, e) in zip(batch, bounds):
             req.canvas.index_put_((positions_all[s:e],), new[s:e])
         # one device->host copy for the whole batch: commits per request, first-slot commits
-        first = h2d([r.prompt_len for r in batch], torch.long, dev)[slot_req]
+        first = per_req_h[2][slot_req]
         per_req = torch.zeros(2, len(batch), dtype=torch.long, device=dev)
         per_req[0].index_add_(0, slot_req, keep.long())
         per_req[1].index_add_(0, slot_req, (keep & (positions_all == first)).long())
@@ -306,10 +307,11 @@ class Engine:
         out: dict[int, torch.Tensor] = {}
         for (_, k), members in groups.items():
             src = batch[members[0]].mass_src[0]                       # [rows, keys]
-            rows = src[h2d([batch[b].mass_src[1] for b in members], torch.long, dev)]
-            q0 = h2d([windows[b][0] for b in members], torch.long, dev)[:, None]
-            q1 = h2d([windows[b][1] for b in members], torch.long, dev)[:, None]
-            length = h2d([batch[b].canvas_len for b in members], torch.long, dev)[:, None]
+            row, q0, q1, length = h2d(
+                [[batch[b].mass_src[1] for b in members], [windows[b][0] for b in members],
+                 [windows[b][1] for b in members], [batch[b].canvas_len for b in members]],
+                torch.long, dev)[:, :, None]                          # one copy: 4 x [members, 1]
+            rows = src[row[:, 0]]
             col = torch.arange(rows.shape[1], device=dev)[None, :]
             # NOTE: -1 for the window (mass >= 0 elsewhere), -inf past the canvas: never chosen
             # while k <= canvas - window, which the budget below guarantees
@@ -333,7 +335,6 @@ class Engine:
         ``cu_q`` and ``seq_lens`` are computed on the host and cross in ONE int32 copy."""
         dev, ps = self.device, self.pool.page_size
         B = len(batch)
-        counts = [b - a for a, b in zip(cu, cu[1:])]
         # NOTE: the table is always as wide as the longest possible canvas (the kernels read only
         # each request's own columns), so a step's shape, hence its CUDA graph, does not depend on
         # how long the requests' canvases happen to be.
@@ -353,6 +354,7 @@ class Engine:
         dev_all = h2d(host, torch.int32, dev)
         cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
         table_t = dev_all[T + 2 * B + 1:].view(B, width)
+        counts = [b - a for a, b in zip(cu, cu[1:])]
         if on_host:
             slots = dev_all[:T]
         else:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -53,10 +55,10 @@ class ModelConfig:
         if self.logit_shift not in (0, 1):
             raise ValueError(f"logit_shift must be 0 or 1, got {self.logit_shift}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one cached token needs across all layers, at 2 bytes per value."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of K and V one cached token needs across all layers, in ``dtype``."""
+        elem = torch.finfo(dtype).bits // 8
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     def num_params(self) -> int:
         d, hd = self.hidden_size, self.head_dim

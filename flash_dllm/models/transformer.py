@@ -12,6 +12,9 @@ from flash_dllm.models.config import ModelConfig
 
 
 class Block(nn.Module):
+    """One layer's modules: ``h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h))``, run by
+    ``DiffusionTransformer.hidden`` with each residual add fused into the following norm."""
+
     def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -19,10 +22,6 @@ class Block(nn.Module):
                               cfg.qkv_bias, rotary)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), positions, layer, ctx)
-        return h + self.mlp(self.mlp_norm(h))
 
 
 class DiffusionTransformer(nn.Module):
@@ -45,8 +44,8 @@ class DiffusionTransformer(nn.Module):
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """ids/positions: [B, L] (DenseContext) or [T] packed (PackedContext) -> pre-norm hidden."""
-        # NOTE: the same sums as ``Block.forward`` layer after layer, but each residual add is fused
-        # with the norm that follows it (``add_rmsnorm``): one kernel per add+norm on the GPU.
+        # NOTE: each layer is ``Block``'s two residual sums, but each residual add is fused with
+        # the norm that follows it (``add_rmsnorm``): one kernel per add+norm on the GPU.
         x = self.embed(ids)
         layers = self.layers
         normed, res = add_rmsnorm(x, layers[0].attn_norm)
@@ -77,12 +76,9 @@ class DiffusionTransformer(nn.Module):
         for layer in self.layers:
             layer.attn.fuse()
             layer.mlp.fuse()
-        if self.device_type() == "cuda":
+        if next(self.parameters()).is_cuda:
             torch.cuda.empty_cache()
         return self
-
-    def device_type(self) -> str:
-        return next(self.parameters()).device.type
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "DiffusionTransformer":
         """Random init (normal(0, std), unit norms, zero biases) for tests and training."""

@@ -132,32 +132,12 @@ def build_app(async_engine: AsyncEngine, tokenizer, served_model_name: str,
             raise APIError(400, msg, param="prompt") from None
 
     async def final_output(stream: RequestStream, request: Request) -> RequestOutput:
-        """The finished output; aborts the request if the client disconnects first."""
-        async def consume():
-            last = None
-            async for out in stream:
-                last = out
-            return last
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
-        try:
-            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if consumer in done:
-                out = consumer.result()
-                if out is None or not out.finished:
-                    raise APIError(503, "the request ended without output", "server_error")
-                return out
-            raise APIError(499, "client disconnected", code="client_closed_request")
-        except EngineUnavailableError as e:
-            raise APIError(503, str(e), "server_error", code="unavailable") from None
-        finally:
-            consumer.cancel()
-            watcher.cancel()
-            stream.abort()
+        """The finished output of one engine request (``/generate``): ``run_choices`` on a single
+        choice with no stop strings, so a disconnect or an engine failure is handled alike."""
+        ch = _Choice(0, stream, IncrementalDetokenizer(tokenizer.decode), StopBuffer(()),
+                     tokenizer.decode, 0, lazy=True)
+        await run_choices([ch], request)
+        return ch.last
 
     def usage(out: RequestOutput) -> Usage:
         n_p, n_c = len(out.prompt_token_ids), len(out.token_ids)
