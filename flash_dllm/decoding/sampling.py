@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_dllm.kernels import argmax_confidence
+
 
 @dataclass(frozen=True)
 class RowGroup:
@@ -43,7 +45,12 @@ def propose(logits: torch.Tensor, groups: list[RowGroup],
     Gumbel-max with the request's own generator. Confidence is the softmax probability of the
     chosen token under the *unfiltered, untempered* logits, computed as LLaDA's reference does
     (softmax then gather), so confidence ties break the same way.
+
+    All-greedy batches (every group at temperature 0) take one fused pass over the logits
+    (``kernels/argmax_confidence``: Triton on CUDA, this function's own math on the CPU).
     """
+    if all(g.temperature <= 0.0 for g in groups):
+        return argmax_confidence.op(logits, forbid)
     logits = logits.float()
     choose = logits
     if forbid is not None:

@@ -1,0 +1,72 @@
+"""The greedy-proposal kernel (argmax skipping MASK + softmax probability) against its reference and
+against ``decoding.sampling.propose`` at temperature 0, under the interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm.decoding.sampling import RowGroup, propose
+from flash_dllm.kernels import argmax_confidence as ac
+from flash_dllm.kernels._triton import HAS_TRITON
+
+needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and ac.INTERPRET),
+                                       reason="needs triton under TRITON_INTERPRET=1")
+
+
+def _logits(N, V, seed, dtype=torch.float32):
+    return (torch.randn(N, V, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V,block", [(100, 32), (257, 64), (64, 64)])
+def test_kernel_matches_reference(dtype, V, block):
+    x = _logits(9, V, seed=V, dtype=dtype)
+    exclude = V // 3
+    x[2, exclude] = 50.0                      # the excluded id is the max: never proposed ...
+    tok, conf = ac.argmax_confidence_triton(x, exclude, block=block)
+    rtok, rconf = ac.argmax_confidence_reference(x, exclude)
+    assert torch.equal(tok, rtok)
+    assert (tok != exclude).all()
+    torch.testing.assert_close(conf, rconf, rtol=1e-5, atol=1e-6)
+    assert conf[2] < 1e-6                     # ... but stays in the normaliser
+
+
+@needs_interpreter
+def test_ties_go_to_the_lowest_index_across_chunks():
+    x = torch.zeros(3, 96)
+    x[0, [5, 70]] = 2.0           # tie in two different chunks of 32
+    x[1, [40, 41]] = 2.0          # tie inside one chunk
+    x[2, :] = 1.0                 # all equal, id 0 excluded -> 1
+    tok, conf = ac.argmax_confidence_triton(x, exclude=0, block=32)
+    assert tok.tolist() == [5, 40, 1]
+    rtok, rconf = ac.argmax_confidence_reference(x, exclude=0)
+    assert torch.equal(tok, rtok)
+    torch.testing.assert_close(conf, rconf)
+
+
+@needs_interpreter
+def test_strided_rows_and_empty():
+    big = _logits(4, 150, seed=3)
+    tok, conf = ac.argmax_confidence_triton(big[:, :120], None, block=64)
+    rtok, rconf = ac.argmax_confidence_reference(big[:, :120])
+    assert torch.equal(tok, rtok)
+    torch.testing.assert_close(conf, rconf)
+    t, c = ac.argmax_confidence_triton(torch.zeros(0, 10))
+    assert t.shape == (0,) and c.shape == (0,)
+
+
+def test_reference_is_propose_at_temperature_zero():
+    x = _logits(6, 50, seed=4)
+    groups = [RowGroup(0, 4, 0.0, 0, 1.0, None), RowGroup(4, 6, 0.0, 0, 1.0, None)]
+    t1, c1 = propose(x, groups, forbid=7)
+    t2, c2 = ac.argmax_confidence_reference(x, 7)
+    assert torch.equal(t1, t2) and torch.equal(c1, c2)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="exclude"):
+        ac.argmax_confidence_triton(torch.zeros(2, 8), exclude=8)
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        ac.argmax_confidence_triton(torch.zeros(8))
