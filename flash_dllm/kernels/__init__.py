@@ -10,10 +10,19 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | `confidence`      | LM head + (argmax, max-prob, entropy); no [N,V] probs | confidence.py      |
 | `rope_cache`      | RoPE on q/k + K/V write into paged cache slots        | rope_cache.py      |
 | `paged_attention` | paged bidirectional varlen attention (+ key mass)     | paged_attention.py |
+| `argmax_confidence` | greedy proposal from logits: argmax + its softmax prob | argmax_confidence.py |
+| `skinny_gemm`     | few-row GEMM tiled for bandwidth (study; not wired: cuBLAS is as fast) | skinny_gemm.py |
 """
 from __future__ import annotations
 
-from flash_dllm.kernels import confidence, paged_attention, rmsnorm, rope_cache
+from flash_dllm.kernels import (
+    argmax_confidence,
+    confidence,
+    paged_attention,
+    rmsnorm,
+    rope_cache,
+    skinny_gemm,
+)
 from flash_dllm.kernels._triton import HAS_TRITON, use_triton
 
 OPS = {
@@ -21,12 +30,16 @@ OPS = {
     "confidence": confidence.op,
     "rope_cache": rope_cache.op,
     "paged_attention": paged_attention.op,
+    "argmax_confidence": argmax_confidence.op,
+    "skinny_gemm": skinny_gemm.op,
 }
 REFERENCES = {
     "rmsnorm": rmsnorm.rmsnorm_reference,
     "confidence": confidence.confidence_reference,
     "rope_cache": rope_cache.rope_cache_reference,
     "paged_attention": paged_attention.paged_attention_reference,
+    "argmax_confidence": argmax_confidence.argmax_confidence_reference,
+    "skinny_gemm": skinny_gemm.skinny_gemm_reference,
 }
 
 fused_add_rmsnorm = rmsnorm.op
