@@ -158,6 +158,11 @@ class EngineConfig:
     max_cuda_graphs: int = 32
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
+    # steady greedy threshold steps of dual/prefix requests as ONE graph (forward, LM head,
+    # proposal, commit; ``engine/fused_step.py``) while batch x block_length <= the row cap.
+    # None: on whenever CUDA graphs are; True also runs the fused body eagerly (CPU tests)
+    fused_step: bool | None = None
+    fused_step_max_rows: int = 256
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).
@@ -178,6 +183,9 @@ class EngineConfig:
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
         _check_int("cuda_graph_max_rows", self.cuda_graph_max_rows, 1)
         _check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, 1)
+        if self.fused_step is not None and not isinstance(self.fused_step, bool):
+            raise ValueError(f"fused_step must be a bool or None, got {self.fused_step!r}")
+        _check_int("fused_step_max_rows", self.fused_step_max_rows, 1)
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be a bool or None, got "
                              f"{self.fuse_projections!r}")

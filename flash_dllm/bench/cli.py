@@ -56,6 +56,11 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--no-cuda-graphs", action="store_true", help="run the forward eagerly")
     t.add_argument("--flash-budget", type=int, default=None,
                    help="cache=flash: top-k positions recomputed per step (default: SamplingParams')")
+    t.add_argument("--decode", default="vanilla", choices=["vanilla", "threshold"],
+                   help="commit rule (a random model commits one token per step under both); "
+                        "threshold steps can run fused (one CUDA graph per step)")
+    t.add_argument("--no-fused-step", action="store_true",
+                   help="threshold: keep the forward graph + eager proposal/commit path")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
 
@@ -74,7 +79,8 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        a.gen_len, a.block_length, a.steps, a.warmup,
                        progress=lambda line: print(line, file=sys.stderr),
                        kv_layouts=tuple(a.kv_layout), cuda_graphs=not a.no_cuda_graphs,
-                       flash_budget=a.flash_budget)
+                       flash_budget=a.flash_budget, decode=a.decode,
+                       fused_step=not a.no_fused_step)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

@@ -106,14 +106,16 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
                steps: int, warmup: int, device: torch.device, kv_layout: str = "paged",
-               cuda_graphs: bool = True, flash_budget: int | None = None) -> dict:
+               cuda_graphs: bool = True, flash_budget: int | None = None,
+               decode: str = "vanilla", fused_step: bool = True) -> dict:
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
-        (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs))
+        (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs,
+        fused_step=None if fused_step else False))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
     extra = {} if flash_budget is None else {"flash_budget": flash_budget}
     params = SamplingParams(max_tokens=gen, block_length=block, cache=cache, early_stop=False,
-                            **extra)
+                            decode=decode, **extra)
     reqs = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)
             for _ in range(batch)]
     timer = _Timer(device)
@@ -149,11 +151,12 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
         # only the request's very first step for flash
         first = reqs[0].first_step and (cache != "flash" or reqs[0].block == 0)
         f = step_flops(cfg, reqs)
+        fwd.clear()          # a fused step (engine/fused_step.py) runs no separate forward
         t = timer(engine.step)
         if i < warmup:
             continue
         (refresh if first and cache != "none" else cached).append(t)
-        if not (first and cache != "none"):
+        if not (first and cache != "none") and fwd:
             fwd_cached.append(forward_seconds())
         if not (first and cache != "none"):
             flops.append(f / t)
@@ -161,6 +164,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     for r in reqs:
         engine.abort(r.request_id)
     graphs = engine.graphs.stats if engine.graphs is not None else None
+    if graphs is not None and engine.fused is not None:
+        graphs = {**graphs, **engine.fused.stats}
     # NOTE: the timing hook makes a reference cycle (engine -> closure -> engine): break it and
     # collect, so this case's KV pool and graphs are freed before the next case's peak is read
     del engine._forward
@@ -175,7 +180,9 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
             "timed_steps": len(cached), "ms": ms, "ms_mean": 1e3 * statistics.fmean(cached),
             # the forward alone (graph replay or eager layers); ms - ms_forward is the host-side
             # work of the step: scheduling, sampling, committing
-            "ms_forward": 1e3 * statistics.median(fwd_cached),
+            # (None when every timed step was fused: the forward is inside the step's graph)
+            "ms_forward": 1e3 * statistics.median(fwd_cached) if fwd_cached else None,
+            "decode": decode,
             "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
             "flops_per_s": statistics.median(flops) if flops else None,
             "peak_bytes": peak}
@@ -184,7 +191,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
 def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dtype: str,
               prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print,
               kv_layouts: tuple[str, ...] = ("paged",), cuda_graphs: bool = True,
-              flash_budget: int | None = None) -> dict:
+              flash_budget: int | None = None, decode: str = "vanilla",
+              fused_step: bool = True) -> dict:
     dev = torch.device(device)
     cfg_dict = shape_config(shape)
     model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0)
@@ -199,14 +207,15 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     cases = [(lay, c, b) for lay in kv_layouts for c in caches for b in batches]
     for lay, cache, b in cases:
         r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev, lay,
-                       cuda_graphs, flash_budget)
+                       cuda_graphs, flash_budget, decode, fused_step)
         if cache == "flash":
             r["flash_budget"] = (flash_budget if flash_budget is not None
                                  else SamplingParams.flash_budget)
         r["ratio_to_floor"] = r["ms"] / floor_ms
         r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
         # the forward alone at the same FLOPs (what the step would reach with no host work)
-        r["mfu_forward"] = r["mfu"] * r["ms"] / r["ms_forward"] if r["mfu"] else None
+        r["mfu_forward"] = (r["mfu"] * r["ms"] / r["ms_forward"]
+                            if r["mfu"] and r["ms_forward"] else None)
         # per step over a whole block: prefix/dual pay one full refresh per block, flash none
         if r["ms_refresh"] is not None and cache in ("prefix", "dual"):
             r["ms_per_step_in_block"] = (r["ms_refresh"] + (block - 1) * r["ms"]) / block
@@ -233,7 +242,7 @@ def row_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
     peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
     return (f"{r.get('kv_layout', 'paged'):5s} batch {r['batch']:3d}  cache {r['cache']:6s}  "
-            f"{r['ms']:9.2f} ms (forward {r.get('ms_forward', float('nan')):8.2f}, per step in "
+            f"{r['ms']:9.2f} ms (forward {r.get('ms_forward') or float('nan'):8.2f}, per step in "
             f"block {r.get('ms_per_step_in_block', float('nan')):8.2f})  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "
             f"(weights+KV {r['expected_gib']:.2f})")

@@ -36,6 +36,7 @@ from flash_dllm.engine.verify_step import (
     update_drafts,
 )
 from flash_dllm.engine.cuda_graph import GraphRunner
+from flash_dllm.engine.fused_step import FusedStep
 from flash_dllm.kernels.rope_cache import inv_freq
 from flash_dllm.layers.attention import PackedContext, PagedBatch, PagedContext, Segment
 from flash_dllm.models.config import ModelConfig
@@ -77,6 +78,18 @@ class Engine:
                 self.graphs = GraphRunner(model, self.config.max_cuda_graphs,
                                           self.config.cuda_graph_max_rows,
                                           self.config.cuda_graph_max_tokens)
+        # every running request's canvas is a row of one tensor (``Request.canvas`` is a view of
+        # it), so a step gathers its ids and commits its tokens with one launch each
+        self.arena = torch.full((self.config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
+                                dtype=torch.long, device=self.device)
+        self._free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
+        self._table_cache: tuple | None = None
+        # steady small-batch threshold steps: the whole step in one CUDA graph (fused_step.py)
+        fused = self.config.fused_step
+        self.fused = None
+        if self.paged and (fused or (fused is None and self.graphs is not None)):
+            self.fused = FusedStep(self, self.config.fused_step_max_rows,
+                                   self.config.max_cuda_graphs)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
@@ -146,6 +159,10 @@ class Engine:
             if req.pages is None:
                 self.waiting.appendleft(req)
                 break
+            req.arena_row = self._free_rows.pop()
+            row = self.arena[req.arena_row, :req.canvas_len]
+            row.copy_(req.canvas)
+            req.canvas = row
             if self.paged:
                 req.page_row = torch.tensor(req.pages, dtype=torch.int32, device=self.device)
             elif keeps_cache(req.params.cache):
@@ -164,24 +181,14 @@ class Engine:
             return []
         t0 = time.perf_counter()
         batch = self.running
+        if self.fused is not None and self.fused.eligible(batch):
+            return self._advance(batch, *self.fused.run(batch), t0)
         shift = self.cfg.logit_shift
         mask_id = self.cfg.mask_token_id
 
         dev = self.device
-        # every request's masked slots at once: one nonzero over the stacked active blocks, sized
-        # by the host-kept MASK counts (no device->host sync)
-        views = [r.canvas[r.block_start:r.block_end] for r in batch]
-        if len({v.shape[0] for v in views}) == 1:
-            blocks = torch.stack(views)                   # one copy kernel for the batch
-        else:
-            blocks = torch.nn.utils.rnn.pad_sequence(
-                views, batch_first=True,
-                padding_value=mask_id + 1 if mask_id + 1 < self.cfg.vocab_size else mask_id - 1)
         counts = [r.num_masked for r in batch]
         n_slot = sum(counts)
-        where = torch.nonzero_static(blocks == mask_id, size=n_slot)          # [n_slot, 2]
-        slot_req, slot_off = where[:, 0], where[:, 1]
-
         windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
                                r.first_step, shift, first_block=r.block == 0) for r in batch]
         extras = self._flash_extras(batch, windows)
@@ -200,7 +207,7 @@ class Engine:
             # the window is a contiguous slice (a view: the final cat is the only copy), its
             # positions a host range; only extra positions are gathered on the device
             n = q1 - q0 + (0 if extra is None else extra.numel())
-            ids.append(req.canvas[q0:q1])
+            ids.append((req, q0, q1))                 # sliced only off the all-host path
             positions.append((q0, q1))
             if extra is not None:
                 ids.append(req.canvas[extra])
@@ -224,18 +231,36 @@ class Engine:
             bounds.append((s0, s0 + cnt))
             s0 += cnt
 
-        # per-request vectors, one host->device copy: block starts, row bases, prompt lengths
-        per_req_h = h2d([[r.block_start for r in batch], row_base, [r.prompt_len for r in batch]],
-                        torch.long, dev)
+        # per-request vectors, one host->device copy: block starts, row bases, prompt lengths,
+        # arena rows
+        W = self.arena.shape[1]
+        per_req_h = h2d([[r.block_start for r in batch], row_base, [r.prompt_len for r in batch],
+                         [r.arena_row for r in batch]], torch.long, dev)
+        # every request's masked slots at once: one nonzero over the active blocks (one gather
+        # from the arena), sized by the host-kept MASK counts (no device->host sync)
+        lengths = {r.params.block_length for r in batch}
+        blk_host = None
+        if len(lengths) == 1:
+            bl = lengths.pop()
+            base = np.array([r.arena_row * W + r.block_start for r in batch], dtype=np.int64)
+            blk_host = (base[:, None] + np.arange(bl)).ravel()
+        ids_t, pos_t, pos_host, blk_t = self._ids_positions(batch, ids, positions, blk_host)
+        if blk_t is not None:
+            blocks = self.arena.view(-1)[blk_t].view(len(batch), -1)
+        else:
+            blocks = torch.nn.utils.rnn.pad_sequence(
+                [r.canvas[r.block_start:r.block_end] for r in batch], batch_first=True,
+                padding_value=mask_id + 1 if mask_id + 1 < self.cfg.vocab_size else mask_id - 1)
+        where = torch.nonzero_static(blocks == mask_id, size=n_slot)          # [n_slot, 2]
+        slot_req, slot_off = where[:, 0], where[:, 1]
         positions_all = per_req_h[0][slot_req] + slot_off                     # canvas slots
-        ids_t, pos_t = torch.cat(ids), self._positions(positions)
         for req, seg, (s, e), (q0, _) in zip(batch, segments, bounds, windows):
             seg.slots = pos_t[seg.start:seg.end]
             if req.params.kv_jaccard_min is not None:
                 seg.probe = positions_all[s:e] - q0
         flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
         if self.paged:
-            ctx = PagedContext(self._paged_batch(batch, pos_t, positions, cu, uncached), segments,
+            ctx = PagedContext(self._paged_batch(batch, pos_t, pos_host, cu, uncached), segments,
                                probe_layer=self.cfg.num_layers - 1,
                                mass_layer=self.cfg.num_layers - 1 if flash else None)
         else:
@@ -256,21 +281,27 @@ class Engine:
 
         # commit: masked slots take their token where kept and stay MASK elsewhere (no sync)
         new = torch.where(keep, tokens, torch.full_like(tokens, mask_id))
-        for req, (s, e) in zip(batch, bounds):
-            req.canvas.index_put_((positions_all[s:e],), new[s:e])
+        flat = per_req_h[3][slot_req] * self.arena.shape[1] + positions_all
+        self.arena.view(-1).index_put_((flat,), new)
         # one device->host copy for the whole batch: commits per request, first-slot commits
         first = per_req_h[2][slot_req]
         per_req = torch.zeros(2, len(batch), dtype=torch.long, device=dev)
         per_req[0].index_add_(0, slot_req, keep.long())
         per_req[1].index_add_(0, slot_req, (keep & (positions_all == first)).long())
         committed, firsts = per_req.tolist()
-        self.stats["tokens_committed"] += sum(committed)
-        finished = []
-        for req, seg, (s, e), n, f in zip(batch, segments, bounds, committed, firsts):
+        for req, seg, (s, e) in zip(batch, segments, bounds):
             if req.params.decode == "verify":
                 update_drafts(req, tokens[s:e], conf[s:e], positions_all[s:e], keep[s:e])
             if seg.probe is not None:
                 kv_consistency(req, seg.probe_weights, positions_all[s:e], self.stats)
+        return self._advance(batch, committed, firsts, t0)
+
+    def _advance(self, batch: list[Request], committed: list[int], firsts: list[int],
+                 t0: float) -> list[Request]:
+        """Book-keeping after a step: requests advance, finish and free their pages."""
+        self.stats["tokens_committed"] += sum(committed)
+        finished = []
+        for req, n, f in zip(batch, committed, firsts):
             req.advance(n, bool(f))
             if req.finished:
                 finished.append(req)
@@ -281,14 +312,34 @@ class Engine:
         self.stats["last_batch_size"] = len(batch)
         return finished
 
-    def _positions(self, parts: list) -> torch.Tensor:
-        """Packed positions from host ranges ``(q0, q1)`` and device index tensors, in order; one
-        host->device copy for all the ranges."""
+    def _ids_positions(self, batch: list[Request], ids: list, parts: list,
+                       blk_host: np.ndarray | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
+                                  torch.Tensor | None]:
+        """The step's packed token ids and positions, and the arena indices ``blk_host`` of the
+        active blocks on the device. ``parts``: host ranges ``(q0, q1)`` and device index tensors,
+        in order; ``ids``: ``(request, q0, q1)`` for each range, device id tensors for the rest.
+        When every part is a host range (one per request, in batch order), positions, the ids'
+        arena indices and ``blk_host`` cross in ONE host->device copy and the ids are one gather
+        from the arena; the host positions are returned for ``_paged_batch``."""
+        dev = self.device
+        nb = 0 if blk_host is None else blk_host.shape[0]
         if all(isinstance(p, tuple) for p in parts):
-            host = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parts])
-            return h2d(host, torch.long, self.device)
-        return torch.cat([torch.arange(p[0], p[1], device=self.device) if isinstance(p, tuple)
-                          else p for p in parts])
+            q0 = np.array([p[0] for p in parts], dtype=np.int64)
+            n = np.array([p[1] - p[0] for p in parts], dtype=np.int64)
+            T = int(n.sum())
+            pos = np.arange(T, dtype=np.int64) + np.repeat(q0 - (np.cumsum(n) - n), n)
+            rows = np.array([r.arena_row for r in batch], dtype=np.int64)
+            host = [pos, pos + np.repeat(rows * self.arena.shape[1], n)]
+            if blk_host is not None:
+                host.append(blk_host)
+            both = h2d(np.concatenate(host), torch.long, dev)
+            return (self.arena.view(-1)[both[T:2 * T]], both[:T], pos,
+                    both[2 * T:] if nb else None)
+        ids_t = torch.cat([x[0].canvas[x[1]:x[2]] if isinstance(x, tuple) else x for x in ids])
+        pos_t = torch.cat([torch.arange(p[0], p[1], device=dev) if isinstance(p, tuple) else p
+                           for p in parts])
+        return ids_t, pos_t, None, None if blk_host is None else h2d(blk_host, torch.long, dev)
 
     def _flash_extras(self, batch: list[Request], windows: list[tuple[int, int]]
                       ) -> dict[int, torch.Tensor]:
@@ -328,11 +379,12 @@ class Engine:
             return self.graphs.forward(ids, positions, ctx)
         return self.model.hidden(ids, positions, ctx)
 
-    def _paged_batch(self, batch: list[Request], positions: torch.Tensor, parts: list,
-                     cu: list[int], uncached: list[tuple[int, int]]) -> PagedBatch:
+    def _paged_batch(self, batch: list[Request], positions: torch.Tensor,
+                     pos_host: np.ndarray | None, cu: list[int], uncached: list[tuple[int, int]]
+                     ) -> PagedBatch:
         """The step's index tensors on the paged cache. When every packed position is a host
-        range (no flash top-k, sentinel refresh or verification rows), slots, block table,
-        ``cu_q`` and ``seq_lens`` are computed on the host and cross in ONE int32 copy."""
+        range (``pos_host``: no flash top-k, sentinel refresh or verification rows), slots, block
+        table, ``cu_q`` and ``seq_lens`` are computed on the host and cross in ONE int32 copy."""
         dev, ps = self.device, self.pool.page_size
         B = len(batch)
         # NOTE: the table is always as wide as the longest possible canvas (the kernels read only
@@ -342,20 +394,17 @@ class Engine:
         T = positions.shape[0]
         host = np.zeros(T + (B + 1) + B + B * width, dtype=np.int32)
         table = host[2 * B + 1 + T:].reshape(B, width)
-        for b, r in enumerate(batch):
-            table[b, :len(r.pages)] = r.pages
+        table[:] = self._block_table(batch, width)
         host[T:T + B + 1] = cu
         host[T + B + 1:T + 2 * B + 1] = [r.canvas_len for r in batch]
-        on_host = all(isinstance(p, tuple) for p in parts)
-        if on_host:            # one request per range, in batch order
-            for b, ((q0, q1), a) in enumerate(zip(parts, cu)):
-                pos = np.arange(q0, q1)
-                host[a:a + q1 - q0] = table[b, pos // ps] * ps + pos % ps
+        if pos_host is not None:           # one request per range, in batch order
+            req = np.repeat(np.arange(B), np.diff(cu))
+            host[:T] = table[req, pos_host // ps] * ps + pos_host % ps
         dev_all = h2d(host, torch.int32, dev)
         cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
         table_t = dev_all[T + 2 * B + 1:].view(B, width)
         counts = [b - a for a, b in zip(cu, cu[1:])]
-        if on_host:
+        if pos_host is not None:
             slots = dev_all[:T]
         else:
             req_idx = torch.repeat_interleave(torch.arange(B, device=dev),
@@ -365,11 +414,29 @@ class Engine:
                 slots[a:b] = -1
         return PagedBatch(self.kv, slots, cu_t, lens_t, table_t, max(counts), self.inv_freq)
 
+    def _block_table(self, batch: list[Request], width: int) -> np.ndarray:
+        """[B, width] int32 page ids of the batch's requests; rebuilt only when the batch changes
+        (pages are fixed from admission to release)."""
+        last = self._table_cache
+        if last is not None and len(last[0]) == len(batch) and all(
+                a is b for a, b in zip(last[0], batch)):
+            return last[1]
+        table = np.zeros((len(batch), width), dtype=np.int32)
+        for b, r in enumerate(batch):
+            table[b, :len(r.pages)] = r.pages
+        # NOTE: holds the requests, so their ids cannot be reused while compared
+        self._table_cache = (list(batch), table)
+        return table
+
     def _release(self, req: Request) -> None:
         """Return a finished request's KV pages to the pool (serving ledger)."""
         if req.pages is not None:
             self.pool.free(req.pages)
             req.pages = None
+        if req.arena_row is not None:      # the row goes to the next request: keep a copy
+            req.canvas = req.canvas.clone()
+            self._free_rows.append(req.arena_row)
+            req.arena_row = None
 
     def _select(self, batch: list[Request], conf: torch.Tensor, positions: torch.Tensor,
                 bounds: list[tuple[int, int]]) -> torch.Tensor:

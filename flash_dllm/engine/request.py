@@ -55,6 +55,7 @@ class Request:
         self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
         self.kv: torch.Tensor | None = None
         self.pages: list[int] | None = None    # KV pages reserved at admission (serving ledger)
+        self.arena_row: int | None = None      # the engine's canvas-arena row while running
         self.page_row: torch.Tensor | None = None  # the same page ids, int32 on the device (paged)
         # cache="flash": (the last step's mass [batch, keys], this request's row in it)
         self.mass_src: tuple[torch.Tensor, int] | None = None

@@ -197,3 +197,29 @@ def test_kernels_capture_in_cuda_graph():
     eager = step()
     for a, b in zip(outs, eager):
         assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+
+
+# ---- argmax_confidence / skinny_gemm ------------------------------------------------------------
+@pytest.mark.parametrize("N", [1, 32, 2048])
+@pytest.mark.parametrize("model", ["llada", "dream"])
+def test_argmax_confidence(N, model):
+    from flash_dllm.kernels import argmax_confidence as ac
+    cfg = MODELS[model]
+    logits = _randn(N, cfg["V"], seed=50 + N, scale=4.0)
+    logits[0, cfg["mask"]] = 100.0                 # MASK is the max: never proposed
+    if N > 1:
+        logits[1, 7] = logits[1, 9] = 90.0         # an exact bf16 tie: the lower id wins
+    tok, conf = ac.argmax_confidence_triton(logits, cfg["mask"])
+    rtok, rconf = ac.argmax_confidence_reference(logits, cfg["mask"])
+    assert torch.equal(tok, rtok)
+    if N > 1:
+        assert tok[1].item() == 7
+    torch.testing.assert_close(conf, rconf, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 32, 64])
+def test_skinny_gemm(M):
+    from flash_dllm.kernels import skinny_gemm
+    x = _randn(M, 4096, seed=60)
+    w = _randn(12288, 4096, seed=61, scale=0.02)
+    assert _rel(skinny_gemm.skinny_gemm(x, w), F.linear(x, w)) < 1e-2

@@ -1,0 +1,235 @@
+"""The fused step: a whole steady-state denoising step as one CUDA graph.
+
+At small batch a step is bound by the host, not the GPU: the demo model's forward replays in
+0.27 ms but the ~100 launches around it (gather the canvas, LM head, proposal, commit rule, commit,
+book-keeping) took 1.5 ms (``benchmarks/results/step_demo_h200.json``). This path runs all of it
+inside one graph, so a step costs the host one host->device copy of its index vector, one graph
+replay and one device->host copy of the per-request counts.
+
+What the graph does, for B requests whose active blocks all have ``bl`` slots:
+1. ``ids = arena[ids_idx]``: the query tokens, gathered from the canvas arena (so the tokens the
+   previous replay committed are seen without any host work);
+2. the paged forward (``DiffusionTransformer.hidden`` over a ``PagedContext``);
+3. final norm + LM head at **every** block slot (B x bl rows, not only the masked ones: that
+   keeps the shape static; at these sizes the LM head is bound by reading its weight, so the
+   extra rows are free), then the greedy proposal (``kernels/argmax_confidence``);
+4. the ``threshold`` rule per request on its still-masked slots (same semantics as
+   ``decoding.policies.select_threshold``: conf >= tau, and always the first most confident);
+5. the commit, one scatter into the arena, and per-request (commits, first-slot commit) counts.
+
+Eligible steps (``eligible``): paged cache, CUDA graphs on, every request a cached (not
+first-of-block) ``dual`` or ``prefix`` step with ``decode="threshold"``, temperature 0, no sentinel,
+a full block, all blocks the same length, and B x bl <= ``fused_step_max_rows``. Everything else
+(refresh steps, vanilla's top-k whose tie order follows the canvas length, sampling, verify,
+``flash``) takes the general path. On the CPU the same body runs eagerly when
+``EngineConfig(fused_step=True)`` (tests compare it with the general path).
+
+NOTE: the logits come from a GEMM over B x bl rows where the general path's has the masked rows
+only; cuBLAS may round the two differently in the last bit, so the two paths agree token for
+token on real models but are not bitwise twins.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flash_dllm.cache.modes import query_range
+from flash_dllm.kernels import argmax_confidence
+from flash_dllm.layers.attention import PagedBatch, PagedContext
+
+
+@dataclass
+class _Layout:
+    """Offsets of the step's index vector (one int64 tensor; tau is stored as float64 bits)."""
+
+    B: int
+    T: int
+    bl: int
+    width: int
+    max_q: int
+
+    @property
+    def R(self) -> int:
+        return self.B * self.bl
+
+    def slices(self) -> dict[str, slice]:
+        T, R, B = self.T, self.R, self.B
+        sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
+                 ("first", R), ("cu_q", B + 1), ("seq_lens", B), ("tau", B),
+                 ("table", B * self.width)]
+        out, a = {}, 0
+        for name, n in sizes:
+            out[name] = slice(a, a + n)
+            a += n
+        return out
+
+    @property
+    def size(self) -> int:
+        return self.slices()["table"].stop
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inp: torch.Tensor        # [layout.size] int64, the graph's static input
+    out: torch.Tensor        # [2, B] int64: commits, first-slot commits
+    loaded: np.ndarray | None = None     # the host vector ``inp`` holds now
+
+
+class FusedStep:
+    def __init__(self, engine, max_rows: int, max_graphs: int) -> None:
+        self.engine = engine
+        self.max_rows = max_rows
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: dict[tuple, int] = {}
+        self.stats = {"fused_steps": 0, "fused_captures": 0}
+        # the last step's (requests, their blocks, host vector, layout): within a block the
+        # index vector does not change (the tokens come from the arena), so it is reused
+        self._last: tuple | None = None
+
+    # ------------------------------------------------------------------------------ eligibility
+    def eligible(self, batch) -> bool:
+        bl = batch[0].params.block_length
+        if len(batch) * bl > self.max_rows:
+            return False
+        for r in batch:
+            p = r.params
+            if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != "threshold"
+                    or p.temperature > 0 or p.block_length != bl or r.block_end > r.canvas_len
+                    or p.entropy_max is not None or p.perturb_sigma is not None
+                    or p.kv_jaccard_min is not None or r.refresh is not None):
+                return False
+        return True
+
+    # ------------------------------------------------------------------------------------- run
+    def run(self, batch) -> tuple[list[int], list[int]]:
+        """Run one step of ``batch``; returns per-request (commits, first-slot commits)."""
+        eng = self.engine
+        blocks = [r.block for r in batch]
+        last = self._last
+        if (last is not None and len(last[0]) == len(batch) and last[1] == blocks
+                and all(a is b for a, b in zip(last[0], batch))):
+            host, lay = last[2], last[3]
+        else:
+            host, lay = self._host_inputs(batch)
+            # NOTE: holds the request objects, so their ids cannot be reused while compared
+            self._last = (list(batch), blocks, host, lay)
+        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q)
+        self.stats["fused_steps"] += 1
+        dev = eng.device
+        if dev.type != "cuda" or eng.graphs is None:
+            inp = torch.from_numpy(host).to(dev)
+            return self._tolist(self._body(inp, lay))
+        g = self.graphs.get(key)
+        if g is None:
+            pinned = torch.from_numpy(host).pin_memory()
+            n = self.seen.get(key, 0) + 1
+            self.seen[key] = n
+            inp = torch.empty(lay.size, dtype=torch.long, device=dev)
+            inp.copy_(pinned, non_blocking=True)
+            if n < 2:
+                return self._tolist(self._body(inp, lay))
+            counts = self._capture(key, inp, lay)
+            self.graphs[key].loaded = host
+            return self._tolist(counts)
+        self.graphs.move_to_end(key)
+        if g.loaded is not host:          # a new block or batch: one host->device copy
+            g.inp.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+            g.loaded = host
+        g.graph.replay()
+        return self._tolist(g.out)
+
+    @staticmethod
+    def _tolist(out: torch.Tensor) -> tuple[list[int], list[int]]:
+        committed, firsts = out.tolist()          # the step's one device->host copy
+        return committed, firsts
+
+    def _host_inputs(self, batch) -> tuple[np.ndarray, _Layout]:
+        eng = self.engine
+        ps, W = eng.pool.page_size, eng.arena.shape[1]
+        shift = eng.cfg.logit_shift
+        width = eng.pool.pages_for(eng.cfg.max_position)
+        bl = batch[0].params.block_length
+        windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, False,
+                               shift) for r in batch]
+        counts = [q1 - q0 for q0, q1 in windows]
+        B, T = len(batch), sum(counts)
+        lay = _Layout(B, T, bl, width, max(counts))
+        sl = lay.slices()
+        host = np.zeros(lay.size, dtype=np.int64)
+        table = host[sl["table"]].reshape(B, width)
+        cu = np.zeros(B + 1, dtype=np.int64)
+        cu[1:] = np.cumsum(counts)
+        off = np.arange(bl)
+        for b, (r, (q0, q1)) in enumerate(zip(batch, windows)):
+            table[b, :len(r.pages)] = r.pages
+            a, e = cu[b], cu[b + 1]
+            pos = np.arange(q0, q1)
+            host[sl["ids_idx"]][a:e] = r.arena_row * W + pos
+            host[sl["positions"]][a:e] = pos
+            host[sl["slots"]][a:e] = table[b, pos // ps] * ps + pos % ps
+            blk = r.block_start + off
+            host[sl["rows"]][b * bl:(b + 1) * bl] = blk - shift - q0 + a
+            host[sl["blk_idx"]][b * bl:(b + 1) * bl] = r.arena_row * W + blk
+            host[sl["first"]][b * bl:(b + 1) * bl] = blk == r.prompt_len
+        host[sl["cu_q"]] = cu
+        host[sl["seq_lens"]] = [r.canvas_len for r in batch]
+        host[sl["tau"]] = np.array([r.params.threshold for r in batch],
+                                   dtype=np.float64).view(np.int64)
+        return host, lay
+
+    # ------------------------------------------------------------------------------------ body
+    def _body(self, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
+        """The step on the device, from the index vector ``inp``; returns [2, B] counts. Only
+        static-shape ops, no host syncs: this is what the graph captures."""
+        eng = self.engine
+        model, mask_id = eng.model, eng.cfg.mask_token_id
+        sl = lay.slices()
+        B, bl = lay.B, lay.bl
+        i32 = torch.int32
+        batch = PagedBatch(eng.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
+                           inp[sl["seq_lens"]].to(i32), inp[sl["table"]].to(i32).view(B, -1),
+                           lay.max_q, eng.inv_freq)
+        flat = eng.arena.view(-1)
+        hidden = model.hidden(flat[inp[sl["ids_idx"]]], inp[sl["positions"]], PagedContext(batch))
+        logits = model.logits(hidden[inp[sl["rows"]]])                          # [B * bl, V]
+        tok, conf = argmax_confidence.op(logits, mask_id)
+        blk_idx = inp[sl["blk_idx"]]
+        blocks = flat[blk_idx].view(B, bl)
+        masked = blocks == mask_id
+        # threshold rule (decoding.policies.select_threshold) on each request's masked slots:
+        # conf >= tau, and always the first slot of the highest confidence
+        c = torch.where(masked, conf.view(B, bl), -1.0)               # probabilities are >= 0
+        best = c.max(dim=1, keepdim=True).values
+        idx = torch.arange(bl, device=c.device).expand(B, bl)
+        first_best = torch.where(c == best, idx, bl).min(dim=1, keepdim=True).values
+        tau = inp[sl["tau"]].view(torch.float64).to(c.dtype)[:, None]   # as select_threshold's
+        keep = masked & ((c >= tau) | (idx == first_best))
+        flat[blk_idx] = torch.where(keep, tok.view(B, bl), blocks).view(-1)
+        first = inp[sl["first"]].view(B, bl).bool()
+        return torch.stack([keep.sum(1), (keep & first).sum(1)])
+
+    def _capture(self, key, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
+        """Run this step eagerly (the warm-up torch.cuda.graph asks for: it *is* the step, so its
+        commits and K/V writes are the real ones) and capture the graph for later replays
+        (capturing runs nothing). Returns the eager counts."""
+        runner = self.engine.graphs
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            counts = self._body(inp, lay).clone()
+        torch.cuda.current_stream().wait_stream(stream)
+        if runner.pool is None:
+            runner.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=runner.pool):
+            out = self._body(inp, lay)
+        self.graphs[key] = _Graph(graph, inp, out, loaded=None)
+        self.stats["fused_captures"] += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return counts

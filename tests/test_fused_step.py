@@ -1,0 +1,97 @@
+"""The fused step (``engine/fused_step.py``: a whole steady threshold step as one CUDA graph) run
+eagerly on the CPU against the general step path, and its eligibility rules. tests/gpu checks the
+captured graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.engine import Engine
+from test_paged_engine import LONG
+from test_sampler import PROMPTS, run_engine, tiny
+
+
+def _compare(model, prompts, params, **kw):
+    ref, oref = run_engine(model, prompts, params, config=EngineConfig(fused_step=False, **kw))
+    got, ogot = run_engine(model, prompts, params, config=EngineConfig(fused_step=True, **kw))
+    for a, b, x, y in zip(ref, got, oref, ogot):
+        assert torch.equal(a.canvas, b.canvas)
+        assert x.num_forwards == y.num_forwards
+        assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+    return ogot
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_fused_equals_general_path(family, cache):
+    model = tiny(family, seed=1)
+    params = SamplingParams(max_tokens=24, block_length=8, cache=cache, decode="threshold",
+                            threshold=0.3, early_stop=False)
+    _compare(model, PROMPTS, params)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_fused_mixed_lengths_and_thresholds(page_size):
+    model = tiny("llada", seed=2)
+    params = [SamplingParams(max_tokens=16, block_length=8, cache=c, decode="threshold",
+                             threshold=t) for c, t in [("dual", 0.2), ("prefix", 0.05),
+                                                       ("dual", 0.9), ("dual", 1.0)]]
+    _compare(model, LONG, params, page_size=page_size)
+
+
+def test_fused_mixes_with_general_requests():
+    """A batch with one ineligible request (vanilla) takes the general path for that step;
+    eligible steps before and after it still agree."""
+    model = tiny("dream", seed=3)
+    params = [SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="threshold",
+                             threshold=0.2),
+              SamplingParams(max_tokens=8, block_length=8, cache="dual", decode="vanilla")]
+    _compare(model, PROMPTS[:2], params)
+
+
+def test_fused_early_stop_and_demo_model():
+    from flash_dllm.engine.llm import DEMO_MODEL
+    from flash_dllm.models.loader import load_model
+    model, _ = load_model(DEMO_MODEL, device="cpu", dtype="float32")
+    prompts = [[1, 30 + i, 40, 41, 42] for i in range(3)]
+    params = SamplingParams(max_tokens=64, block_length=32, cache="dual", decode="threshold")
+    _compare(model, prompts, params)
+
+
+def test_eligibility():
+    model = tiny("llada")
+    eng = Engine(model, model.cfg, EngineConfig(fused_step=True, fused_step_max_rows=16))
+    ok = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="threshold")
+    reqs = [eng.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8,
+                                                       cache="dual", decode="threshold",
+                                                       threshold=1.0))]
+    assert not eng.fused.eligible(reqs)          # the block's first step: a refresh
+    eng.step()
+    assert eng.fused.eligible(reqs)
+    eng.step()
+    assert eng.fused.stats["fused_steps"] == 1
+    for bad in [dict(decode="vanilla"), dict(cache="none"), dict(temperature=0.5),
+                dict(decode="verify"), dict(kv_jaccard_min=0.5)]:
+        e = Engine(model, model.cfg, EngineConfig(fused_step=True))
+        r = e.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8,
+                                                     **{"cache": "dual", "decode": "threshold",
+                                                        **bad}))
+        e.step()
+        assert not e.fused.eligible([r]), bad
+    # rows cap: 3 requests x 8 > 16
+    e = Engine(model, model.cfg, EngineConfig(fused_step=True, fused_step_max_rows=16))
+    rs = [e.add_request(p, ok) for p in PROMPTS[:3]]
+    e.step()
+    assert not e.fused.eligible(rs)
+    assert e.fused.eligible(rs[:2])
+
+
+def test_off_by_default_on_cpu_and_validated():
+    model = tiny("llada")
+    assert Engine(model, model.cfg).fused is None
+    assert Engine(model, model.cfg, EngineConfig(kv_layout="dense", fused_step=True)).fused is None
+    with pytest.raises(ValueError, match="fused_step"):
+        EngineConfig(fused_step="yes")
+    with pytest.raises(ValueError, match="fused_step_max_rows"):
+        EngineConfig(fused_step_max_rows=0)
