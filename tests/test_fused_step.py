@@ -95,3 +95,24 @@ def test_off_by_default_on_cpu_and_validated():
         EngineConfig(fused_step="yes")
     with pytest.raises(ValueError, match="fused_step_max_rows"):
         EngineConfig(fused_step_max_rows=0)
+
+
+def test_engine_is_freed_without_gc():
+    """No reference cycle through the fused step: dropping the engine frees it (and on a GPU its
+    KV pool and graphs) at once, not at the next garbage collection."""
+    import gc
+    import weakref
+    model = tiny("llada")
+    gc.disable()
+    try:
+        eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
+        eng.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8, cache="dual",
+                                                   decode="threshold", threshold=1.0))
+        for _ in range(3):
+            eng.step()
+        assert eng.fused.stats["fused_steps"] > 0
+        ref = weakref.ref(eng)
+        del eng
+        assert ref() is None
+    finally:
+        gc.enable()

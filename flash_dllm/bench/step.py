@@ -169,7 +169,7 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     # NOTE: the timing hook makes a reference cycle (engine -> closure -> engine): break it and
     # collect, so this case's KV pool and graphs are freed before the next case's peak is read
     del engine._forward
-    del engine, reqs
+    del engine, reqs, orig_forward
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -88,8 +88,7 @@ class Engine:
         fused = self.config.fused_step
         self.fused = None
         if self.paged and (fused or (fused is None and self.graphs is not None)):
-            self.fused = FusedStep(self, self.config.fused_step_max_rows,
-                                   self.config.max_cuda_graphs)
+            self.fused = FusedStep(self.config.fused_step_max_rows, self.config.max_cuda_graphs)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
@@ -182,7 +181,7 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.running
         if self.fused is not None and self.fused.eligible(batch):
-            return self._advance(batch, *self.fused.run(batch), t0)
+            return self._advance(batch, *self.fused.run(self, batch), t0)
         shift = self.cfg.logit_shift
         mask_id = self.cfg.mask_token_id
 

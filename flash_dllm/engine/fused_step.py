@@ -80,8 +80,10 @@ class _Graph:
 
 
 class FusedStep:
-    def __init__(self, engine, max_rows: int, max_graphs: int) -> None:
-        self.engine = engine
+    """Owned by an ``Engine``, which it gets as an argument (no back-reference: an engine and its
+    GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
+
+    def __init__(self, max_rows: int, max_graphs: int) -> None:
         self.max_rows = max_rows
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
@@ -106,16 +108,16 @@ class FusedStep:
         return True
 
     # ------------------------------------------------------------------------------------- run
-    def run(self, batch) -> tuple[list[int], list[int]]:
-        """Run one step of ``batch``; returns per-request (commits, first-slot commits)."""
-        eng = self.engine
+    def run(self, eng, batch) -> tuple[list[int], list[int]]:
+        """Run one step of ``eng``'s ``batch``; returns per-request (commits, first-slot
+        commits)."""
         blocks = [r.block for r in batch]
         last = self._last
         if (last is not None and len(last[0]) == len(batch) and last[1] == blocks
                 and all(a is b for a, b in zip(last[0], batch))):
             host, lay = last[2], last[3]
         else:
-            host, lay = self._host_inputs(batch)
+            host, lay = self._host_inputs(eng, batch)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
         key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q)
@@ -123,7 +125,7 @@ class FusedStep:
         dev = eng.device
         if dev.type != "cuda" or eng.graphs is None:
             inp = torch.from_numpy(host).to(dev)
-            return self._tolist(self._body(inp, lay))
+            return self._tolist(self._body(eng, inp, lay))
         g = self.graphs.get(key)
         if g is None:
             pinned = torch.from_numpy(host).pin_memory()
@@ -132,8 +134,8 @@ class FusedStep:
             inp = torch.empty(lay.size, dtype=torch.long, device=dev)
             inp.copy_(pinned, non_blocking=True)
             if n < 2:
-                return self._tolist(self._body(inp, lay))
-            counts = self._capture(key, inp, lay)
+                return self._tolist(self._body(eng, inp, lay))
+            counts = self._capture(eng, key, inp, lay)
             self.graphs[key].loaded = host
             return self._tolist(counts)
         self.graphs.move_to_end(key)
@@ -148,8 +150,8 @@ class FusedStep:
         committed, firsts = out.tolist()          # the step's one device->host copy
         return committed, firsts
 
-    def _host_inputs(self, batch) -> tuple[np.ndarray, _Layout]:
-        eng = self.engine
+    @staticmethod
+    def _host_inputs(eng, batch) -> tuple[np.ndarray, _Layout]:
         ps, W = eng.pool.page_size, eng.arena.shape[1]
         shift = eng.cfg.logit_shift
         width = eng.pool.pages_for(eng.cfg.max_position)
@@ -183,10 +185,10 @@ class FusedStep:
         return host, lay
 
     # ------------------------------------------------------------------------------------ body
-    def _body(self, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    @staticmethod
+    def _body(eng, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
         """The step on the device, from the index vector ``inp``; returns [2, B] counts. Only
         static-shape ops, no host syncs: this is what the graph captures."""
-        eng = self.engine
         model, mask_id = eng.model, eng.cfg.mask_token_id
         sl = lay.slices()
         B, bl = lay.B, lay.bl
@@ -213,21 +215,21 @@ class FusedStep:
         first = inp[sl["first"]].view(B, bl).bool()
         return torch.stack([keep.sum(1), (keep & first).sum(1)])
 
-    def _capture(self, key, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    def _capture(self, eng, key, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
         """Run this step eagerly (the warm-up torch.cuda.graph asks for: it *is* the step, so its
         commits and K/V writes are the real ones) and capture the graph for later replays
         (capturing runs nothing). Returns the eager counts."""
-        runner = self.engine.graphs
+        runner = eng.graphs
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            counts = self._body(inp, lay).clone()
+            counts = self._body(eng, inp, lay).clone()
         torch.cuda.current_stream().wait_stream(stream)
         if runner.pool is None:
             runner.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=runner.pool):
-            out = self._body(inp, lay)
+            out = self._body(eng, inp, lay)
         self.graphs[key] = _Graph(graph, inp, out, loaded=None)
         self.stats["fused_captures"] += 1
         while len(self.graphs) > self.max_graphs:
