@@ -158,8 +158,8 @@ class EngineConfig:
     max_cuda_graphs: int = 32
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
-    # steady greedy threshold steps of dual/prefix requests as ONE graph (forward, LM head,
-    # proposal, commit; ``engine/fused_step.py``) while batch x block_length <= the row cap.
+    # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
+    # head, proposal, commit; ``engine/fused_step.py``) while batch x block_length <= the row cap.
     # None: on whenever CUDA graphs are; True also runs the fused body eagerly (CPU tests)
     fused_step: bool | None = None
     fused_step_max_rows: int = 256

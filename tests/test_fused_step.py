@@ -24,11 +24,23 @@ def _compare(model, prompts, params, **kw):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_fused_equals_general_path(family, cache):
+@pytest.mark.parametrize("decode", ["threshold", "vanilla"])
+def test_fused_equals_general_path(family, cache, decode):
     model = tiny(family, seed=1)
-    params = SamplingParams(max_tokens=24, block_length=8, cache=cache, decode="threshold",
+    params = SamplingParams(max_tokens=24, block_length=8, cache=cache, decode=decode,
                             threshold=0.3, early_stop=False)
     _compare(model, PROMPTS, params)
+
+
+@pytest.mark.parametrize("steps", [24, 6, 12])
+def test_fused_vanilla_groups_and_schedules(steps):
+    """vanilla with several tokens per step (k > 1, uneven schedules) over requests of different
+    canvas lengths: the (canvas length, k) groups of select_top_k."""
+    model = tiny("llada", seed=5)
+    params = [SamplingParams(max_tokens=m, block_length=8, steps=s, cache="dual")
+              for m, s in [(24, steps), (16, min(steps, 16) - min(steps, 16) % 2),
+                           (24, steps), (8, 8)]]
+    _compare(model, LONG, params)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -71,7 +83,7 @@ def test_eligibility():
     assert eng.fused.eligible(reqs)
     eng.step()
     assert eng.fused.stats["fused_steps"] == 1
-    for bad in [dict(decode="vanilla"), dict(cache="none"), dict(temperature=0.5),
+    for bad in [dict(cache="none"), dict(temperature=0.5),
                 dict(decode="verify"), dict(kv_jaccard_min=0.5)]:
         e = Engine(model, model.cfg, EngineConfig(fused_step=True))
         r = e.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8,
@@ -85,6 +97,12 @@ def test_eligibility():
     e.step()
     assert not e.fused.eligible(rs)
     assert e.fused.eligible(rs[:2])
+    # mixed policies: the general path
+    e = Engine(model, model.cfg, EngineConfig(fused_step=True))
+    rs = [e.add_request(PROMPTS[0], ok),
+          e.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, cache="dual"))]
+    e.step()
+    assert e.fused.eligible(rs[1:]) and not e.fused.eligible(rs)
 
 
 def test_off_by_default_on_cpu_and_validated():

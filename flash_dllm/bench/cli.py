@@ -57,10 +57,12 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--flash-budget", type=int, default=None,
                    help="cache=flash: top-k positions recomputed per step (default: SamplingParams')")
     t.add_argument("--decode", default="vanilla", choices=["vanilla", "threshold"],
-                   help="commit rule (a random model commits one token per step under both); "
-                        "threshold steps can run fused (one CUDA graph per step)")
+                   help="commit rule (a random model commits one token per step under both)")
     t.add_argument("--no-fused-step", action="store_true",
-                   help="threshold: keep the forward graph + eager proposal/commit path")
+                   help="keep the forward graph + eager proposal/commit path")
+    t.add_argument("--fused-step-max-rows", type=int, default=None,
+                   help="EngineConfig.fused_step_max_rows (batch x block rows a fused step may "
+                        "have; default 256)")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
 
@@ -80,7 +82,7 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        progress=lambda line: print(line, file=sys.stderr),
                        kv_layouts=tuple(a.kv_layout), cuda_graphs=not a.no_cuda_graphs,
                        flash_budget=a.flash_budget, decode=a.decode,
-                       fused_step=not a.no_fused_step)
+                       fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

@@ -107,10 +107,12 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
                steps: int, warmup: int, device: torch.device, kv_layout: str = "paged",
                cuda_graphs: bool = True, flash_budget: int | None = None,
-               decode: str = "vanilla", fused_step: bool = True) -> dict:
+               decode: str = "vanilla", fused_step: bool = True,
+               fused_max_rows: int | None = None) -> dict:
+    extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
         (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs,
-        fused_step=None if fused_step else False))
+        fused_step=None if fused_step else False, **extra_cfg))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
     extra = {} if flash_budget is None else {"flash_budget": flash_budget}
@@ -192,7 +194,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print,
               kv_layouts: tuple[str, ...] = ("paged",), cuda_graphs: bool = True,
               flash_budget: int | None = None, decode: str = "vanilla",
-              fused_step: bool = True) -> dict:
+              fused_step: bool = True, fused_max_rows: int | None = None) -> dict:
     dev = torch.device(device)
     cfg_dict = shape_config(shape)
     model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0)
@@ -207,7 +209,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     cases = [(lay, c, b) for lay in kv_layouts for c in caches for b in batches]
     for lay, cache, b in cases:
         r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev, lay,
-                       cuda_graphs, flash_budget, decode, fused_step)
+                       cuda_graphs, flash_budget, decode, fused_step, fused_max_rows)
         if cache == "flash":
             r["flash_budget"] = (flash_budget if flash_budget is not None
                                  else SamplingParams.flash_budget)

@@ -13,15 +13,16 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
 3. final norm + LM head at **every** block slot (B x bl rows, not only the masked ones: that
    keeps the shape static; at these sizes the LM head is bound by reading its weight, so the
    extra rows are free), then the greedy proposal (``kernels/argmax_confidence``);
-4. the ``threshold`` rule per request on its still-masked slots (same semantics as
-   ``decoding.policies.select_threshold``: conf >= tau, and always the first most confident);
+4. the commit rule per request on its still-masked slots: ``threshold`` (as
+   ``decoding.policies.select_threshold``: conf >= tau, and always the first most confident) or
+   ``vanilla`` (as ``select_top_k``: the same topk calls on the same shapes, so the same ties);
 5. the commit, one scatter into the arena, and per-request (commits, first-slot commit) counts.
 
 Eligible steps (``eligible``): paged cache, CUDA graphs on, every request a cached (not
-first-of-block) ``dual`` or ``prefix`` step with ``decode="threshold"``, temperature 0, no sentinel,
-a full block, all blocks the same length, and B x bl <= ``fused_step_max_rows``. Everything else
-(refresh steps, vanilla's top-k whose tie order follows the canvas length, sampling, verify,
-``flash``) takes the general path. On the CPU the same body runs eagerly when
+first-of-block) ``dual`` or ``prefix`` step, all with ``decode="threshold"`` or all with
+``"vanilla"``, temperature 0, no sentinel, a full block, all blocks the same length, and
+B x bl <= ``fused_step_max_rows``. Everything else (refresh steps, sampling, verify, ``flash``,
+mixed policies) takes the general path. On the CPU the same body runs eagerly when
 ``EngineConfig(fused_step=True)`` (tests compare it with the general path).
 
 NOTE: the logits come from a GEMM over B x bl rows where the general path's has the masked rows
@@ -50,6 +51,9 @@ class _Layout:
     bl: int
     width: int
     max_q: int
+    # vanilla: requests grouped by (canvas length, k) as decoding.policies.select_top_k groups
+    # them (same topk shapes, hence the same tie order): (length, k, start, end) into ``perm``
+    groups: tuple | None = None
 
     @property
     def R(self) -> int:
@@ -58,8 +62,8 @@ class _Layout:
     def slices(self) -> dict[str, slice]:
         T, R, B = self.T, self.R, self.B
         sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
-                 ("first", R), ("cu_q", B + 1), ("seq_lens", B), ("tau", B),
-                 ("table", B * self.width)]
+                 ("first", R), ("cu_q", B + 1), ("seq_lens", B), ("tau", B), ("perm", B),
+                 ("bstart", B), ("table", B * self.width)]
         out, a = {}, 0
         for name, n in sizes:
             out[name] = slice(a, a + n)
@@ -96,11 +100,12 @@ class FusedStep:
     # ------------------------------------------------------------------------------ eligibility
     def eligible(self, batch) -> bool:
         bl = batch[0].params.block_length
-        if len(batch) * bl > self.max_rows:
+        decode = batch[0].params.decode
+        if len(batch) * bl > self.max_rows or decode not in ("threshold", "vanilla"):
             return False
         for r in batch:
             p = r.params
-            if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != "threshold"
+            if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != decode
                     or p.temperature > 0 or p.block_length != bl or r.block_end > r.canvas_len
                     or p.entropy_max is not None or p.perturb_sigma is not None
                     or p.kv_jaccard_min is not None or r.refresh is not None):
@@ -111,7 +116,7 @@ class FusedStep:
     def run(self, eng, batch) -> tuple[list[int], list[int]]:
         """Run one step of ``eng``'s ``batch``; returns per-request (commits, first-slot
         commits)."""
-        blocks = [r.block for r in batch]
+        blocks = self._signature(batch)
         last = self._last
         if (last is not None and len(last[0]) == len(batch) and last[1] == blocks
                 and all(a is b for a, b in zip(last[0], batch))):
@@ -120,7 +125,7 @@ class FusedStep:
             host, lay = self._host_inputs(eng, batch)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
-        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q)
+        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups)
         self.stats["fused_steps"] += 1
         dev = eng.device
         if dev.type != "cuda" or eng.graphs is None:
@@ -151,6 +156,14 @@ class FusedStep:
         return committed, firsts
 
     @staticmethod
+    def _signature(batch) -> list[tuple[int, int]]:
+        """What the index vector depends on besides the requests themselves: their blocks and,
+        for vanilla, how many slots each commits (``select_top_k``'s k)."""
+        if batch[0].params.decode != "vanilla":
+            return [(r.block, 0) for r in batch]
+        return [(r.block, min(r.transfer_count(), r.num_masked)) for r in batch]
+
+    @staticmethod
     def _host_inputs(eng, batch) -> tuple[np.ndarray, _Layout]:
         ps, W = eng.pool.page_size, eng.arena.shape[1]
         shift = eng.cfg.logit_shift
@@ -160,7 +173,18 @@ class FusedStep:
                                shift) for r in batch]
         counts = [q1 - q0 for q0, q1 in windows]
         B, T = len(batch), sum(counts)
-        lay = _Layout(B, T, bl, width, max(counts))
+        groups, perm = None, list(range(B))
+        if batch[0].params.decode == "vanilla":
+            by: dict[tuple[int, int], list[int]] = {}
+            for b, (r, (_, k)) in enumerate(zip(batch, FusedStep._signature(batch))):
+                by.setdefault((r.canvas_len, k), []).append(b)
+            groups, perm, a = [], [], 0
+            for (length, k), members in by.items():
+                groups.append((length, k, a, a + len(members)))
+                perm += members
+                a += len(members)
+            groups = tuple(groups)
+        lay = _Layout(B, T, bl, width, max(counts), groups)
         sl = lay.slices()
         host = np.zeros(lay.size, dtype=np.int64)
         table = host[sl["table"]].reshape(B, width)
@@ -182,6 +206,8 @@ class FusedStep:
         host[sl["seq_lens"]] = [r.canvas_len for r in batch]
         host[sl["tau"]] = np.array([r.params.threshold for r in batch],
                                    dtype=np.float64).view(np.int64)
+        host[sl["perm"]] = perm
+        host[sl["bstart"]] = [r.block_start for r in batch]
         return host, lay
 
     # ------------------------------------------------------------------------------------ body
@@ -203,17 +229,47 @@ class FusedStep:
         blk_idx = inp[sl["blk_idx"]]
         blocks = flat[blk_idx].view(B, bl)
         masked = blocks == mask_id
-        # threshold rule (decoding.policies.select_threshold) on each request's masked slots:
-        # conf >= tau, and always the first slot of the highest confidence
-        c = torch.where(masked, conf.view(B, bl), -1.0)               # probabilities are >= 0
-        best = c.max(dim=1, keepdim=True).values
-        idx = torch.arange(bl, device=c.device).expand(B, bl)
-        first_best = torch.where(c == best, idx, bl).min(dim=1, keepdim=True).values
-        tau = inp[sl["tau"]].view(torch.float64).to(c.dtype)[:, None]   # as select_threshold's
-        keep = masked & ((c >= tau) | (idx == first_best))
+        if lay.groups is None:
+            keep = FusedStep._threshold(conf.view(B, bl), masked, inp[sl["tau"]])
+        else:
+            keep = FusedStep._top_k(conf.view(B, bl), masked, inp[sl["perm"]],
+                                    inp[sl["bstart"]], lay.groups)
         flat[blk_idx] = torch.where(keep, tok.view(B, bl), blocks).view(-1)
         first = inp[sl["first"]].view(B, bl).bool()
         return torch.stack([keep.sum(1), (keep & first).sum(1)])
+
+    @staticmethod
+    def _threshold(conf: torch.Tensor, masked: torch.Tensor, tau_bits: torch.Tensor
+                   ) -> torch.Tensor:
+        """``decoding.policies.select_threshold`` on each request's masked slots: conf >= tau,
+        and always the first slot of the highest confidence. conf/masked [B, bl] -> keep."""
+        B, bl = conf.shape
+        c = torch.where(masked, conf, -1.0)                          # probabilities are >= 0
+        best = c.max(dim=1, keepdim=True).values
+        idx = torch.arange(bl, device=c.device).expand(B, bl)
+        first_best = torch.where(c == best, idx, bl).min(dim=1, keepdim=True).values
+        tau = tau_bits.view(torch.float64).to(c.dtype)[:, None]    # as select_threshold's
+        return masked & ((c >= tau) | (idx == first_best))
+
+    @staticmethod
+    def _top_k(conf: torch.Tensor, masked: torch.Tensor, perm: torch.Tensor,
+               bstart: torch.Tensor, groups: tuple) -> torch.Tensor:
+        """``decoding.policies.select_top_k``: per (canvas length, k) group one topk over rows
+        the length of the canvas, -inf but at the masked slots (k <= masked slots, so only those
+        are chosen). conf/masked [B, bl] -> keep."""
+        B, bl = conf.shape
+        dev = conf.device
+        c = torch.where(masked, conf, float("-inf"))
+        pos = bstart[:, None] + torch.arange(bl, device=dev)             # [B, bl] canvas slots
+        keep = torch.zeros(B, bl, dtype=torch.bool, device=dev)
+        for length, k, a, e in groups:
+            members = perm[a:e]
+            rows = torch.full((e - a, length), float("-inf"), dtype=c.dtype, device=dev)
+            rows.scatter_(1, pos[members], c[members])
+            chosen = torch.topk(rows, k, dim=-1).indices - bstart[members][:, None]
+            keep[members] = torch.zeros(e - a, bl, dtype=torch.bool, device=dev).scatter_(
+                1, chosen, True)
+        return keep
 
     def _capture(self, eng, key, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
         """Run this step eagerly (the warm-up torch.cuda.graph asks for: it *is* the step, so its
