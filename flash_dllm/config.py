@@ -159,10 +159,12 @@ class EngineConfig:
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
     # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
-    # head, proposal, commit; ``engine/fused_step.py``) while batch x block_length <= the row cap.
+    # head at every block slot, proposal, commit; ``engine/fused_step.py``) while
+    # batch x block_length <= the row cap (2048: batch 64 x 32, where the extra LM-head rows
+    # cost what the saved host work gains on LLaDA-8B; see benchmarks/NOTES.md).
     # None: on whenever CUDA graphs are; True also runs the fused body eagerly (CPU tests)
     fused_step: bool | None = None
-    fused_step_max_rows: int = 256
+    fused_step_max_rows: int = 2048
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).

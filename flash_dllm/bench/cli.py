@@ -62,7 +62,7 @@ def add_bench_parser(sub) -> None:
                    help="keep the forward graph + eager proposal/commit path")
     t.add_argument("--fused-step-max-rows", type=int, default=None,
                    help="EngineConfig.fused_step_max_rows (batch x block rows a fused step may "
-                        "have; default 256)")
+                        "have; default 2048)")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
 

@@ -88,7 +88,8 @@ class Engine:
         fused = self.config.fused_step
         self.fused = None
         if self.paged and (fused or (fused is None and self.graphs is not None)):
-            self.fused = FusedStep(self.config.fused_step_max_rows, self.config.max_cuda_graphs)
+            self.fused = FusedStep(self.config.fused_step_max_rows, self.config.max_cuda_graphs,
+                                   self.config.cuda_graph_max_tokens)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels

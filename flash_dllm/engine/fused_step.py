@@ -87,8 +87,9 @@ class FusedStep:
     """Owned by an ``Engine``, which it gets as an argument (no back-reference: an engine and its
     GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
 
-    def __init__(self, max_rows: int, max_graphs: int) -> None:
+    def __init__(self, max_rows: int, max_graphs: int, max_tokens: int) -> None:
         self.max_rows = max_rows
+        self.max_tokens = max_tokens     # larger steps run the body eagerly (never captured)
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: dict[tuple, int] = {}
@@ -128,7 +129,9 @@ class FusedStep:
         key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups)
         self.stats["fused_steps"] += 1
         dev = eng.device
-        if dev.type != "cuda" or eng.graphs is None:
+        # NOTE: like GraphRunner, a step of more than max_tokens query rows (prefix mode at a
+        # large batch) is never captured: the graph pool would keep its activations for good
+        if dev.type != "cuda" or eng.graphs is None or lay.T > self.max_tokens:
             inp = torch.from_numpy(host).to(dev)
             return self._tolist(self._body(eng, inp, lay))
         g = self.graphs.get(key)
