@@ -20,6 +20,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "PyTorch path")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: run every forward eagerly (no graph capture)")
+    p.add_argument("--fused-step", action="store_true",
+                   help="CUDA: run steady greedy dual/prefix steps as one graph each "
+                        "(EngineConfig.fused_step; opt-in)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -71,7 +74,8 @@ def load_llm(a: argparse.Namespace):
     from flash_dllm.config import EngineConfig
     return LLM(a.model, device=a.device, dtype=a.dtype,
                engine_config=EngineConfig(max_num_seqs=a.max_num_seqs, kv_layout=a.kv_layout,
-                                          cuda_graphs=not a.no_cuda_graphs))
+                                          cuda_graphs=not a.no_cuda_graphs,
+                                          fused_step=True if a.fused_step else None))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -162,7 +162,10 @@ class EngineConfig:
     # head at every block slot, proposal, commit; ``engine/fused_step.py``) while
     # batch x block_length <= the row cap (2048: batch 64 x 32, where the extra LM-head rows
     # cost what the saved host work gains on LLaDA-8B; see benchmarks/NOTES.md).
-    # None: on whenever CUDA graphs are; True also runs the fused body eagerly (CPU tests)
+    # Opt-in: None and False = off. True: on (with CUDA graphs; without them, e.g. on the CPU,
+    # the fused body runs eagerly, which the tests use). NOTE: off by default because end-to-end
+    # serving/eval wall time measured slower with it on (benchmarks/NOTES.md, run 13) while its
+    # steady-state steps are much faster; to be settled on the GPU.
     fused_step: bool | None = None
     fused_step_max_rows: int = 2048
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,

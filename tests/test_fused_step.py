@@ -1,4 +1,4 @@
-"""The fused step (``engine/fused_step.py``: a whole steady threshold step as one CUDA graph) run
+"""The fused step (``engine/fused_step.py``: a whole steady greedy step as one CUDA graph) run
 eagerly on the CPU against the general step path, and its eligibility rules. tests/gpu checks the
 captured graphs."""
 from __future__ import annotations
@@ -134,3 +134,34 @@ def test_engine_is_freed_without_gc():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_graph_policy():
+    """On CUDA: the first sighting of a step shape runs on the general path, the second is
+    captured, later ones replay; oversized steps always go to the general path; without graphs
+    the body runs eagerly."""
+    from flash_dllm.engine.fused_step import FusedStep
+    f = FusedStep(max_rows=256, max_graphs=4, max_tokens=100)
+    assert f._decide(("a",), 64, graphs=False) == "eager"
+    assert f._decide(("a",), 64, graphs=True) == "general"
+    assert f._decide(("a",), 64, graphs=True) == "capture"
+    f.graphs[("a",)] = object()
+    assert f._decide(("a",), 64, graphs=True) == "replay"
+    assert f._decide(("big",), 101, graphs=True) == "general"
+    assert f._decide(("big",), 101, graphs=True) == "general"
+
+
+def test_declined_step_runs_the_general_path():
+    """run() returning None (the general path) must leave the step to Engine.step."""
+    model = tiny("llada", seed=6)
+    params = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="threshold",
+                            threshold=1.0)
+    ref, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fused_step=False))
+    eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
+    eng.fused._decide = lambda key, T, graphs: "general"
+    reqs = [eng.add_request(p, params) for p in PROMPTS]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.fused.stats["fused_steps"] == 0
+    for a, b in zip(ref, reqs):
+        assert torch.equal(a.canvas, b.canvas)

@@ -112,7 +112,7 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
         (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs,
-        fused_step=None if fused_step else False, **extra_cfg))
+        fused_step=fused_step and cuda_graphs and device.type == "cuda", **extra_cfg))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
     extra = {} if flash_budget is None else {"flash_budget": flash_budget}

@@ -84,10 +84,9 @@ class Engine:
                                 dtype=torch.long, device=self.device)
         self._free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
         self._table_cache: tuple | None = None
-        # steady small-batch threshold steps: the whole step in one CUDA graph (fused_step.py)
-        fused = self.config.fused_step
+        # steady greedy steps: the whole step in one CUDA graph (fused_step.py; opt-in)
         self.fused = None
-        if self.paged and (fused or (fused is None and self.graphs is not None)):
+        if self.paged and self.config.fused_step:
             self.fused = FusedStep(self.config.fused_step_max_rows, self.config.max_cuda_graphs,
                                    self.config.cuda_graph_max_tokens)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
@@ -182,7 +181,9 @@ class Engine:
         t0 = time.perf_counter()
         batch = self.running
         if self.fused is not None and self.fused.eligible(batch):
-            return self._advance(batch, *self.fused.run(self, batch), t0)
+            out = self.fused.run(self, batch)
+            if out is not None:
+                return self._advance(batch, *out, t0)
         shift = self.cfg.logit_shift
         mask_id = self.cfg.mask_token_id
 

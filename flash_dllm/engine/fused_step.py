@@ -114,9 +114,11 @@ class FusedStep:
         return True
 
     # ------------------------------------------------------------------------------------- run
-    def run(self, eng, batch) -> tuple[list[int], list[int]]:
+    def run(self, eng, batch) -> tuple[list[int], list[int]] | None:
         """Run one step of ``eng``'s ``batch``; returns per-request (commits, first-slot
-        commits)."""
+        commits), or None when the general path should run this step instead (on CUDA: the
+        step's shape has no graph yet and is seen for the first time, or it is too large to
+        capture)."""
         blocks = self._signature(batch)
         last = self._last
         if (last is not None and len(last[0]) == len(batch) and last[1] == blocks
@@ -127,31 +129,47 @@ class FusedStep:
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
         key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups)
-        self.stats["fused_steps"] += 1
         dev = eng.device
-        # NOTE: like GraphRunner, a step of more than max_tokens query rows (prefix mode at a
-        # large batch) is never captured: the graph pool would keep its activations for good
-        if dev.type != "cuda" or eng.graphs is None or lay.T > self.max_tokens:
+        graphs = dev.type == "cuda" and eng.graphs is not None
+        action = self._decide(key, lay.T, graphs)
+        if action == "general":
+            return None
+        self.stats["fused_steps"] += 1
+        if action == "eager":
             inp = torch.from_numpy(host).to(dev)
             return self._tolist(self._body(eng, inp, lay))
-        g = self.graphs.get(key)
-        if g is None:
-            pinned = torch.from_numpy(host).pin_memory()
-            n = self.seen.get(key, 0) + 1
-            self.seen[key] = n
+        if action == "capture":
             inp = torch.empty(lay.size, dtype=torch.long, device=dev)
-            inp.copy_(pinned, non_blocking=True)
-            if n < 2:
-                return self._tolist(self._body(eng, inp, lay))
+            inp.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
             counts = self._capture(eng, key, inp, lay)
             self.graphs[key].loaded = host
             return self._tolist(counts)
+        g = self.graphs[key]
         self.graphs.move_to_end(key)
         if g.loaded is not host:          # a new block or batch: one host->device copy
             g.inp.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
             g.loaded = host
         g.graph.replay()
         return self._tolist(g.out)
+
+    def _decide(self, key: tuple, T: int, graphs: bool) -> str:
+        """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
+        general path), ``capture`` or ``replay``. A shape is captured the second time it is seen;
+        its first sighting runs on the general path, whose forward graphs are keyed on fewer
+        things (a fused key also holds vanilla's (canvas length, k) groups), so a shape that
+        never comes back costs no capture. Steps of more than ``max_tokens`` query rows are
+        never captured (like GraphRunner: the pool would keep their activations for good)."""
+        if not graphs:
+            return "eager"
+        if key in self.graphs:
+            return "replay"
+        if T > self.max_tokens:
+            return "general"
+        if len(self.seen) >= 4096:
+            self.seen.clear()
+        n = self.seen.get(key, 0) + 1
+        self.seen[key] = n
+        return "capture" if n >= 2 else "general"
 
     @staticmethod
     def _tolist(out: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -61,7 +61,7 @@ def test_fused_step_matches_general_path(dtype, cache, decode):
     """The whole-step graph (engine/fused_step.py) against the general path (forward graph +
     eager proposal/commit). Its LM head GEMM has all block rows, the general one the masked rows
     only, so cuBLAS may round differently: near-ties may flip (same bound as paged vs dense)."""
-    llm_f, fused = _run(dtype, cache, decode, max_num_seqs=8)
+    llm_f, fused = _run(dtype, cache, decode, max_num_seqs=8, fused_step=True)
     _, general = _run(dtype, cache, decode, max_num_seqs=8, fused_step=False)
     assert llm_f.engine.fused.stats["fused_steps"] > 0
     agree = sum(a == b for a, b in zip(fused, general)) / len(fused)
@@ -89,13 +89,13 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
                              steps=m // 32 * (steps or 32), early_stop=False)
               for m in (64, 96, 32, 64)]
     canvases = []
-    for fused in (None, False):
+    for fused in (True, False):
         eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=4, fused_step=fused))
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         while eng.has_unfinished():
             eng.step()
         canvases.append([r.canvas for r in reqs])
-        if fused is None:
+        if fused:
             st = eng.fused.stats
             assert st["fused_steps"] > (2 if steps else 50), st
     for a, b in zip(*canvases):
