@@ -70,3 +70,16 @@ def test_bad_inputs_name_the_problem():
         ac.argmax_confidence_triton(torch.zeros(2, 8), exclude=8)
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         ac.argmax_confidence_triton(torch.zeros(8))
+
+
+def test_greedy_rows_do_not_depend_on_sampled_neighbours():
+    x = _logits(6, 50, seed=9)
+    greedy = [RowGroup(0, 6, 0.0, 0, 1.0, None)]
+    mixed = [RowGroup(0, 3, 0.0, 0, 1.0, None),
+             RowGroup(3, 6, 0.7, 0, 1.0, torch.Generator().manual_seed(0))]
+    t1, c1 = propose(x, greedy, forbid=7)
+    t2, c2 = propose(x, mixed, forbid=7)
+    assert torch.equal(t1[:3], t2[:3]) and torch.equal(c1[:3], c2[:3])
+    assert (t2 != 7).all()
+    ref = torch.softmax(x[3:].float(), -1).gather(-1, t2[3:, None]).squeeze(-1)
+    assert torch.equal(c2[3:], ref)

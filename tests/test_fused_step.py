@@ -149,6 +149,9 @@ def test_graph_policy():
     assert f._decide(("a",), 64, graphs=True) == "replay"
     assert f._decide(("big",), 101, graphs=True) == "general"
     assert f._decide(("big",), 101, graphs=True) == "general"
+    # long per-request queries (prefix mode: a new key every block) wait for a third sighting
+    assert [f._decide(("long",), 90, True, max_q=129) for _ in range(3)] == \
+        ["general", "general", "capture"]
 
 
 def test_declined_step_runs_the_general_path():
@@ -158,10 +161,26 @@ def test_declined_step_runs_the_general_path():
                             threshold=1.0)
     ref, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fused_step=False))
     eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
-    eng.fused._decide = lambda key, T, graphs: "general"
+    eng.fused._decide = lambda *args: "general"
     reqs = [eng.add_request(p, params) for p in PROMPTS]
     while eng.has_unfinished():
         eng.step()
     assert eng.fused.stats["fused_steps"] == 0
     for a, b in zip(ref, reqs):
         assert torch.equal(a.canvas, b.canvas)
+
+
+def test_released_requests_are_not_kept_by_step_caches():
+    model = tiny("llada", seed=7)
+    eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
+    params = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="threshold",
+                            threshold=1.0)
+    reqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
+    for _ in range(3):
+        eng.step()
+    assert eng.fused._last is not None and eng._table_cache is not None
+    eng.abort(reqs[0].request_id)
+    assert eng.fused._last is None and eng._table_cache is None
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.fused._last is None and eng._table_cache is None

@@ -46,25 +46,27 @@ def propose(logits: torch.Tensor, groups: list[RowGroup],
     chosen token under the *unfiltered, untempered* logits, computed as LLaDA's reference does
     (softmax then gather), so confidence ties break the same way.
 
-    All-greedy batches (every group at temperature 0) take one fused pass over the logits
-    (``kernels/argmax_confidence``: Triton on CUDA, this function's own math on the CPU).
+    Greedy rows take one fused pass over the logits (``kernels/argmax_confidence``: Triton on
+    CUDA, the same math as below on the CPU); sampled groups then overwrite their own rows.
     """
-    if all(g.temperature <= 0.0 for g in groups):
-        return argmax_confidence.op(logits, forbid)
-    logits = logits.float()
-    choose = logits
-    if forbid is not None:
-        choose = logits.clone()
-        choose[:, forbid] = float("-inf")
-    tokens = choose.argmax(dim=-1)
+    # NOTE: every row's greedy proposal comes from the same kernel whatever the other rows'
+    # policies are, so a greedy request's confidences never depend on who shares its batch
+    tokens, confidence = argmax_confidence.op(logits, forbid)
     for g in groups:
         if g.temperature <= 0.0 or g.end <= g.start:
             continue
-        rows = filter_top_k_top_p(choose[g.start:g.end], g.top_k, g.top_p) / g.temperature
-        u = torch.rand(rows.shape, generator=g.generator, device=rows.device,
+        rows = logits[g.start:g.end].float()
+        choose = rows
+        if forbid is not None:
+            choose = rows.clone()
+            choose[:, forbid] = float("-inf")
+        choose = filter_top_k_top_p(choose, g.top_k, g.top_p) / g.temperature
+        u = torch.rand(choose.shape, generator=g.generator, device=choose.device,
                        dtype=torch.float64).clamp_(min=1e-20)
         gumbel = -torch.log(-torch.log(u))
-        tokens[g.start:g.end] = (rows.double() + gumbel).argmax(dim=-1)
-    # NOTE: the normaliser keeps the forbidden id's mass, as the reference's softmax does.
-    confidence = torch.softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        tok = (choose.double() + gumbel).argmax(dim=-1)
+        tokens[g.start:g.end] = tok
+        # NOTE: the normaliser keeps the forbidden id's mass, as the reference's softmax does.
+        conf = torch.softmax(rows, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+        confidence[g.start:g.end] = conf
     return tokens, confidence

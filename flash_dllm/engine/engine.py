@@ -61,6 +61,13 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        # every running request's canvas is a row of one tensor (``Request.canvas`` is a view of
+        # it), so a step gathers its ids and commits its tokens with one launch each. Allocated
+        # before the KV pool is sized from gpu_memory_utilization, so the pool accounts for it.
+        self.arena = torch.full((self.config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
+                                dtype=torch.long, device=self.device)
+        self._free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
+        self._table_cache: tuple | None = None
         # KV pages: the admission ledger (flash_dllm.cache.page_pool) and, with kv_layout="paged",
         # where K/V physically live: one tensor [layers, 2, pages, page_size, kv_heads, head_dim]
         self.pool = PagePool(self.config.num_pages(cfg.kv_bytes_per_token(self.dtype),
@@ -78,17 +85,12 @@ class Engine:
                 self.graphs = GraphRunner(model, self.config.max_cuda_graphs,
                                           self.config.cuda_graph_max_rows,
                                           self.config.cuda_graph_max_tokens)
-        # every running request's canvas is a row of one tensor (``Request.canvas`` is a view of
-        # it), so a step gathers its ids and commits its tokens with one launch each
-        self.arena = torch.full((self.config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
-                                dtype=torch.long, device=self.device)
-        self._free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
-        self._table_cache: tuple | None = None
         # steady greedy steps: the whole step in one CUDA graph (fused_step.py; opt-in)
         self.fused = None
         if self.paged and self.config.fused_step:
             self.fused = FusedStep(self.config.fused_step_max_rows, self.config.max_cuda_graphs,
-                                   self.config.cuda_graph_max_tokens)
+                                   self.config.cuda_graph_max_tokens,
+                                   self.config.cuda_graph_max_rows)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
@@ -434,6 +436,11 @@ class Engine:
         if req.pages is not None:
             self.pool.free(req.pages)
             req.pages = None
+        # the step caches hold the last batch's requests (identity checks): let this one go
+        if self._table_cache is not None and any(r is req for r in self._table_cache[0]):
+            self._table_cache = None
+        if self.fused is not None:
+            self.fused.forget(req)
         if req.arena_row is not None:      # the row goes to the next request: keep a copy
             req.canvas = req.canvas.clone()
             self._free_rows.append(req.arena_row)

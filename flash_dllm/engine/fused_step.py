@@ -87,9 +87,11 @@ class FusedStep:
     """Owned by an ``Engine``, which it gets as an argument (no back-reference: an engine and its
     GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
 
-    def __init__(self, max_rows: int, max_graphs: int, max_tokens: int) -> None:
+    def __init__(self, max_rows: int, max_graphs: int, max_tokens: int,
+                 capture_rows: int = 128) -> None:
         self.max_rows = max_rows
-        self.max_tokens = max_tokens     # larger steps run the body eagerly (never captured)
+        self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
+        self.capture_rows = capture_rows  # longer per-request queries: captured at sighting 3
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: dict[tuple, int] = {}
@@ -97,6 +99,11 @@ class FusedStep:
         # the last step's (requests, their blocks, host vector, layout): within a block the
         # index vector does not change (the tokens come from the arena), so it is reused
         self._last: tuple | None = None
+
+    def forget(self, req) -> None:
+        """Drop the cached index vector if it belongs to a batch holding ``req`` (released)."""
+        if self._last is not None and any(r is req for r in self._last[0]):
+            self._last = None
 
     # ------------------------------------------------------------------------------ eligibility
     def eligible(self, batch) -> bool:
@@ -131,7 +138,7 @@ class FusedStep:
         key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups)
         dev = eng.device
         graphs = dev.type == "cuda" and eng.graphs is not None
-        action = self._decide(key, lay.T, graphs)
+        action = self._decide(key, lay.T, graphs, lay.max_q)
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
@@ -152,13 +159,15 @@ class FusedStep:
         g.graph.replay()
         return self._tolist(g.out)
 
-    def _decide(self, key: tuple, T: int, graphs: bool) -> str:
+    def _decide(self, key: tuple, T: int, graphs: bool, max_q: int = 0) -> str:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
         general path), ``capture`` or ``replay``. A shape is captured the second time it is seen;
         its first sighting runs on the general path, whose forward graphs are keyed on fewer
         things (a fused key also holds vanilla's (canvas length, k) groups), so a shape that
-        never comes back costs no capture. Steps of more than ``max_tokens`` query rows are
-        never captured (like GraphRunner: the pool would keep their activations for good)."""
+        never comes back costs no capture. As in GraphRunner, a step whose requests query more
+        than ``capture_rows`` rows each (prefix mode: the key changes with every block) is
+        captured only at its third sighting, and steps of more than ``max_tokens`` query rows
+        never (the pool would keep their activations for good)."""
         if not graphs:
             return "eager"
         if key in self.graphs:
@@ -169,7 +178,7 @@ class FusedStep:
             self.seen.clear()
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
-        return "capture" if n >= 2 else "general"
+        return "capture" if n >= (2 if max_q <= self.capture_rows else 3) else "general"
 
     @staticmethod
     def _tolist(out: torch.Tensor) -> tuple[list[int], list[int]]:
