@@ -178,9 +178,9 @@ def test_released_requests_are_not_kept_by_step_caches():
     reqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
     for _ in range(3):
         eng.step()
-    assert eng.fused._last is not None and eng._table_cache is not None
+    assert eng.fused._last is not None and eng._tables.cached
     eng.abort(reqs[0].request_id)
-    assert eng.fused._last is None and eng._table_cache is None
+    assert eng.fused._last is None and not eng._tables.cached
     while eng.has_unfinished():
         eng.step()
-    assert eng.fused._last is None and eng._table_cache is None
+    assert eng.fused._last is None and not eng._tables.cached

@@ -36,9 +36,10 @@ from flash_dllm.engine.verify_step import (
     update_drafts,
 )
 from flash_dllm.engine.cuda_graph import GraphRunner
+from flash_dllm.engine import packing
 from flash_dllm.engine.fused_step import FusedStep
 from flash_dllm.kernels.rope_cache import inv_freq
-from flash_dllm.layers.attention import PackedContext, PagedBatch, PagedContext, Segment
+from flash_dllm.layers.attention import PackedContext, PagedContext, Segment
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
 from flash_dllm.transfer import h2d
@@ -67,7 +68,7 @@ class Engine:
         self.arena = torch.full((self.config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
                                 dtype=torch.long, device=self.device)
         self._free_rows = list(range(self.config.max_num_seqs - 1, -1, -1))
-        self._table_cache: tuple | None = None
+        self._tables = packing.BlockTables()
         # KV pages: the admission ledger (flash_dllm.cache.page_pool) and, with kv_layout="paged",
         # where K/V physically live: one tensor [layers, 2, pages, page_size, kv_heads, head_dim]
         self.pool = PagePool(self.config.num_pages(cfg.kv_bytes_per_token(self.dtype),
@@ -194,7 +195,7 @@ class Engine:
         n_slot = sum(counts)
         windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
                                r.first_step, shift, first_block=r.block == 0) for r in batch]
-        extras = self._flash_extras(batch, windows)
+        extras = packing.flash_extras(batch, windows, dev)
         ids, positions, segments = [], [], []
         slot_rows, groups, bounds, plans, row_base = [], [], [], [], []
         cu, uncached = [0], []          # paged: per-request row boundaries; verify row ranges
@@ -247,7 +248,8 @@ class Engine:
             bl = lengths.pop()
             base = np.array([r.arena_row * W + r.block_start for r in batch], dtype=np.int64)
             blk_host = (base[:, None] + np.arange(bl)).ravel()
-        ids_t, pos_t, pos_host, blk_t = self._ids_positions(batch, ids, positions, blk_host)
+        ids_t, pos_t, pos_host, blk_t = packing.ids_positions(self.arena, batch, ids,
+                                                                 positions, blk_host, dev)
         if blk_t is not None:
             blocks = self.arena.view(-1)[blk_t].view(len(batch), -1)
         else:
@@ -263,7 +265,10 @@ class Engine:
                 seg.probe = positions_all[s:e] - q0
         flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
         if self.paged:
-            ctx = PagedContext(self._paged_batch(batch, pos_t, pos_host, cu, uncached), segments,
+            table = self._tables.get(batch, self.pool.pages_for(self.cfg.max_position))
+            pb = packing.paged_batch(self.kv, self.inv_freq, self.pool.page_size, table, batch,
+                                     pos_t, pos_host, cu, uncached, dev)
+            ctx = PagedContext(pb, segments,
                                probe_layer=self.cfg.num_layers - 1,
                                mass_layer=self.cfg.num_layers - 1 if flash else None)
         else:
@@ -315,121 +320,11 @@ class Engine:
         self.stats["last_batch_size"] = len(batch)
         return finished
 
-    def _ids_positions(self, batch: list[Request], ids: list, parts: list,
-                       blk_host: np.ndarray | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None,
-                                  torch.Tensor | None]:
-        """The step's packed token ids and positions, and the arena indices ``blk_host`` of the
-        active blocks on the device. ``parts``: host ranges ``(q0, q1)`` and device index tensors,
-        in order; ``ids``: ``(request, q0, q1)`` for each range, device id tensors for the rest.
-        When every part is a host range (one per request, in batch order), positions, the ids'
-        arena indices and ``blk_host`` cross in ONE host->device copy and the ids are one gather
-        from the arena; the host positions are returned for ``_paged_batch``."""
-        dev = self.device
-        nb = 0 if blk_host is None else blk_host.shape[0]
-        if all(isinstance(p, tuple) for p in parts):
-            q0 = np.array([p[0] for p in parts], dtype=np.int64)
-            n = np.array([p[1] - p[0] for p in parts], dtype=np.int64)
-            T = int(n.sum())
-            pos = np.arange(T, dtype=np.int64) + np.repeat(q0 - (np.cumsum(n) - n), n)
-            rows = np.array([r.arena_row for r in batch], dtype=np.int64)
-            host = [pos, pos + np.repeat(rows * self.arena.shape[1], n)]
-            if blk_host is not None:
-                host.append(blk_host)
-            both = h2d(np.concatenate(host), torch.long, dev)
-            return (self.arena.view(-1)[both[T:2 * T]], both[:T], pos,
-                    both[2 * T:] if nb else None)
-        ids_t = torch.cat([x[0].canvas[x[1]:x[2]] if isinstance(x, tuple) else x for x in ids])
-        pos_t = torch.cat([torch.arange(p[0], p[1], device=dev) if isinstance(p, tuple) else p
-                           for p in parts])
-        return ids_t, pos_t, None, None if blk_host is None else h2d(blk_host, torch.long, dev)
-
-    def _flash_extras(self, batch: list[Request], windows: list[tuple[int, int]]
-                      ) -> dict[int, torch.Tensor]:
-        """cache="flash": for each flash request (by batch index) with a previous step, the
-        ``flash_budget`` cached positions outside its window ``[q0, q1)`` that got the most
-        attention mass in that step, ascending. One batched topk per previous-step mass tensor
-        (normally one per step); a request's very first step recomputes its whole canvas."""
-        dev = self.device
-        groups: dict[int, list[int]] = {}
-        for b, r in enumerate(batch):
-            if r.params.cache == "flash" and r.mass_src is not None:
-                q0, q1 = windows[b]
-                k = min(r.params.flash_budget, r.canvas_len - (q1 - q0))
-                if k > 0:      # same source and same k per topk call (ties: see select_top_k)
-                    groups.setdefault((id(r.mass_src[0]), k), []).append(b)
-        out: dict[int, torch.Tensor] = {}
-        for (_, k), members in groups.items():
-            src = batch[members[0]].mass_src[0]                       # [rows, keys]
-            row, q0, q1, length = h2d(
-                [[batch[b].mass_src[1] for b in members], [windows[b][0] for b in members],
-                 [windows[b][1] for b in members], [batch[b].canvas_len for b in members]],
-                torch.long, dev)[:, :, None]                          # one copy: 4 x [members, 1]
-            rows = src[row[:, 0]]
-            col = torch.arange(rows.shape[1], device=dev)[None, :]
-            # NOTE: -1 for the window (mass >= 0 elsewhere), -inf past the canvas: never chosen
-            # while k <= canvas - window, which the budget below guarantees
-            rows = rows.masked_fill((col >= q0) & (col < q1), -1.0)
-            rows = rows.masked_fill(col >= length, float("-inf"))
-            top = torch.topk(rows, k, dim=-1).indices.sort(dim=-1).values   # [members, k]
-            for j, b in enumerate(members):
-                out[b] = top[j]
-        return out
-
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits); benchmarks time it."""
         if self.graphs is not None and isinstance(ctx, PagedContext):
             return self.graphs.forward(ids, positions, ctx)
         return self.model.hidden(ids, positions, ctx)
-
-    def _paged_batch(self, batch: list[Request], positions: torch.Tensor,
-                     pos_host: np.ndarray | None, cu: list[int], uncached: list[tuple[int, int]]
-                     ) -> PagedBatch:
-        """The step's index tensors on the paged cache. When every packed position is a host
-        range (``pos_host``: no flash top-k, sentinel refresh or verification rows), slots, block
-        table, ``cu_q`` and ``seq_lens`` are computed on the host and cross in ONE int32 copy."""
-        dev, ps = self.device, self.pool.page_size
-        B = len(batch)
-        # NOTE: the table is always as wide as the longest possible canvas (the kernels read only
-        # each request's own columns), so a step's shape, hence its CUDA graph, does not depend on
-        # how long the requests' canvases happen to be.
-        width = self.pool.pages_for(self.cfg.max_position)
-        T = positions.shape[0]
-        host = np.zeros(T + (B + 1) + B + B * width, dtype=np.int32)
-        table = host[2 * B + 1 + T:].reshape(B, width)
-        table[:] = self._block_table(batch, width)
-        host[T:T + B + 1] = cu
-        host[T + B + 1:T + 2 * B + 1] = [r.canvas_len for r in batch]
-        if pos_host is not None:           # one request per range, in batch order
-            req = np.repeat(np.arange(B), np.diff(cu))
-            host[:T] = table[req, pos_host // ps] * ps + pos_host % ps
-        dev_all = h2d(host, torch.int32, dev)
-        cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
-        table_t = dev_all[T + 2 * B + 1:].view(B, width)
-        counts = [b - a for a, b in zip(cu, cu[1:])]
-        if pos_host is not None:
-            slots = dev_all[:T]
-        else:
-            req_idx = torch.repeat_interleave(torch.arange(B, device=dev),
-                                              h2d(counts, torch.long, dev), output_size=T)
-            slots = table_t[req_idx, positions // ps].long() * ps + positions % ps
-            for a, b in uncached:           # verification rows: never written to the cache
-                slots[a:b] = -1
-        return PagedBatch(self.kv, slots, cu_t, lens_t, table_t, max(counts), self.inv_freq)
-
-    def _block_table(self, batch: list[Request], width: int) -> np.ndarray:
-        """[B, width] int32 page ids of the batch's requests; rebuilt only when the batch changes
-        (pages are fixed from admission to release)."""
-        last = self._table_cache
-        if last is not None and len(last[0]) == len(batch) and all(
-                a is b for a, b in zip(last[0], batch)):
-            return last[1]
-        table = np.zeros((len(batch), width), dtype=np.int32)
-        for b, r in enumerate(batch):
-            table[b, :len(r.pages)] = r.pages
-        # NOTE: holds the requests, so their ids cannot be reused while compared
-        self._table_cache = (list(batch), table)
-        return table
 
     def _release(self, req: Request) -> None:
         """Return a finished request's KV pages to the pool (serving ledger)."""
@@ -437,8 +332,7 @@ class Engine:
             self.pool.free(req.pages)
             req.pages = None
         # the step caches hold the last batch's requests (identity checks): let this one go
-        if self._table_cache is not None and any(r is req for r in self._table_cache[0]):
-            self._table_cache = None
+        self._tables.forget(req)
         if self.fused is not None:
             self.fused.forget(req)
         if req.arena_row is not None:      # the row goes to the next request: keep a copy
