@@ -75,7 +75,7 @@ def load_llm(a: argparse.Namespace):
     return LLM(a.model, device=a.device, dtype=a.dtype,
                engine_config=EngineConfig(max_num_seqs=a.max_num_seqs, kv_layout=a.kv_layout,
                                           cuda_graphs=not a.no_cuda_graphs,
-                                          fused_step=True if a.fused_step else None))
+                                          fused_step=a.fused_step))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

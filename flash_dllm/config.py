@@ -162,11 +162,11 @@ class EngineConfig:
     # head at every block slot, proposal, commit; ``engine/fused_step.py``) while
     # batch x block_length <= the row cap (2048: batch 64 x 32, where the extra LM-head rows
     # cost what the saved host work gains on LLaDA-8B; see benchmarks/NOTES.md).
-    # Opt-in: None and False = off. True: on (with CUDA graphs; without them, e.g. on the CPU,
-    # the fused body runs eagerly, which the tests use). NOTE: off by default because end-to-end
+    # Opt-in. True: on (with CUDA graphs; without them, e.g. on the CPU, the fused body runs
+    # eagerly, which the tests use). NOTE: off by default because end-to-end
     # serving/eval wall time measured slower with it on (benchmarks/NOTES.md, run 13) while its
     # steady-state steps are much faster; to be settled on the GPU.
-    fused_step: bool | None = None
+    fused_step: bool = False
     fused_step_max_rows: int = 2048
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
@@ -188,8 +188,8 @@ class EngineConfig:
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
         _check_int("cuda_graph_max_rows", self.cuda_graph_max_rows, 1)
         _check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, 1)
-        if self.fused_step is not None and not isinstance(self.fused_step, bool):
-            raise ValueError(f"fused_step must be a bool or None, got {self.fused_step!r}")
+        if not isinstance(self.fused_step, bool):
+            raise ValueError(f"fused_step must be a bool, got {self.fused_step!r}")
         _check_int("fused_step_max_rows", self.fused_step_max_rows, 1)
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be a bool or None, got "

@@ -197,7 +197,7 @@ class Engine:
                                r.first_step, shift, first_block=r.block == 0) for r in batch]
         extras = packing.flash_extras(batch, windows, dev)
         ids, positions, segments = [], [], []
-        slot_rows, groups, bounds, plans, row_base = [], [], [], [], []
+        groups, bounds, plans, row_base = [], [], [], []
         cu, uncached = [0], []          # paged: per-request row boundaries; verify row ranges
         n_tok = 0
         s0 = 0
@@ -289,7 +289,7 @@ class Engine:
 
         # commit: masked slots take their token where kept and stay MASK elsewhere (no sync)
         new = torch.where(keep, tokens, torch.full_like(tokens, mask_id))
-        flat = per_req_h[3][slot_req] * self.arena.shape[1] + positions_all
+        flat = per_req_h[3][slot_req] * W + positions_all
         self.arena.view(-1).index_put_((flat,), new)
         # one device->host copy for the whole batch: commits per request, first-slot commits
         first = per_req_h[2][slot_req]

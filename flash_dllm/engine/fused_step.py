@@ -33,11 +33,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from flash_dllm.cache.modes import query_range
+from flash_dllm.decoding.policies import select_threshold
+from flash_dllm.engine import packing
 from flash_dllm.kernels import argmax_confidence
 from flash_dllm.layers.attention import PagedBatch, PagedContext
 
@@ -59,6 +62,7 @@ class _Layout:
     def R(self) -> int:
         return self.B * self.bl
 
+    @cached_property
     def slices(self) -> dict[str, slice]:
         T, R, B = self.T, self.R, self.B
         sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
@@ -72,7 +76,7 @@ class _Layout:
 
     @property
     def size(self) -> int:
-        return self.slices()["table"].stop
+        return self.slices["table"].stop
 
 
 @dataclass
@@ -114,8 +118,7 @@ class FusedStep:
         for r in batch:
             p = r.params
             if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != decode
-                    or p.temperature > 0 or p.block_length != bl or r.block_end > r.canvas_len
-                    or p.entropy_max is not None or p.perturb_sigma is not None
+                    or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None or p.perturb_sigma is not None
                     or p.kv_jaccard_min is not None or r.refresh is not None):
                 return False
         return True
@@ -128,11 +131,10 @@ class FusedStep:
         capture)."""
         blocks = self._signature(batch)
         last = self._last
-        if (last is not None and len(last[0]) == len(batch) and last[1] == blocks
-                and all(a is b for a, b in zip(last[0], batch))):
+        if last is not None and last[1] == blocks and packing.same_batch(last[0], batch):
             host, lay = last[2], last[3]
         else:
-            host, lay = self._host_inputs(eng, batch)
+            host, lay = self._host_inputs(eng, batch, blocks)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
         key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups)
@@ -194,7 +196,8 @@ class FusedStep:
         return [(r.block, min(r.transfer_count(), r.num_masked)) for r in batch]
 
     @staticmethod
-    def _host_inputs(eng, batch) -> tuple[np.ndarray, _Layout]:
+    def _host_inputs(eng, batch, signature: list[tuple[int, int]]
+                     ) -> tuple[np.ndarray, _Layout]:
         ps, W = eng.pool.page_size, eng.arena.shape[1]
         shift = eng.cfg.logit_shift
         width = eng.pool.pages_for(eng.cfg.max_position)
@@ -206,7 +209,7 @@ class FusedStep:
         groups, perm = None, list(range(B))
         if batch[0].params.decode == "vanilla":
             by: dict[tuple[int, int], list[int]] = {}
-            for b, (r, (_, k)) in enumerate(zip(batch, FusedStep._signature(batch))):
+            for b, (r, (_, k)) in enumerate(zip(batch, signature)):
                 by.setdefault((r.canvas_len, k), []).append(b)
             groups, perm, a = [], [], 0
             for (length, k), members in by.items():
@@ -215,29 +218,30 @@ class FusedStep:
                 a += len(members)
             groups = tuple(groups)
         lay = _Layout(B, T, bl, width, max(counts), groups)
-        sl = lay.slices()
+        sl = lay.slices
         host = np.zeros(lay.size, dtype=np.int64)
-        table = host[sl["table"]].reshape(B, width)
+        table = eng._tables.get(batch, width)            # the general path's cached table
+        host[sl["table"]] = table.ravel()
         cu = np.zeros(B + 1, dtype=np.int64)
         cu[1:] = np.cumsum(counts)
-        off = np.arange(bl)
-        for b, (r, (q0, q1)) in enumerate(zip(batch, windows)):
-            table[b, :len(r.pages)] = r.pages
-            a, e = cu[b], cu[b + 1]
-            pos = np.arange(q0, q1)
-            host[sl["ids_idx"]][a:e] = r.arena_row * W + pos
-            host[sl["positions"]][a:e] = pos
-            host[sl["slots"]][a:e] = table[b, pos // ps] * ps + pos % ps
-            blk = r.block_start + off
-            host[sl["rows"]][b * bl:(b + 1) * bl] = blk - shift - q0 + a
-            host[sl["blk_idx"]][b * bl:(b + 1) * bl] = r.arena_row * W + blk
-            host[sl["first"]][b * bl:(b + 1) * bl] = blk == r.prompt_len
+        pos, n = packing.range_positions(windows)
+        req = np.repeat(np.arange(B), n)
+        arena_row = np.array([r.arena_row for r in batch], dtype=np.int64)
+        host[sl["ids_idx"]] = arena_row[req] * W + pos
+        host[sl["positions"]] = pos
+        host[sl["slots"]] = packing.page_slots(table, req, pos, ps)
+        bstart = np.array([r.block_start for r in batch], dtype=np.int64)
+        blk = bstart[:, None] + np.arange(bl)                                  # [B, bl]
+        q0 = np.array([w[0] for w in windows], dtype=np.int64)
+        host[sl["rows"]] = (blk - shift - q0[:, None] + cu[:-1, None]).ravel()
+        host[sl["blk_idx"]] = (arena_row[:, None] * W + blk).ravel()
+        host[sl["first"]] = (blk == np.array([r.prompt_len for r in batch])[:, None]).ravel()
         host[sl["cu_q"]] = cu
         host[sl["seq_lens"]] = [r.canvas_len for r in batch]
         host[sl["tau"]] = np.array([r.params.threshold for r in batch],
                                    dtype=np.float64).view(np.int64)
         host[sl["perm"]] = perm
-        host[sl["bstart"]] = [r.block_start for r in batch]
+        host[sl["bstart"]] = bstart
         return host, lay
 
     # ------------------------------------------------------------------------------------ body
@@ -246,7 +250,7 @@ class FusedStep:
         """The step on the device, from the index vector ``inp``; returns [2, B] counts. Only
         static-shape ops, no host syncs: this is what the graph captures."""
         model, mask_id = eng.model, eng.cfg.mask_token_id
-        sl = lay.slices()
+        sl = lay.slices
         B, bl = lay.B, lay.bl
         i32 = torch.int32
         batch = PagedBatch(eng.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
@@ -271,15 +275,14 @@ class FusedStep:
     @staticmethod
     def _threshold(conf: torch.Tensor, masked: torch.Tensor, tau_bits: torch.Tensor
                    ) -> torch.Tensor:
-        """``decoding.policies.select_threshold`` on each request's masked slots: conf >= tau,
-        and always the first slot of the highest confidence. conf/masked [B, bl] -> keep."""
+        """``decoding.policies.select_threshold`` on each request's masked slots (every running
+        request has one): conf >= tau, and always the first slot of the highest confidence.
+        conf/masked [B, bl] -> keep."""
         B, bl = conf.shape
-        c = torch.where(masked, conf, -1.0)                          # probabilities are >= 0
-        best = c.max(dim=1, keepdim=True).values
-        idx = torch.arange(bl, device=c.device).expand(B, bl)
-        first_best = torch.where(c == best, idx, bl).min(dim=1, keepdim=True).values
-        tau = tau_bits.view(torch.float64).to(c.dtype)[:, None]    # as select_threshold's
-        return masked & ((c >= tau) | (idx == first_best))
+        c = torch.where(masked, conf, -1.0).view(-1)               # probabilities are >= 0
+        gid = torch.arange(B, device=c.device).repeat_interleave(bl)
+        tau = tau_bits.view(torch.float64).to(c.dtype)              # as select_threshold's
+        return select_threshold(c, gid, B, tau).view(B, bl) & masked
 
     @staticmethod
     def _top_k(conf: torch.Tensor, masked: torch.Tensor, perm: torch.Tensor,

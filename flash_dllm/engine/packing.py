@@ -16,6 +16,28 @@ from flash_dllm.layers.attention import PagedBatch
 from flash_dllm.transfer import h2d
 
 
+def same_batch(cached: list[Request] | None, batch: list[Request]) -> bool:
+    """Is ``batch`` exactly the cached list of requests (by identity, in order)? The step caches
+    key on this and hold the requests, so an id cannot be reused while compared."""
+    return cached is not None and len(cached) == len(batch) and all(
+        a is b for a, b in zip(cached, batch))
+
+
+def range_positions(parts: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Host ranges ``[(q0, q1), ...]`` -> (their positions concatenated [T], lengths [B])."""
+    q0 = np.array([p[0] for p in parts], dtype=np.int64)
+    n = np.array([p[1] - p[0] for p in parts], dtype=np.int64)
+    pos = np.arange(int(n.sum()), dtype=np.int64) + np.repeat(q0 - (np.cumsum(n) - n), n)
+    return pos, n
+
+
+def page_slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int
+               ) -> np.ndarray:
+    """The page slot of each packed row (request ``req``, canvas position ``pos``): the host
+    twin of ``cache.paged.slot_mapping``."""
+    return table[req, pos // page_size] * page_size + pos % page_size
+
+
 def ids_positions(arena: torch.Tensor, batch: list[Request], ids: list, parts: list,
                   blk_host: np.ndarray | None, dev: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray | None, torch.Tensor | None]:
@@ -28,10 +50,8 @@ def ids_positions(arena: torch.Tensor, batch: list[Request], ids: list, parts: l
     ``paged_batch``."""
     nb = 0 if blk_host is None else blk_host.shape[0]
     if all(isinstance(p, tuple) for p in parts):
-        q0 = np.array([p[0] for p in parts], dtype=np.int64)
-        n = np.array([p[1] - p[0] for p in parts], dtype=np.int64)
-        T = int(n.sum())
-        pos = np.arange(T, dtype=np.int64) + np.repeat(q0 - (np.cumsum(n) - n), n)
+        pos, n = range_positions(parts)
+        T = pos.shape[0]
         rows = np.array([r.arena_row for r in batch], dtype=np.int64)
         host = [pos, pos + np.repeat(rows * arena.shape[1], n)]
         if blk_host is not None:
@@ -85,10 +105,8 @@ class BlockTables:
         self._last: tuple[list[Request], np.ndarray] | None = None
 
     def get(self, batch: list[Request], width: int) -> np.ndarray:
-        last = self._last
-        if last is not None and len(last[0]) == len(batch) and all(
-                a is b for a, b in zip(last[0], batch)):
-            return last[1]
+        if self._last is not None and same_batch(self._last[0], batch):
+            return self._last[1]
         table = np.zeros((len(batch), width), dtype=np.int32)
         for b, r in enumerate(batch):
             table[b, :len(r.pages)] = r.pages
@@ -124,8 +142,7 @@ def paged_batch(kv: torch.Tensor, inv_freq: torch.Tensor, page_size: int, table:
     host[T:T + B + 1] = cu
     host[T + B + 1:T + 2 * B + 1] = [r.canvas_len for r in batch]
     if pos_host is not None:           # one request per range, in batch order
-        req = np.repeat(np.arange(B), np.diff(cu))
-        host[:T] = table[req, pos_host // ps] * ps + pos_host % ps
+        host[:T] = page_slots(table, np.repeat(np.arange(B), np.diff(cu)), pos_host, ps)
     dev_all = h2d(host, torch.int32, dev)
     cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
     table_t = dev_all[T + 2 * B + 1:].view(B, width)

@@ -28,7 +28,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         kv_cache_gb=a.kv_cache_gb, num_kv_pages=a.num_kv_pages,
                         max_waiting=a.max_waiting, kv_layout=a.kv_layout,
                         cuda_graphs=not a.no_cuda_graphs,
-                        fused_step=True if getattr(a, "fused_step", False) else None,
+                        fused_step=a.fused_step,
                         gpu_memory_utilization=a.gpu_memory_utilization)
 
 
