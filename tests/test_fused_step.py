@@ -8,6 +8,7 @@ import torch
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
+from flash_dllm.engine.fused_step import FusedStep
 from test_paged_engine import LONG
 from test_sampler import PROMPTS, run_engine, tiny
 
@@ -184,3 +185,30 @@ def test_released_requests_are_not_kept_by_step_caches():
     while eng.has_unfinished():
         eng.step()
     assert eng.fused._last is None and not eng._tables.cached
+
+
+@pytest.mark.parametrize("decode", ["threshold", "vanilla"])
+def test_fused_lm_head_at_masked_rows_only(monkeypatch, decode):
+    """Above LM_ALL_ROWS block rows the fused step computes the LM head at the masked slots only
+    (compacted on the device into a bucketed row count): same tokens as the general path."""
+    monkeypatch.setattr(FusedStep, "LM_ALL_ROWS", 4)
+    calls = []
+    real = FusedStep._masked_proposal
+
+    def spy(*args):
+        calls.append(args[4])                                  # lm_rows
+        return real(*args)
+    monkeypatch.setattr(FusedStep, "_masked_proposal", staticmethod(spy))
+    model = tiny("llada", seed=4)
+    params = SamplingParams(max_tokens=24, block_length=8, cache="dual", decode=decode,
+                            threshold=0.3, early_stop=False)
+    _compare(model, PROMPTS, params)
+    assert calls and min(calls) < len(PROMPTS) * 8             # compacted steps did run
+
+
+def test_lm_head_rows_buckets():
+    f = FusedStep.lm_head_rows
+    assert f(32, 1) == 32 and f(256, 3) == 256               # small: every block row
+    assert [f(2048, m) for m in (1, 256, 257, 1000, 2048)] == [256, 256, 512, 1024, 2048]
+    assert f(512, 1) == 128 and f(512, 129) == 256            # bucket max(LM_ALL_ROWS/2, R/8)
+    assert all(f(R, m) >= m for R in (300, 1024, 2048) for m in range(1, R + 1, 37))

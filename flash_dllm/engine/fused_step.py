@@ -10,9 +10,13 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
 1. ``ids = arena[ids_idx]``: the query tokens, gathered from the canvas arena (so the tokens the
    previous replay committed are seen without any host work);
 2. the paged forward (``DiffusionTransformer.hidden`` over a ``PagedContext``);
-3. final norm + LM head at **every** block slot (B x bl rows, not only the masked ones: that
-   keeps the shape static; at these sizes the LM head is bound by reading its weight, so the
-   extra rows are free), then the greedy proposal (``kernels/argmax_confidence``);
+3. final norm + LM head, then the greedy proposal (``kernels/argmax_confidence``). Up to
+   ``LM_ALL_ROWS`` block rows the LM head runs at **every** block slot (B x bl rows, not only the
+   masked ones: the shape stays static, and at these sizes the LM head is bound by reading its
+   weight, so the extra rows are free). Above that it is compute-bound (batch 64 x block 32:
+   2048 rows, ~2.7 ms on the H200 for all of them), so the masked slots are compacted on the
+   device into ``lm_rows`` rows, the host's masked count rounded up to a bucket of R/8 rows (the
+   bucket is part of the graph key, so a block replays at most 8 graphs);
 4. the commit rule per request on its still-masked slots: ``threshold`` (as
    ``decoding.policies.select_threshold``: conf >= tau, and always the first most confident) or
    ``vanilla`` (as ``select_top_k``: the same topk calls on the same shapes, so the same ties);
@@ -25,9 +29,9 @@ B x bl <= ``fused_step_max_rows``. Everything else (refresh steps, sampling, ver
 mixed policies) takes the general path. On the CPU the same body runs eagerly when
 ``EngineConfig(fused_step=True)`` (tests compare it with the general path).
 
-NOTE: the logits come from a GEMM over B x bl rows where the general path's has the masked rows
-only; cuBLAS may round the two differently in the last bit, so the two paths agree token for
-token on real models but are not bitwise twins.
+NOTE: the logits come from a GEMM over more rows than the general path's (which has the masked
+rows only); cuBLAS may round the two differently in the last bit, so the two paths agree token
+for token on real models but are not bitwise twins.
 """
 from __future__ import annotations
 
@@ -91,6 +95,9 @@ class FusedStep:
     """Owned by an ``Engine``, which it gets as an argument (no back-reference: an engine and its
     GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
 
+    # up to this many block rows the LM head runs at every block slot (bound by its weight read)
+    LM_ALL_ROWS = 256
+
     def __init__(self, max_rows: int, max_graphs: int, max_tokens: int,
                  capture_rows: int = 128) -> None:
         self.max_rows = max_rows
@@ -137,7 +144,8 @@ class FusedStep:
             host, lay = self._host_inputs(eng, batch, blocks)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
-        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups)
+        lm_rows = self.lm_head_rows(lay.R, sum(r.num_masked for r in batch))
+        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups, lm_rows)
         dev = eng.device
         graphs = dev.type == "cuda" and eng.graphs is not None
         action = self._decide(key, lay.T, graphs, lay.max_q)
@@ -146,11 +154,11 @@ class FusedStep:
         self.stats["fused_steps"] += 1
         if action == "eager":
             inp = torch.from_numpy(host).to(dev)
-            return self._tolist(self._body(eng, inp, lay))
+            return self._tolist(self._body(eng, inp, lay, lm_rows))
         if action == "capture":
             inp = torch.empty(lay.size, dtype=torch.long, device=dev)
             inp.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
-            counts = self._capture(eng, key, inp, lay)
+            counts = self._capture(eng, key, inp, lay, lm_rows)
             self.graphs[key].loaded = host
             return self._tolist(counts)
         g = self.graphs[key]
@@ -181,6 +189,16 @@ class FusedStep:
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
         return "capture" if n >= (2 if max_q <= self.capture_rows else 3) else "general"
+
+    @classmethod
+    def lm_head_rows(cls, R: int, masked: int) -> int:
+        """How many rows the step's LM head computes for ``R`` block rows of which ``masked``
+        are MASK: all of them up to ``LM_ALL_ROWS``, else ``masked`` rounded up to a multiple
+        of max(LM_ALL_ROWS / 2, R / 8) (capped at R)."""
+        if R <= cls.LM_ALL_ROWS:
+            return R
+        g = max(cls.LM_ALL_ROWS // 2, R // 8, 1)
+        return min(R, max(1, -(-masked // g)) * g)
 
     @staticmethod
     def _tolist(out: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -246,7 +264,7 @@ class FusedStep:
 
     # ------------------------------------------------------------------------------------ body
     @staticmethod
-    def _body(eng, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    def _body(eng, inp: torch.Tensor, lay: _Layout, lm_rows: int) -> torch.Tensor:
         """The step on the device, from the index vector ``inp``; returns [2, B] counts. Only
         static-shape ops, no host syncs: this is what the graph captures."""
         model, mask_id = eng.model, eng.cfg.mask_token_id
@@ -258,11 +276,15 @@ class FusedStep:
                            lay.max_q, eng.inv_freq)
         flat = eng.arena.view(-1)
         hidden = model.hidden(flat[inp[sl["ids_idx"]]], inp[sl["positions"]], PagedContext(batch))
-        logits = model.logits(hidden[inp[sl["rows"]]])                          # [B * bl, V]
-        tok, conf = argmax_confidence.op(logits, mask_id)
         blk_idx = inp[sl["blk_idx"]]
         blocks = flat[blk_idx].view(B, bl)
         masked = blocks == mask_id
+        rows = inp[sl["rows"]]                                   # [B * bl] hidden row per slot
+        if lm_rows >= lay.R:
+            tok, conf = argmax_confidence.op(model.logits(hidden[rows]), mask_id)
+        else:
+            tok, conf = FusedStep._masked_proposal(model, hidden, rows, masked.view(-1),
+                                                   lm_rows, mask_id)
         if lay.groups is None:
             keep = FusedStep._threshold(conf.view(B, bl), masked, inp[sl["tau"]])
         else:
@@ -271,6 +293,26 @@ class FusedStep:
         flat[blk_idx] = torch.where(keep, tok.view(B, bl), blocks).view(-1)
         first = inp[sl["first"]].view(B, bl).bool()
         return torch.stack([keep.sum(1), (keep & first).sum(1)])
+
+    @staticmethod
+    def _masked_proposal(model, hidden: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor,
+                         lm_rows: int, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy proposal at the masked block slots only, with static shapes: slot i (masked)
+        gets LM row cumsum(masked)[i] - 1 (< lm_rows: the host's masked count, bucketed); the
+        unused LM rows compute a copy of the last slot's row and their results land in a
+        dump slot. Returns (tok, conf) [R] (values at unmasked slots are meaningless: every
+        rule ignores them)."""
+        R = masked.numel()
+        dev = masked.device
+        lm = torch.where(masked, (masked.cumsum(0) - 1).clamp(max=lm_rows), lm_rows)
+        src = torch.full((lm_rows + 1,), R, dtype=torch.long, device=dev)   # LM row -> slot
+        src.scatter_(0, lm, torch.arange(R, device=dev))
+        src = src[:lm_rows]                                      # R = no slot (padding)
+        h = hidden[rows[src.clamp(max=R - 1)]]
+        tok_m, conf_m = argmax_confidence.op(model.logits(h), mask_id)
+        tok = torch.zeros(R + 1, dtype=tok_m.dtype, device=dev).scatter_(0, src, tok_m)
+        conf = torch.zeros(R + 1, dtype=conf_m.dtype, device=dev).scatter_(0, src, conf_m)
+        return tok[:R], conf[:R]
 
     @staticmethod
     def _threshold(conf: torch.Tensor, masked: torch.Tensor, tau_bits: torch.Tensor
@@ -304,7 +346,8 @@ class FusedStep:
                 1, chosen, True)
         return keep
 
-    def _capture(self, eng, key, inp: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    def _capture(self, eng, key, inp: torch.Tensor, lay: _Layout, lm_rows: int
+                 ) -> torch.Tensor:
         """Run this step eagerly (the warm-up torch.cuda.graph asks for: it *is* the step, so its
         commits and K/V writes are the real ones) and capture the graph for later replays
         (capturing runs nothing). Returns the eager counts."""
@@ -312,13 +355,13 @@ class FusedStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            counts = self._body(eng, inp, lay).clone()
+            counts = self._body(eng, inp, lay, lm_rows).clone()
         torch.cuda.current_stream().wait_stream(stream)
         if runner.pool is None:
             runner.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=runner.pool):
-            out = self._body(eng, inp, lay)
+            out = self._body(eng, inp, lay, lm_rows)
         self.graphs[key] = _Graph(graph, inp, out, loaded=None)
         self.stats["fused_captures"] += 1
         while len(self.graphs) > self.max_graphs:

@@ -11,6 +11,7 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | `rope_cache`      | RoPE on q/k + K/V write into paged cache slots        | rope_cache.py      |
 | `paged_attention` | paged bidirectional varlen attention (+ key mass)     | paged_attention.py |
 | `argmax_confidence` | greedy proposal from logits: argmax + its softmax prob | argmax_confidence.py |
+| `silu_mul`        | SwiGLU's silu(gate) * up in one pass                  | silu_mul.py        |
 | `skinny_gemm`     | few-row GEMM tiled for bandwidth (study; not wired: cuBLAS is as fast) | skinny_gemm.py |
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flash_dllm.kernels import (
     paged_attention,
     rmsnorm,
     rope_cache,
+    silu_mul,
     skinny_gemm,
 )
 from flash_dllm.kernels._triton import HAS_TRITON, use_triton
@@ -31,6 +33,7 @@ OPS = {
     "rope_cache": rope_cache.op,
     "paged_attention": paged_attention.op,
     "argmax_confidence": argmax_confidence.op,
+    "silu_mul": silu_mul.op,
     "skinny_gemm": skinny_gemm.op,
 }
 REFERENCES = {
@@ -39,6 +42,7 @@ REFERENCES = {
     "rope_cache": rope_cache.rope_cache_reference,
     "paged_attention": paged_attention.paged_attention_reference,
     "argmax_confidence": argmax_confidence.argmax_confidence_reference,
+    "silu_mul": silu_mul.silu_mul_reference,
     "skinny_gemm": skinny_gemm.skinny_gemm_reference,
 }
 

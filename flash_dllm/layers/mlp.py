@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_dllm.kernels import silu_mul
+
 
 class SwiGLU(nn.Module):
     CHUNK_ROWS = 4096          # inference: rows per chunk of a large packed batch
@@ -40,6 +42,6 @@ class SwiGLU(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            # one kernel for silu(gate) * up on the GPU (kernels/silu_mul.py)
+            return self.down_proj(silu_mul.op(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
