@@ -4,7 +4,7 @@
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p $OUT/r
-timeout 200 python3 -m pytest -m gpu tests/gpu -q -x 2>&1 | tail -n 4
+timeout 200 python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py -q -x 2>&1 | tail -n 4
 B="python3 -m flash_dllm.cli bench step"
 timeout 120 $B --cache dual --batch 1 64 --json $OUT/r/step_dual_fused.json 2>&1 | grep -E "batch" | tail -n 2
 timeout 100 $B --cache dual --batch 64 --no-fused-step --json $OUT/r/step_dual_b64_general.json 2>&1 | grep -E "batch" | tail -n 1
