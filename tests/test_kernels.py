@@ -272,6 +272,38 @@ def test_paged_attention_triton_matches_reference(dtype, H, Hkv):
     assert torch.equal(out2, out)                        # tracking does not change the output
 
 
+@needs_interpreter
+@needs_loaded_bounds
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_paged_attention_split_kv_matches_reference(splits):
+    """Split-KV (flash-decoding): chunks of keys merged by their log-sum-exp; requests with no
+    keys, fewer keys than chunks and no queries are all in the batch."""
+    q_lens, k_lens = [5, 0, 18, 2, 3], [13, 7, 21, 0, 70]
+    q, cache, cu, lens, table = _paged_problem(q_lens, k_lens, 4, 2, 16, 4, torch.float32,
+                                               seed=41)
+    kc, vc = paged.layer_kv(cache, 0)
+    ref = paged_attention.paged_attention_reference(q, kc, vc, cu, lens, table)
+    out = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, max(q_lens),
+                                                 max_seqlen_k=max(k_lens), block_m=16,
+                                                 block_n=16, num_splits=splits)
+    _close(out, ref, torch.float32, "split-KV attention output")
+    # asking for the mass never splits: same output as the unsplit kernel
+    out_m, _ = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, max(q_lens),
+                                                      return_mass=True, max_seqlen_k=max(k_lens),
+                                                      block_m=16, block_n=16, num_splits=splits)
+    _close(out_m, ref, torch.float32, "attention output with mass")
+
+
+def test_split_plan():
+    plan = paged_attention.split_plan
+    assert plan(2048, 1024, 64) == (1, 0)                 # batch 64: enough programs
+    assert plan(32, None, 64) == (1, 0)                   # no host bound on the keys
+    n, chunk = plan(32, 1024, 64)                         # batch 1 of LLaDA-8B: 32 programs
+    assert n * 32 >= 200 and chunk % 64 == 0 and n * chunk >= 1024 > (n - 1) * chunk
+    assert plan(32, 64, 64) == (1, 0)                     # one tile of keys: nothing to split
+    assert paged_attention.seqlen_bound(1) == 256 and paged_attention.seqlen_bound(1025) == 2048
+
+
 def test_paged_attention_reference_matches_sdpa():
     q_lens, k_lens = [3, 6, 1], [9, 14, 4]
     H, Hkv, D = 6, 2, 8

@@ -1,6 +1,7 @@
 """CUDA graphs for the paged forward: one captured graph per step shape, replayed with new inputs.
 
-A step's shape is ``(tokens, requests, block-table width, max rows per request, mass layer)``. In
+A step's shape is ``(tokens, requests, block-table width, max rows per request, key-count bound,
+mass layer)``. In
 steady decoding that shape repeats every step (``dual``: each request recomputes its block; the
 first step of a block is a different shape), so a shape is captured the second time it is seen
 and replayed from then on (larger steps than ``max_rows`` rows per request: the third time;
@@ -49,7 +50,7 @@ class GraphRunner:
     @staticmethod
     def key(ids: torch.Tensor, batch: PagedBatch, mass_layer: int | None) -> tuple:
         return (ids.shape[0], batch.cu_q.shape[0], batch.block_table.shape[1], batch.max_q,
-                mass_layer)
+                batch.max_k, mass_layer)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: PagedContext
                 ) -> torch.Tensor:

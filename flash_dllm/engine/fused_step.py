@@ -46,6 +46,7 @@ from flash_dllm.cache.modes import query_range
 from flash_dllm.decoding.policies import select_threshold
 from flash_dllm.engine import packing
 from flash_dllm.kernels import argmax_confidence
+from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention import PagedBatch, PagedContext
 
 
@@ -58,6 +59,7 @@ class _Layout:
     bl: int
     width: int
     max_q: int
+    max_k: int               # paged_attention.seqlen_bound of the longest canvas (split-KV)
     # vanilla: requests grouped by (canvas length, k) as decoding.policies.select_top_k groups
     # them (same topk shapes, hence the same tie order): (length, k, start, end) into ``perm``
     groups: tuple | None = None
@@ -145,7 +147,7 @@ class FusedStep:
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
         lm_rows = self.lm_head_rows(lay.R, sum(r.num_masked for r in batch))
-        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.groups, lm_rows)
+        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k, lay.groups, lm_rows)
         dev = eng.device
         graphs = dev.type == "cuda" and eng.graphs is not None
         action = self._decide(key, lay.T, graphs, lay.max_q)
@@ -235,7 +237,8 @@ class FusedStep:
                 perm += members
                 a += len(members)
             groups = tuple(groups)
-        lay = _Layout(B, T, bl, width, max(counts), groups)
+        lay = _Layout(B, T, bl, width, max(counts), seqlen_bound(max(r.canvas_len for r in batch)),
+                      groups)
         sl = lay.slices
         host = np.zeros(lay.size, dtype=np.int64)
         table = eng._tables.get(batch, width)            # the general path's cached table
@@ -273,7 +276,7 @@ class FusedStep:
         i32 = torch.int32
         batch = PagedBatch(eng.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
                            inp[sl["seq_lens"]].to(i32), inp[sl["table"]].to(i32).view(B, -1),
-                           lay.max_q, eng.inv_freq)
+                           lay.max_q, eng.inv_freq, lay.max_k)
         flat = eng.arena.view(-1)
         hidden = model.hidden(flat[inp[sl["ids_idx"]]], inp[sl["positions"]], PagedContext(batch))
         blk_idx = inp[sl["blk_idx"]]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from flash_dllm.engine.request import Request
+from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention import PagedBatch
 from flash_dllm.transfer import h2d
 
@@ -155,4 +156,5 @@ def paged_batch(kv: torch.Tensor, inv_freq: torch.Tensor, page_size: int, table:
         slots = table_t[req_idx, positions // ps].long() * ps + positions % ps
         for a, b in uncached:           # verification rows: never written to the cache
             slots[a:b] = -1
-    return PagedBatch(kv, slots, cu_t, lens_t, table_t, max(counts), inv_freq)
+    return PagedBatch(kv, slots, cu_t, lens_t, table_t, max(counts), inv_freq,
+                      seqlen_bound(max(r.canvas_len for r in batch)))

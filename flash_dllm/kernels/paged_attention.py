@@ -11,6 +11,16 @@ fp32 online softmax, output ``[T, H, D]`` in q's dtype.
 each key receives summed over the request's queries and heads (Flash-Cache's top-k tracking;
 Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b * H``.
 
+Split-KV (flash-decoding) for small batches: with few requests the grid has few programs (batch 1
+of LLaDA-8B: 32 heads x 1 query tile = 32 programs on 132 SMs), each streaming its request's whole
+canvas of keys, so attention ran at ~10 % of the copy bandwidth (1.25 ms of a 6.2 ms step,
+``benchmarks/results/run14/profile_fused.json``). Given a host bound ``max_seqlen_k`` on the key
+counts, ``paged_attention_triton`` then splits each request's keys into ``num_splits`` chunks of
+``chunk`` keys; program ``(m, h, b * num_splits + s)`` writes chunk s's normalised partial output
+and its log2-sum-exp (fp32) to a workspace, and a second kernel merges the chunks per (row,
+head). ``split_plan`` picks the split from the host-known grid size only, so it is static for a
+CUDA graph. Mass tracking never splits (it needs each row's final normaliser).
+
 Kernel: program ``(m, h, b)`` owns ``BLOCK_M`` queries of request b and one head; it loops over the
 request's keys in ``BLOCK_N`` tiles, looking up each key's page in the block table (any page size;
 a key row is ``D`` contiguous values, 256 B in bf16, so gathered rows still load as full sectors),
@@ -46,17 +56,23 @@ if HAS_TRITON:
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mass_ptr, cu_q_ptr, len_k_ptr, bt_ptr,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
                            stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
-                           qk_scale, D, GROUP, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           TRACK: tl.constexpr, PREC: tl.constexpr):
+                           qk_scale, D, GROUP, CHUNK, part_ptr, lse_ptr, stride_ps, stride_pt,
+                           stride_ph, stride_ls, stride_lt, PAGE_SIZE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           TRACK: tl.constexpr, PREC: tl.constexpr, SPLITS: tl.constexpr):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2)
+        b = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
         if pid_m * BLOCK_M >= q_len:
             return
         L = tl.load(len_k_ptr + b)
+        n_lo = 0
+        if SPLITS > 1:                        # this program's chunk of the keys: [n_lo, L)
+            n_lo = split * CHUNK
+            L = tl.minimum(L, n_lo + CHUNK)
         kvh = h // GROUP
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -69,7 +85,7 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(0, L, BLOCK_N):
+        for n0 in range(n_lo, L, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < L
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -91,6 +107,12 @@ if HAS_TRITON:
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
         out = acc / l_safe[:, None]
+        if SPLITS > 1:                  # partial output + log2-sum-exp; -inf for an empty chunk
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(lse_ptr + split * stride_ls + rows * stride_lt + h, lse, mask=m_mask)
+            tl.store(part_ptr + split * stride_ps + rows[:, None] * stride_pt + h * stride_ph
+                     + offs_d[None, :], out, mask=m_mask[:, None] & d_mask[None, :])
+            return
         tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
         if TRACK:
@@ -107,6 +129,55 @@ if HAS_TRITON:
                 p = tl.exp2(s - lse[:, None])
                 p = tl.where(m_mask[:, None] & n_mask[None, :], p, 0.0)
                 tl.atomic_add(mass_row + offs_n, tl.sum(p, axis=0), mask=n_mask)
+
+
+    @triton.jit
+    def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, stride_ps, stride_pt, stride_ph,
+                             stride_ls, stride_lt, stride_ot, stride_oh, D,
+                             SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < SPLITS
+        lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_mask,
+                      other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)             # no keys at all: zeros
+        w = tl.exp2(lse - m)                                    # 0 for empty chunks
+        live = s_mask & (lse > float("-inf"))
+        part = tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph
+                       + offs_d[None, :], mask=live[:, None] & (offs_d[None, :] < D), other=0.0)
+        total = tl.sum(w, axis=0)
+        out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+                 mask=offs_d < D)
+
+
+# a grid of fewer programs than this splits the keys (about two waves of 132 SMs)
+SPLIT_TARGET_PROGRAMS = 264
+MAX_SPLITS = 16
+
+
+def split_plan(programs: int, max_seqlen_k: int | None, block_n: int) -> tuple[int, int]:
+    """(num_splits, chunk keys) for a grid of ``programs`` (query tiles x heads x requests) whose
+    requests hold at most ``max_seqlen_k`` keys: split only a grid under
+    ``SPLIT_TARGET_PROGRAMS``, into chunks of whole ``block_n`` tiles. (1, 0) = no split."""
+    if not max_seqlen_k or programs >= SPLIT_TARGET_PROGRAMS // 2:
+        return 1, 0
+    tiles = -(-max_seqlen_k // block_n)
+    want = min(MAX_SPLITS, tiles, -(-SPLIT_TARGET_PROGRAMS // max(programs, 1)))
+    if want <= 1:
+        return 1, 0
+    chunk = -(-tiles // want) * block_n
+    return -(-max_seqlen_k // chunk), chunk
+
+
+def seqlen_bound(n: int) -> int:
+    """The host bound on key counts the engine passes (``PagedBatch.max_k``): the next power of
+    two >= max(n, 256), so that a CUDA graph keyed on it is reused across canvas lengths."""
+    return next_pow2(max(int(n), 256))
 
 
 def _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table):
@@ -164,12 +235,16 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                            block_table: torch.Tensor, max_seqlen_q: int,
-                           scale: float | None = None, return_mass: bool = False, *,
+                           scale: float | None = None, return_mass: bool = False,
+                           max_seqlen_k: int | None = None, *,
                            block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2):
+                           num_stages: int = 2, num_splits: int | None = None):
     """q [T, H, D]; k/v_cache [num_pages, page_size, Hkv, D]; cu_seqlens_q [B+1], seq_lens_k [B],
     block_table [B, max_pages] int32 on q's device; ``max_seqlen_q`` a host int >= every request's
-    query count -> out [T, H, D] (and mass [B, max_pages * page_size] fp32 if ``return_mass``)."""
+    query count -> out [T, H, D] (and mass [B, max_pages * page_size] fp32 if ``return_mass``).
+
+    ``max_seqlen_k``: a host int >= every ``seq_lens_k`` (None: unknown, no split-KV); keys
+    beyond it are never read when the keys are split. ``num_splits`` forces a split (tests)."""
     check(HAS_TRITON, "paged_attention_triton: triton is not importable")
     T, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
     check_dtype("paged_attention: q", q, FLOAT_DTYPES)
@@ -186,6 +261,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
           and block_table.stride(1) == 1, "paged_attention: index tensors must be contiguous")
     check(isinstance(max_seqlen_q, int) and max_seqlen_q >= 0,
           f"paged_attention: max_seqlen_q must be a host int, got {max_seqlen_q!r}")
+    check(max_seqlen_k is None or (isinstance(max_seqlen_k, int) and max_seqlen_k >= 0),
+          f"paged_attention: max_seqlen_k must be None or a host int, got {max_seqlen_k!r}")
     check_device("paged_attention", INTERPRET, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
                  block_table)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -199,18 +276,41 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if T > 0 and B > 0 and max_seqlen_q > 0:
         if block_m is None:
             block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64)
-        grid = (-(-max_seqlen_q // block_m), H, B)
-        _paged_attn_kernel[grid](
+        m_tiles = -(-max_seqlen_q // block_m)
+        splits, chunk = 1, 0
+        if not return_mass:
+            if num_splits is not None and num_splits > 1 and max_seqlen_k:
+                chunk = -(-max_seqlen_k // (num_splits * block_n)) * block_n
+                splits = -(-max_seqlen_k // chunk)
+            elif num_splits is None:
+                splits, chunk = split_plan(m_tiles * H * B, max_seqlen_k, block_n)
+        block_d = max(16, next_pow2(D))
+        if splits > 1:
+            part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
+            lse = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
+        else:
+            part = lse = mass                                   # never touched
+        _paged_attn_kernel[(m_tiles, H, B * splits)](
             q, k_cache, v_cache, out, mass, cu_seqlens_q, seq_lens_k, block_table,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), mass.stride(0), scale * 1.4426950408889634, D, H // Hkv,
+            chunk, part, lse, part.stride(0), part.stride(1) if splits > 1 else 0,
+            part.stride(2) if splits > 1 else 0, lse.stride(0),
+            lse.stride(1) if splits > 1 else 0,
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_D=max(16, next_pow2(D)), TRACK=bool(return_mass),
+            BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: full-precision dots (Triton's default would be TF32, ~1e-3 off)
-            PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
-            num_stages=num_stages)
+            PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
+            num_warps=num_warps, num_stages=num_stages)
+        if splits > 1:
+            # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their
+            # own programs only; every row t < T belongs to some request, so all are merged
+            _merge_splits_kernel[(T, H)](
+                part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                lse.stride(1), out.stride(0), out.stride(1), D, SPLITS=splits,
+                BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, num_warps=4)
     elif T > 0:
         out.zero_()
     return (out, mass) if return_mass else out
@@ -218,10 +318,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
        seq_lens_k: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int,
-       scale: float | None = None, return_mass: bool = False):
+       scale: float | None = None, return_mass: bool = False,
+       max_seqlen_k: int | None = None):
     """out [T, H, D] (, mass [B, max_pages * page_size]); Triton on CUDA, else the reference."""
     if use_triton(q, k_cache, v_cache):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
-                                      max_seqlen_q, scale, return_mass)
+                                      max_seqlen_q, scale, return_mass, max_seqlen_k)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
                                      max_seqlen_q, scale, return_mass)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flash_dllm.kernels import paged_attention as paged_attention_op
+from flash_dllm.kernels import qkv_rope_cache as qkv_rope_cache_op
 from flash_dllm.kernels import rope_cache as rope_cache_op
 from flash_dllm.layers.rotary import Rotary
 
@@ -161,6 +162,9 @@ class PagedBatch:
     block_table: torch.Tensor      # [B, max_pages] int32
     max_q: int
     inv_freq: torch.Tensor         # [head_dim / 2] float32
+    # host bound on seq_lens (``paged_attention.seqlen_bound``): lets small batches split each
+    # request's keys over more programs (split-KV); 0 = unknown, never split
+    max_k: int = 0
 
 
 class PagedContext:
@@ -182,21 +186,44 @@ class PagedContext:
         self.mass_layer = mass_layer
         self.mass: torch.Tensor | None = None
 
+    def fuses_projection(self, x: torch.Tensor, proj: nn.Linear) -> bool:
+        """Can ``attend_projected`` run this layer: the fused QKV + RoPE + page-write kernel
+        takes these rows (few, half precision, on CUDA) and no segment needs the raw k/v."""
+        return (qkv_rope_cache_op.ENABLED and not self.special and x.dim() == 2
+                and qkv_rope_cache_op.takes_triton(x, proj.weight, self.batch.kv))
+
+    def attend_projected(self, layer: int, x: torch.Tensor, proj: nn.Linear, num_heads: int,
+                         num_kv_heads: int, positions: torch.Tensor, rotary: Rotary
+                         ) -> torch.Tensor:
+        """``attend`` from the layer's normed input ``x`` [T, d]: one kernel projects q/k/v,
+        rotates q/k and writes k/v into their page slots (``kernels.qkv_rope_cache``)."""
+        b = self.batch
+        kc, vc = b.kv[layer, 0], b.kv[layer, 1]
+        qr = qkv_rope_cache_op.op(x, proj.weight, proj.bias, positions, kc, vc, b.slots,
+                                  b.inv_freq, num_heads, num_kv_heads, rotary.apply_in_fp32)
+        return self._attend_rotated(layer, qr)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         b = self.batch
         kc, vc = b.kv[layer, 0], b.kv[layer, 1]                   # [pages, page_size, Hkv, D]
         qr = rope_cache_op.op(q, k, v, positions, kc, vc, b.slots, b.inv_freq,
                               rotary.apply_in_fp32)                # rotated q; k/v now in pages
-        track = layer == self.mass_layer
-        out = paged_attention_op.op(qr, kc, vc, b.cu_q, b.seq_lens, b.block_table, b.max_q,
-                                    return_mass=track)
-        if track:
-            out, self.mass = out
-        out = out.flatten(1)                                       # [T, H * D]
+        out = self._attend_rotated(layer, qr)
         for seg in self.special:
             self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
         return out
+
+    def _attend_rotated(self, layer: int, qr: torch.Tensor) -> torch.Tensor:
+        """Paged attention of the rotated queries (their step's K/V already in the pages)."""
+        b = self.batch
+        kc, vc = b.kv[layer, 0], b.kv[layer, 1]
+        track = layer == self.mass_layer
+        out = paged_attention_op.op(qr, kc, vc, b.cu_q, b.seq_lens, b.block_table, b.max_q,
+                                    return_mass=track, max_seqlen_k=b.max_k or None)
+        if track:
+            out, self.mass = out
+        return out.flatten(1)                                      # [T, H * D]
 
     def _special_rows(self, seg: Segment, layer: int, out: torch.Tensor, qr: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -253,6 +280,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
         lead = x.shape[:-1]                                   # [B, L] or [T]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if (self.qkv_proj is not None and isinstance(ctx, PagedContext)
+                and ctx.fuses_projection(x, self.qkv_proj)):
+            return self.o_proj(ctx.attend_projected(layer, x, self.qkv_proj, H, Hkv, positions,
+                                                    self.rotary))
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)

@@ -163,6 +163,24 @@ def test_paged_attention(model, case):
         assert _rel(out[cu[b]:cu[b + 1]], o[0].transpose(0, 1)) < 1e-2
 
 
+@pytest.mark.parametrize("model", ["llada", "dream"])
+@pytest.mark.parametrize("case", ["b1", "ragged"])
+def test_paged_attention_split_kv(model, case):
+    """Small batches split each request's keys (split_plan) and merge the chunks."""
+    q_lens, k_lens = {"b1": ([32], [1024]), "ragged": ([32, 1, 7], [1024, 545, 0])}[case]
+    q, cache, cu, lens, table = _problem(model, q_lens, k_lens)
+    kc, vc = paged.layer_kv(cache, 0)
+    bound = paged_attention.seqlen_bound(max(k_lens))
+    n, _ = paged_attention.split_plan(q.shape[1] * len(q_lens), bound, 64)
+    assert n > 1                                              # the case does split
+    out = OPS["paged_attention"](q, kc, vc, cu, lens, table, max(q_lens), max_seqlen_k=bound)
+    ref = paged_attention.paged_attention_reference(q, kc, vc, cu, lens, table)
+    assert _rel(out, ref) < 1e-2
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    whole = OPS["paged_attention"](q, kc, vc, cu, lens, table, max(q_lens))   # unsplit
+    assert _rel(out, whole) < 2e-3
+
+
 def test_kernels_capture_in_cuda_graph():
     """No host syncs: the step's kernels replay from a CUDA graph with fresh inputs."""
     cfg = LLADA
