@@ -101,8 +101,11 @@ class FusedStep:
     LM_ALL_ROWS = 256
 
     def __init__(self, max_rows: int, max_graphs: int, max_tokens: int,
-                 capture_rows: int = 128) -> None:
+                 capture_rows: int = 128, first_capture: int = 2) -> None:
         self.max_rows = max_rows
+        # the sighting of a shape that captures it (1: at once; tests use it to exercise the
+        # graphs on workloads whose shapes rarely repeat)
+        self.first_capture = first_capture
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
         self.capture_rows = capture_rows  # longer per-request queries: captured at sighting 3
         self.max_graphs = max_graphs
@@ -173,12 +176,12 @@ class FusedStep:
 
     def _decide(self, key: tuple, T: int, graphs: bool, max_q: int = 0) -> str:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
-        general path), ``capture`` or ``replay``. A shape is captured the second time it is seen;
-        its first sighting runs on the general path, whose forward graphs are keyed on fewer
+        general path), ``capture`` or ``replay``. A shape is captured the ``first_capture``-th
+        time it is seen (default the second); earlier sightings run on the general path, whose forward graphs are keyed on fewer
         things (a fused key also holds vanilla's (canvas length, k) groups), so a shape that
         never comes back costs no capture. As in GraphRunner, a step whose requests query more
         than ``capture_rows`` rows each (prefix mode: the key changes with every block) is
-        captured only at its third sighting, and steps of more than ``max_tokens`` query rows
+        captured one sighting later, and steps of more than ``max_tokens`` query rows
         never (the pool would keep their activations for good)."""
         if not graphs:
             return "eager"
@@ -190,7 +193,8 @@ class FusedStep:
             self.seen.clear()
         n = self.seen.get(key, 0) + 1
         self.seen[key] = n
-        return "capture" if n >= (2 if max_q <= self.capture_rows else 3) else "general"
+        need = self.first_capture + (max_q > self.capture_rows)
+        return "capture" if n >= need else "general"
 
     @classmethod
     def lm_head_rows(cls, R: int, masked: int) -> int:

@@ -146,9 +146,11 @@ if HAS_TRITON:
         m = tl.max(lse, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)             # no keys at all: zeros
         w = tl.exp2(lse - m)                                    # 0 for empty chunks
-        live = s_mask & (lse > float("-inf"))
+        # NOTE: every split of an existing row writes its partial (zeros for an empty chunk),
+        # so this load does not wait for the lse one
         part = tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph
-                       + offs_d[None, :], mask=live[:, None] & (offs_d[None, :] < D), other=0.0)
+                       + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < D),
+                       other=0.0)
         total = tl.sum(w, axis=0)
         out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),

@@ -9,7 +9,10 @@ from flash_dllm.kernels import silu_mul
 
 
 class SwiGLU(nn.Module):
-    CHUNK_ROWS = 4096          # inference: rows per chunk of a large packed batch
+    # inference: rows per chunk of a large packed batch (a full-canvas refresh of batch 32 has
+    # 32 x 1024 rows; 2048-row chunks keep its [rows, 2 x intermediate] activations at 100 MB
+    # for LLaDA-8B, and GEMMs of 2048 rows still run at full rate)
+    CHUNK_ROWS = 2048
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)

@@ -25,8 +25,12 @@ SUITE = get_suite("arith")
 PROBLEMS = SUITE.test_problems(64, seed=0)
 
 
-def _run(dtype, cache, decode, **cfg):
+def _run(dtype, cache, decode, first_capture=None, **cfg):
     llm = LLM(device="cuda", dtype=dtype, engine_config=EngineConfig(**cfg))
+    if first_capture is not None:
+        # the demo model finishes a block in ~2 forwards and the batch changes all the time, so
+        # a fused shape rarely comes back: capture at the first sighting to exercise the graphs
+        llm.engine.fused.first_capture = first_capture
     params = SamplingParams(max_tokens=64, block_length=32, cache=cache, decode=decode)
     outs = llm.generate([p.prompt for p in PROBLEMS], params)
     return llm, [o.text for o in outs]
@@ -61,7 +65,7 @@ def test_fused_step_matches_general_path(dtype, cache, decode):
     """The whole-step graph (engine/fused_step.py) against the general path (forward graph +
     eager proposal/commit). Its LM head GEMM has all block rows, the general one the masked rows
     only, so cuBLAS may round differently: near-ties may flip (same bound as paged vs dense)."""
-    llm_f, fused = _run(dtype, cache, decode, max_num_seqs=8, fused_step=True)
+    llm_f, fused = _run(dtype, cache, decode, first_capture=1, max_num_seqs=8, fused_step=True)
     _, general = _run(dtype, cache, decode, max_num_seqs=8, fused_step=False)
     assert llm_f.engine.fused.stats["fused_steps"] > 0
     agree = sum(a == b for a, b in zip(fused, general)) / len(fused)
@@ -91,6 +95,8 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
     canvases = []
     for fused in (True, False):
         eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=4, fused_step=fused))
+        if fused:
+            eng.fused.first_capture = 1          # few shapes repeat here (see test above)
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         while eng.has_unfinished():
             eng.step()
