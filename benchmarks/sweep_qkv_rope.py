@@ -1,8 +1,8 @@
 """Tile sweep for the fused QKV + RoPE + page-write kernel (``kernels/qkv_rope_cache.py``).
 
-Times a model's worth of layers back to back (``--layers`` distinct weights, so nothing is served
-from L2, as in a real step): the fused kernel at each config, against cuBLAS ``F.linear`` +
-``rope_cache`` (what the model runs without it). CUDA events over whole sweeps, median of 5.
+Times a model's worth of layers back to back (one distinct weight per layer, so nothing is served
+from L2, as in a real step), replayed from a CUDA graph: the fused kernel at each config, against
+cuBLAS ``F.linear`` + ``rope_cache`` (what the model runs without it). Median of 5 replays.
 
     python benchmarks/sweep_qkv_rope.py --out sweep.json [--rows 32] [--shape llada-8b dream-7b]
 """
@@ -27,12 +27,19 @@ SHAPES = {"llada-8b": dict(d=4096, H=32, Hkv=32, layers=32, fp32=True),
 
 
 def timed(fn, reps: int = 5) -> float:
-    fn()
+    """Median ms of ``fn`` replayed from a CUDA graph (as the engine runs a step: no launch
+    overhead; eager launches of these ~30 us kernels would time the host instead)."""
+    fn()                                                   # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     out = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
         out.append(a.elapsed_time(b))
