@@ -11,7 +11,7 @@ B="python3 -m flash_dllm.cli bench step"
 timeout 280 $B --cache prefix dual flash --json $OUT/r/step_h200.json 2>&1 | grep -E "batch" | tail -n 12
 timeout 60 $B --model-shape demo --prompt-len 256 --gen-len 256 --batch 1 8 64 --cache dual --json $OUT/r/step_demo_h200.json 2>&1 | grep batch | tail -n 3
 timeout 90 python3 benchmarks/profile_step.py --batch 1 64 --out $OUT/r/profile_h200.json 2>&1 | grep batch
-timeout 100 python3 benchmarks/sweep_qkv_rope.py --out $OUT/r/sweep_qkv_rope.json 2>&1 | grep -E "T=|best"
+timeout 100 python3 benchmarks/sweep_qkv_rope.py --shape llada-8b --out $OUT/r/sweep_qkv_rope.json 2>&1 | grep -E "T=|best"
 E="python3 -m flash_dllm.cli eval --suite arith --n 100 --device cuda --max-num-seqs 1 --decode threshold --cache dual --no-progress"
 for m in general fused; do
   f=""; [ $m = fused ] && f="--fused-step"
