@@ -120,6 +120,28 @@ def test_mlp_row_chunks_match_whole(monkeypatch):
     torch.testing.assert_close(whole, chunked, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["dual", "prefix", "flash"])
+def test_qkv_row_chunks_match_whole(monkeypatch, cache):
+    """Steps of more than QKV_CHUNK_ROWS rows project q/k/v + RoPE + page write in row chunks
+    (PagedContext.attend_chunked): same tokens as the whole-step projection."""
+    from flash_dllm.layers.attention import Attention, PagedContext
+    model = tiny("llada", seed=8)
+    params = SamplingParams(max_tokens=16, block_length=8, cache=cache, decode="threshold",
+                            threshold=0.3, early_stop=False)
+    whole, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fuse_projections=True))
+    calls = []
+    real = PagedContext.attend_chunked
+
+    def spy(self, *args):
+        calls.append(args[1].shape[0])
+        return real(self, *args)
+    monkeypatch.setattr(Attention, "QKV_CHUNK_ROWS", 5)
+    monkeypatch.setattr(PagedContext, "attend_chunked", spy)
+    chunked, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fuse_projections=True))
+    assert calls and max(calls) > 5                           # refresh steps were chunked
+    assert all(torch.equal(a.canvas, b.canvas) for a, b in zip(whole, chunked))
+
+
 # ------------------------------------------------------------------------------ cache="flash"
 def test_flash_with_unbounded_budget_recomputes_everything():
     """A budget that covers the whole canvas makes every flash step recompute every position,

@@ -103,7 +103,7 @@ def test_default_config_and_int64_indices():
 
 def test_default_config():
     llada = qkv_rope_cache.default_config(32, 96 * 128, 4096, 128)
-    assert (llada["BLOCK_M"], llada["BLOCK_C"], llada["BLOCK_K"]) == (32, 16, 128)
+    assert (llada["BLOCK_M"], llada["BLOCK_C"], llada["BLOCK_K"]) == (32, 16, 256)
     dream = qkv_rope_cache.default_config(1, 36 * 128, 3584, 128)
     assert (dream["BLOCK_M"], dream["BLOCK_C"]) == (16, 16)
     assert qkv_rope_cache.default_config(200, 36 * 128, 3584, 128)["BLOCK_M"] == 64

@@ -173,7 +173,10 @@ def default_config(T: int, N: int, K: int, head_dim: int = 128, num_sms: int = 1
     row_tiles = -(-T // block_m)
     while block_c > 16 and row_tiles * (N // head_dim) * (half // block_c) < 2 * num_sms:
         block_c //= 2
-    return dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=128, num_warps=4, num_stages=4)
+    # BLOCK_K 256, 3 stages: best of 24 tiles for LLaDA-8B at 32 rows on the H200, inside a CUDA
+    # graph (``benchmarks/sweep_qkv_rope.py``, results/run17/sweep_qkv_rope.json): 1.015 ms for
+    # 32 layers, as fast as cuBLAS + rope_cache (1.010); BLOCK_K 128 / 4 stages took 1.056
+    return dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=256, num_warps=4, num_stages=3)
 
 
 def _is_pow2(n: int) -> bool:

@@ -203,6 +203,24 @@ class PagedContext:
                                   b.inv_freq, num_heads, num_kv_heads, rotary.apply_in_fp32)
         return self._attend_rotated(layer, qr)
 
+    def attend_chunked(self, layer: int, x: torch.Tensor, proj: nn.Linear, num_heads: int,
+                       num_kv_heads: int, positions: torch.Tensor, rotary: Rotary,
+                       chunk: int) -> torch.Tensor:
+        """``attend`` from ``x`` [T, d] for a step of many rows (a full-canvas refresh): the
+        projection + RoPE + page write run in row chunks, so the [T, (H + 2 Hkv) D] projection
+        never exists whole (805 MB for batch 32 x 1024 rows of LLaDA-8B); only the rotated
+        queries are kept for the attention, which runs once every key is in the pages."""
+        b = self.batch
+        kc, vc = b.kv[layer, 0], b.kv[layer, 1]
+        T, D = x.shape[0], kc.shape[-1]
+        qr = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
+        for i in range(0, T, chunk):
+            j = min(T, i + chunk)
+            q, k, v = rope_cache_op.split_qkv(proj(x[i:j]), num_heads, num_kv_heads, D)
+            qr[i:j] = rope_cache_op.op(q, k, v, positions[i:j], kc, vc, b.slots[i:j],
+                                       b.inv_freq, rotary.apply_in_fp32)
+        return self._attend_rotated(layer, qr)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         b = self.batch
@@ -247,6 +265,10 @@ class PagedContext:
 
 
 class Attention(nn.Module):
+    # inference on the paged cache: steps of more rows project q/k/v in chunks of this many
+    # (``PagedContext.attend_chunked``), bounding a refresh step's peak memory
+    QKV_CHUNK_ROWS = 4096
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  rotary: Rotary) -> None:
         super().__init__()
@@ -280,10 +302,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
         lead = x.shape[:-1]                                   # [B, L] or [T]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if (self.qkv_proj is not None and isinstance(ctx, PagedContext)
-                and ctx.fuses_projection(x, self.qkv_proj)):
-            return self.o_proj(ctx.attend_projected(layer, x, self.qkv_proj, H, Hkv, positions,
-                                                    self.rotary))
+        if self.qkv_proj is not None and isinstance(ctx, PagedContext):
+            if ctx.fuses_projection(x, self.qkv_proj):
+                return self.o_proj(ctx.attend_projected(layer, x, self.qkv_proj, H, Hkv,
+                                                        positions, self.rotary))
+            if (x.dim() == 2 and x.shape[0] > self.QKV_CHUNK_ROWS and not ctx.special
+                    and not torch.is_grad_enabled()):
+                return self.o_proj(ctx.attend_chunked(layer, x, self.qkv_proj, H, Hkv,
+                                                      positions, self.rotary,
+                                                      self.QKV_CHUNK_ROWS))
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
             q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
