@@ -159,13 +159,11 @@ class EngineConfig:
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
     # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
-    # head at every block slot, proposal, commit; ``engine/fused_step.py``) while
-    # batch x block_length <= the row cap (2048: batch 64 x 32, where the extra LM-head rows
-    # cost what the saved host work gains on LLaDA-8B; see benchmarks/NOTES.md).
-    # Opt-in. True: on (with CUDA graphs; without them, e.g. on the CPU, the fused body runs
-    # eagerly, which the tests use). NOTE: off by default because end-to-end
-    # serving/eval wall time measured slower with it on (benchmarks/NOTES.md, run 13) while its
-    # steady-state steps are much faster; to be settled on the GPU.
+    # head, proposal, commit; ``engine/fused_step.py``) while batch x block_length <= the row cap
+    # (2048: batch 64 x 32). Opt-in. True: on (with CUDA graphs; without them, e.g. on the CPU,
+    # the fused body runs eagerly, which the tests use). NOTE: off by default: steady steps are
+    # faster with it (``bench step``), but in serving, where batch shapes keep changing, its
+    # captures stall requests (benchmarks/NOTES.md, fourth session, runs 16-17).
     fused_step: bool = False
     fused_step_max_rows: int = 2048
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,

@@ -24,3 +24,12 @@ def h2d(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def h2d_into(dst: torch.Tensor, data: np.ndarray) -> torch.Tensor:
+    """Copy the host array ``data`` into the device tensor ``dst`` (a CUDA graph's static input)
+    as ``h2d`` does: staged in pinned memory, asynchronous. Returns ``dst``."""
+    src = torch.from_numpy(data)
+    if dst.device.type != "cuda":
+        return dst.copy_(src)
+    return dst.copy_(src.pin_memory(), non_blocking=True)

@@ -212,3 +212,19 @@ def test_lm_head_rows_buckets():
     assert [f(2048, m) for m in (1, 256, 257, 1000, 2048)] == [256, 256, 512, 1024, 2048]
     assert f(512, 1) == 128 and f(512, 129) == 256            # bucket max(LM_ALL_ROWS/2, R/8)
     assert all(f(R, m) >= m for R in (300, 1024, 2048) for m in range(1, R + 1, 37))
+
+
+def test_graph_cache_policy():
+    """The capture policy GraphRunner and FusedStep share: capture at the first_capture-th
+    sighting (large shapes one later), least recently used graph dropped beyond max_graphs."""
+    from flash_dllm.engine.cuda_graph import GraphCache
+    c = GraphCache(max_graphs=2)
+    assert [c.sighted("a") for _ in range(2)] == [False, True]
+    assert [c.sighted("big", large=True) for _ in range(3)] == [False, False, True]
+    c.first_capture = 1
+    assert c.sighted("now")
+    c.add("a", 1)
+    c.add("b", 2)
+    assert c.get("a") == 1                  # "a" is now the most recently used
+    c.add("c", 3)
+    assert list(c.graphs) == ["a", "c"] and c.get("b") is None

@@ -44,10 +44,12 @@ import torch
 
 from flash_dllm.cache.modes import query_range
 from flash_dllm.decoding.policies import select_threshold
+from flash_dllm.engine.cuda_graph import GraphCache
 from flash_dllm.engine import packing
 from flash_dllm.kernels import argmax_confidence
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention import PagedBatch, PagedContext
+from flash_dllm.transfer import h2d_into
 
 
 @dataclass
@@ -101,20 +103,29 @@ class FusedStep:
     LM_ALL_ROWS = 256
 
     def __init__(self, max_rows: int, max_graphs: int, max_tokens: int,
-                 capture_rows: int = 128, first_capture: int = 2) -> None:
+                 capture_rows: int = 128) -> None:
         self.max_rows = max_rows
-        # the sighting of a shape that captures it (1: at once; tests use it to exercise the
-        # graphs on workloads whose shapes rarely repeat)
-        self.first_capture = first_capture
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
-        self.capture_rows = capture_rows  # longer per-request queries: captured at sighting 3
-        self.max_graphs = max_graphs
-        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: dict[tuple, int] = {}
+        self.capture_rows = capture_rows  # longer per-request queries: captured one later
+        self.cache = GraphCache(max_graphs)
         self.stats = {"fused_steps": 0, "fused_captures": 0}
         # the last step's (requests, their blocks, host vector, layout): within a block the
         # index vector does not change (the tokens come from the arena), so it is reused
         self._last: tuple | None = None
+
+    @property
+    def graphs(self) -> OrderedDict:
+        return self.cache.graphs
+
+    @property
+    def first_capture(self) -> int:
+        """The sighting of a shape that captures it (``GraphCache``; 1: at once, which the GPU
+        tests use to exercise the graphs on workloads whose shapes rarely repeat)."""
+        return self.cache.first_capture
+
+    @first_capture.setter
+    def first_capture(self, n: int) -> None:
+        self.cache.first_capture = n
 
     def forget(self, req) -> None:
         """Drop the cached index vector if it belongs to a batch holding ``req`` (released)."""
@@ -161,40 +172,33 @@ class FusedStep:
             inp = torch.from_numpy(host).to(dev)
             return self._tolist(self._body(eng, inp, lay, lm_rows))
         if action == "capture":
-            inp = torch.empty(lay.size, dtype=torch.long, device=dev)
-            inp.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+            inp = h2d_into(torch.empty(lay.size, dtype=torch.long, device=dev), host)
             counts = self._capture(eng, key, inp, lay, lm_rows)
             self.graphs[key].loaded = host
             return self._tolist(counts)
-        g = self.graphs[key]
-        self.graphs.move_to_end(key)
+        g = self.cache.get(key)
         if g.loaded is not host:          # a new block or batch: one host->device copy
-            g.inp.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+            h2d_into(g.inp, host)
             g.loaded = host
         g.graph.replay()
         return self._tolist(g.out)
 
     def _decide(self, key: tuple, T: int, graphs: bool, max_q: int = 0) -> str:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
-        general path), ``capture`` or ``replay``. A shape is captured the ``first_capture``-th
-        time it is seen (default the second); earlier sightings run on the general path, whose forward graphs are keyed on fewer
-        things (a fused key also holds vanilla's (canvas length, k) groups), so a shape that
-        never comes back costs no capture. As in GraphRunner, a step whose requests query more
-        than ``capture_rows`` rows each (prefix mode: the key changes with every block) is
-        captured one sighting later, and steps of more than ``max_tokens`` query rows
-        never (the pool would keep their activations for good)."""
+        general path), ``capture`` or ``replay``. Capture follows ``GraphCache``'s policy
+        (default: at the second sighting); earlier sightings run on the general path, whose
+        forward graphs are keyed on fewer things (a fused key also holds vanilla's (canvas
+        length, k) groups). A step whose requests query more than ``capture_rows`` rows each
+        (prefix mode: the key changes with every block) counts as large (captured one sighting
+        later), and steps of more than ``max_tokens`` query rows are never captured (the pool
+        would keep their activations for good)."""
         if not graphs:
             return "eager"
         if key in self.graphs:
             return "replay"
         if T > self.max_tokens:
             return "general"
-        if len(self.seen) >= 4096:
-            self.seen.clear()
-        n = self.seen.get(key, 0) + 1
-        self.seen[key] = n
-        need = self.first_capture + (max_q > self.capture_rows)
-        return "capture" if n >= need else "general"
+        return "capture" if self.cache.sighted(key, large=max_q > self.capture_rows) else "general"
 
     @classmethod
     def lm_head_rows(cls, R: int, masked: int) -> int:
@@ -369,8 +373,6 @@ class FusedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=runner.pool):
             out = self._body(eng, inp, lay, lm_rows)
-        self.graphs[key] = _Graph(graph, inp, out, loaded=None)
+        self.cache.add(key, _Graph(graph, inp, out, loaded=None))
         self.stats["fused_captures"] += 1
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
         return counts
