@@ -5,7 +5,7 @@ at M rows, times (CUDA events, ``triton.testing.do_bench``, L2 flushed between r
 - ``cublas``: ``F.linear(x, W)`` (what the engine runs today);
 - ``cublas_t``: ``(W @ x.T).T`` (cuBLAS sees N = M, a different heuristic);
 - ``tunableop``: ``F.linear`` with PyTorch TunableOp choosing among cuBLASLt algorithms (if available);
-- ``triton``: ``flash_dllm.kernels.skinny_gemm`` over a sweep of tile configs (best reported).
+- ``triton``: ``benchmarks/studies/skinny_gemm.py`` over a sweep of tile configs (best reported).
 GB/s counts the weight bytes only (x and y are < 1 % at these shapes); the copy bandwidth measured
 the same way is the roofline. Writes a JSON report and prints a table.
 
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "studies"))
 
-from flash_dllm.kernels import skinny_gemm  # noqa: E402
+import skinny_gemm  # noqa: E402 - benchmarks/studies/skinny_gemm.py
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (126464, 4096)}

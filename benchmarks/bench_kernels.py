@@ -9,7 +9,9 @@ each Triton result against the reference once (max relative error). Writes a JSO
     python benchmarks/bench_kernels.py --out out/kernels.json
     python benchmarks/bench_kernels.py --quick --only confidence paged_attention
 
-Without CUDA it runs the references only at tiny shapes (a smoke test of this script).
+``confidence`` is the fused LM-head study kernel of ``benchmarks/studies/confidence.py`` (not used
+by the engine). Without CUDA it runs the references only at tiny shapes (a smoke test of this
+script).
 """
 # ruff: noqa: B023 - every lambda below is timed inside the loop iteration that builds it
 from __future__ import annotations
@@ -25,9 +27,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "studies"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from flash_dllm.cache import paged
-from flash_dllm.kernels import confidence, paged_attention, rmsnorm, rope_cache
+import confidence  # noqa: E402 - benchmarks/studies/confidence.py: the fused LM-head study kernel
+import paged_reference as paged  # noqa: E402 - tests/paged_reference.py: layout helpers
+from flash_dllm.kernels import paged_attention, rmsnorm, rope_cache
 from flash_dllm.kernels._triton import HAS_TRITON
 
 LLADA = dict(name="llada8b", d=4096, H=32, Hkv=32, D=128, V=126464, mask=126336, theta=500000.0)

@@ -105,9 +105,11 @@ def profile_case(model, cfg, batch: int, cache: str, steps: int, fused: bool,
         by_cat[category(name)] += d
         by_name[name] += d
         count[name] += 1
-    stats = engine.graphs.stats if engine.graphs is not None else {}
-    if engine.fused is not None:
-        stats = {**stats, **engine.fused.stats}
+    runner = engine.runner
+    stats = dict(runner.forward_graphs.stats) if runner.forward_graphs is not None else {}
+    if runner.step_graphs is not None:
+        stats = {**stats, **runner.step_graphs.stats}
+    del runner
     for r in reqs:
         engine.abort(r.request_id)
     del engine, reqs, r0

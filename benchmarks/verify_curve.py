@@ -52,8 +52,8 @@ def _run(job: dict) -> dict:
     global _LLM
     import torch
 
+    from flash_dllm import LLM
     from flash_dllm.config import SamplingParams
-    from flash_dllm.engine.llm import LLM
     from flash_dllm.evals.runner import run_eval
 
     if job["threads"]:
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         src = Path(a.replot)
         _plot(json.loads(src.read_text(encoding="utf-8"))["runs"], src.with_suffix(".png"))
         return 0
-    from flash_dllm.engine.llm import default_model_path
+    from flash_dllm.models.loader import default_model_path
     model = str(a.model or default_model_path())
     jobs = [dict(j, model=model, n=a.n, seed=a.seed, threads=a.threads, warmup=not a.no_warmup,
                  repeat=a.repeat)

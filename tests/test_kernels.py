@@ -25,12 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.cache import paged
-from flash_dllm.kernels import OPS, confidence, paged_attention, rmsnorm, rope_cache
+import paged_reference as paged
+from flash_dllm.kernels import OPS, paged_attention, rmsnorm, rope_cache
 from flash_dllm.kernels._triton import HAS_TRITON
 
-INTERPRETED = HAS_TRITON and all(m.INTERPRET for m in (rmsnorm, confidence, rope_cache,
-                                                        paged_attention))
+INTERPRETED = HAS_TRITON and all(m.INTERPRET for m in (rmsnorm, rope_cache, paged_attention))
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED,
     reason="triton is not installed" if not HAS_TRITON else
@@ -120,71 +119,6 @@ def test_rmsnorm_reference_matches_layer():
         out, new_res = rmsnorm.rmsnorm_reference(x, layer.weight, 1e-5, r)
         assert torch.equal(new_res, x + r)
         assert torch.equal(out, layer(x + r))
-
-
-# ---- confidence --------------------------------------------------------------------------------
-def _confidence_inputs(N, d, V, dtype, seed, planted):
-    h = _rand(N, d, seed=seed)
-    w = _rand(V, d, seed=seed + 1, scale=0.5)
-    # plant a column that wins most rows, so excluding it changes the argmax
-    w[planted] = h.mean(0) * 3.0 / h.mean(0).norm()
-    return h.to(dtype), w.to(dtype)
-
-
-def _check_confidence(got, h, w, exclude, dtype):
-    tok, conf, ent = got
-    ref_tok, ref_conf, ref_ent = confidence.confidence_reference(h, w, exclude)
-    logits = h.float() @ w.float().t()
-    if exclude is not None:
-        assert not (tok == exclude).any()
-        logits[:, exclude] = float("-inf")
-    best = logits.max(-1).values
-    # the chosen token's logit is the max (exact ties may pick either on another summation order)
-    torch.testing.assert_close(logits.gather(1, tok[:, None])[:, 0], best, rtol=0, atol=1e-4)
-    assert (tok == ref_tok).float().mean() >= 0.9
-    assert tok.dtype == torch.int64 and conf.dtype == torch.float32 and ent.dtype == torch.float32
-    torch.testing.assert_close(conf, ref_conf, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-4, atol=1e-4)
-
-
-@needs_interpreter
-@needs_loaded_bounds
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("exclude", [None, 5])
-def test_confidence_triton_matches_reference(dtype, exclude):
-    N, d, V = 19, 40, 300                                # V not a multiple of block_v=32
-    h, w = _confidence_inputs(N, d, V, dtype, seed=10, planted=5)
-    if exclude is not None:
-        assert (confidence.confidence_reference(h, w)[0] == exclude).any()   # exclusion matters
-    got = confidence.confidence_triton(h, w, exclude, block_m=16, block_v=32, block_k=16)
-    _check_confidence(got, h, w, exclude, dtype)
-
-
-@needs_interpreter
-@needs_loaded_bounds
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_confidence_triton_splits(num_splits):
-    h, w = _confidence_inputs(5, 24, 100, torch.float32, seed=11, planted=99)  # last column
-    got = confidence.confidence_triton(h, w, 99, block_m=16, block_v=16, block_k=16,
-                                       num_splits=num_splits)
-    _check_confidence(got, h, w, 99, torch.float32)
-
-
-def test_confidence_reference_matches_softmax():
-    h, w = _confidence_inputs(6, 16, 50, torch.float32, seed=12, planted=3)
-    probs = torch.softmax(h.double() @ w.double().t(), dim=-1)              # [N, V]
-    tok, conf, ent = confidence.confidence_reference(h, w, exclude=3)
-    masked = probs.clone()
-    masked[:, 3] = -1.0
-    assert torch.equal(tok, masked.argmax(-1))
-    torch.testing.assert_close(conf.double(), probs.gather(1, tok[:, None])[:, 0], rtol=1e-5,
-                               atol=1e-6)
-    torch.testing.assert_close(ent.double(), -(probs * probs.log()).sum(-1), rtol=1e-5, atol=1e-5)
-    # and the engine's own proposer agrees on token and confidence
-    from flash_dllm.decoding.sampling import propose
-    p_tok, p_conf = propose(h @ w.t(), [], forbid=3)
-    assert torch.equal(p_tok, tok)
-    torch.testing.assert_close(p_conf, conf)
 
 
 # ---- rope + cache write ------------------------------------------------------------------------
@@ -344,16 +278,13 @@ def test_ops_dispatch_to_reference_on_cpu():
     out, res = OPS["rmsnorm"](x[None], w, 1e-5, r[None])                 # [1, 3, 8] works too
     ref = rmsnorm.rmsnorm_reference(x, w, 1e-5, r)
     assert torch.equal(out[0], ref[0]) and torch.equal(res[0], ref[1])
-    h, wt = _confidence_inputs(4, 8, 30, torch.float32, seed=63, planted=1)
-    for a, b in zip(OPS["confidence"](h, wt, 1), confidence.confidence_reference(h, wt, 1)):
-        assert torch.equal(a, b)
 
 
 @needs_interpreter
 @needs_loaded_bounds
 def test_ops_route_to_triton_when_allowed(monkeypatch):
     """The op() glue (reshapes, argument order) on the Triton branch, forced on CPU tensors."""
-    for mod in (rmsnorm, confidence, rope_cache, paged_attention):
+    for mod in (rmsnorm, rope_cache, paged_attention):
         monkeypatch.setattr(mod, "use_triton", lambda *t: True)
     x, r, w = _rand(2, 3, 24, seed=80), _rand(2, 3, 24, seed=81), _rand(24, seed=82)
     out, res = OPS["rmsnorm"](x, w, 1e-5, r)                             # [2, 3, 24]
@@ -361,8 +292,6 @@ def test_ops_route_to_triton_when_allowed(monkeypatch):
     assert out.shape == x.shape
     _close(out, ref[0], torch.float32, "normed")
     _close(res, ref[1], torch.float32, "residual")
-    h, wt = _confidence_inputs(3, 16, 40, torch.float32, seed=83, planted=2)
-    _check_confidence(OPS["confidence"](h, wt, 2), h, wt, 2, torch.float32)
     q, cache, cu, lens, table = _paged_problem([3, 2], [6, 9], 2, 1, 16, 4, torch.float32, 84)
     kc, vc = paged.layer_kv(cache, 0)
     _close(OPS["paged_attention"](q, kc, vc, cu, lens, table, 3),
@@ -387,10 +316,6 @@ def test_launchers_reject_bad_layouts():
     with pytest.raises(ValueError, match="multiple of Hkv"):
         paged_attention.paged_attention_triton(q[:, :1].expand(2, 3, 16), kc, vc, cu, lens,
                                                table, 2)
-    with pytest.raises(ValueError, match="weight dtype"):
-        confidence.confidence_triton(_rand(2, 8), _rand(9, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match="exclude"):
-        confidence.confidence_triton(_rand(2, 8), _rand(9, 8), exclude=9)
     with pytest.raises(ValueError, match="contiguous"):
         rmsnorm.rmsnorm_triton(_rand(8, 4).t(), _rand(8), 1e-5)
     with pytest.raises(ValueError, match="inv_freq"):

@@ -7,51 +7,45 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | name              | what                                                  | file               |
 |-------------------|-------------------------------------------------------|--------------------|
 | `rmsnorm`         | fused residual add + RMSNorm (fp32 math)              | rmsnorm.py         |
-| `confidence`      | LM head + (argmax, max-prob, entropy); no [N,V] probs | confidence.py      |
 | `rope_cache`      | RoPE on q/k + K/V write into paged cache slots        | rope_cache.py      |
 | `qkv_rope_cache`  | QKV GEMM + RoPE + K/V page write, few rows            | qkv_rope_cache.py  |
 | `paged_attention` | paged bidirectional varlen attention (+ key mass, split-KV) | paged_attention.py |
 | `argmax_confidence` | greedy proposal from logits: argmax + its softmax prob | argmax_confidence.py |
 | `silu_mul`        | SwiGLU's silu(gate) * up in one pass                  | silu_mul.py        |
-| `skinny_gemm`     | few-row GEMM tiled for bandwidth (study; not wired: cuBLAS is as fast) | skinny_gemm.py |
+
+Study kernels the engine does not use (a fused LM head + confidence, a skinny GEMM) live in
+``benchmarks/studies/``.
 """
 from __future__ import annotations
 
 from flash_dllm.kernels import (
     argmax_confidence,
-    confidence,
     paged_attention,
     qkv_rope_cache,
     rmsnorm,
     rope_cache,
     silu_mul,
-    skinny_gemm,
 )
 from flash_dllm.kernels._triton import HAS_TRITON, use_triton
 
 OPS = {
     "rmsnorm": rmsnorm.op,
-    "confidence": confidence.op,
     "rope_cache": rope_cache.op,
     "paged_attention": paged_attention.op,
     "qkv_rope_cache": qkv_rope_cache.op,
     "argmax_confidence": argmax_confidence.op,
     "silu_mul": silu_mul.op,
-    "skinny_gemm": skinny_gemm.op,
 }
 REFERENCES = {
     "rmsnorm": rmsnorm.rmsnorm_reference,
-    "confidence": confidence.confidence_reference,
     "rope_cache": rope_cache.rope_cache_reference,
     "paged_attention": paged_attention.paged_attention_reference,
     "qkv_rope_cache": qkv_rope_cache.qkv_rope_cache_reference,
     "argmax_confidence": argmax_confidence.argmax_confidence_reference,
     "silu_mul": silu_mul.silu_mul_reference,
-    "skinny_gemm": skinny_gemm.skinny_gemm_reference,
 }
 
 fused_add_rmsnorm = rmsnorm.op
-masked_confidence = confidence.op
 rope_and_cache = rope_cache.op
 paged_attention_op = paged_attention.op
 
@@ -60,7 +54,6 @@ __all__ = [
     "OPS",
     "REFERENCES",
     "fused_add_rmsnorm",
-    "masked_confidence",
     "paged_attention_op",
     "rope_and_cache",
     "use_triton",

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Reruns the GPU test suite and every GPU figure flash-dllm publishes (benchmarks/README.md) on one
+# CUDA GPU (the published figures come from one H200), in sequence.
+#
+#   benchmarks/run_gpu.sh [OUTDIR [GROUP ...]]
+#
+# OUTDIR  where reports go (default: benchmarks/results, i.e. replace the committed reports);
+#         command logs and a summary go to OUTDIR/logs/ (git ignores benchmarks/results/logs/).
+# GROUP   any of the groups below (default: all of them, ~35 min). Each group fits in 10 minutes
+#         on an H200, so a machine that limits a command to 10 minutes runs one or two at a time:
+#           tests    GPU tests: tests/gpu and benchmarks/studies                 ~4 min
+#           step     bench step, LLaDA-8B shape and demo model                    ~6 min
+#           profile  kernel-by-kernel profile of batch 1 and 64                   ~2 min
+#           sweep    fused QKV + RoPE + page-write tile sweep                     ~2 min
+#           kernels  kernel microbenchmarks                                       ~2 min
+#           gemm     skinny-GEMM study (cuBLAS vs TunableOp vs Triton)            ~3 min
+#           serve    HTTP serving at concurrency 1, 8, 32, 64 (demo model)        ~3 min
+#           eval     accuracy matrix, exact-sampler accuracy, batch-1 verify      ~6 min
+#           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
+#
+# A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
+# Needs the package importable from this checkout with its server and plot extras
+# (pip install -e ".[dev]"), a CUDA build of torch and triton.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab)
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ $# -ge 1 && ( "$1" == "-h" || "$1" == "--help" ) ]]; then usage; exit 0; fi
+OUT=${1:-$ROOT/benchmarks/results}
+[[ $# -ge 1 ]] && shift
+for g in "${ALL_GROUPS[@]}"; do
+  if [[ "$OUT" == "$g" ]]; then
+    echo "run_gpu.sh: the first argument is the output directory, got the group '$g'" >&2
+    echo "            (e.g. benchmarks/run_gpu.sh benchmarks/results $g)" >&2
+    exit 2
+  fi
+done
+GROUPS_TO_RUN=("$@")
+[[ ${#GROUPS_TO_RUN[@]} -eq 0 ]] && GROUPS_TO_RUN=("${ALL_GROUPS[@]}")
+for g in "${GROUPS_TO_RUN[@]}"; do
+  if [[ " ${ALL_GROUPS[*]} " != *" $g "* ]]; then
+    echo "run_gpu.sh: unknown group '$g' (groups: ${ALL_GROUPS[*]})" >&2
+    exit 2
+  fi
+done
+
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)            # absolute: the commands run from the repository root
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+FD=(python3 -m flash_dllm.cli)     # = the flash-dllm console script
+
+NAMES=() STATUS=() SECS=() REPORTS=()
+FAILED=0
+
+# run NAME LIMIT_S REPORT CMD...: run CMD with a time limit, output to the screen and
+# LOGS/NAME.log; a failure (or a report the command did not write) is recorded, never fatal.
+run() {
+  local name=$1 limit=$2 report=$3
+  shift 3
+  local t0=$SECONDS rc=0 marker=$LOGS/.start_$name
+  echo
+  echo "=== $name: $*"
+  touch "$marker"
+  timeout --signal=TERM --kill-after=30 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" || rc=$?
+  if [[ $rc -eq 0 && "$report" != "-" && ! ( -s "$report" && "$report" -nt "$marker" ) ]]; then
+    echo "run_gpu.sh: $name exited 0 but did not write $report" | tee -a "$LOGS/$name.log"
+    rc=1
+  fi
+  rm -f "$marker"
+  local status=ok
+  if [[ $rc -ne 0 ]]; then
+    status="FAIL($rc)"
+    [[ $rc -eq 124 || $rc -eq 137 ]] && status="TIMEOUT"
+    FAILED=$((FAILED + 1))
+  fi
+  NAMES+=("$name") STATUS+=("$status") SECS+=($((SECONDS - t0)))
+  REPORTS+=("${report#"$OUT"/}")
+  echo "=== $name: $status in $((SECONDS - t0)) s"
+}
+
+group_tests() {
+  run gpu_tests 420 - python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
+  run gpu_tests_studies 90 - python3 -m pytest -m gpu benchmarks/studies -q -p no:cacheprovider
+}
+
+group_step() {
+  run step_h200 420 "$OUT/step_h200.json" \
+    "${FD[@]}" bench step --cache prefix dual flash --json "$OUT/step_h200.json"
+  run step_demo_h200 120 "$OUT/step_demo_h200.json" \
+    "${FD[@]}" bench step --model-shape demo --prompt-len 256 --gen-len 256 --batch 1 8 64 \
+    --cache dual --json "$OUT/step_demo_h200.json"
+}
+
+group_profile() {
+  run profile_step_h200 240 "$OUT/profile_step_h200.json" \
+    python3 benchmarks/profile_step.py --batch 1 64 --out "$OUT/profile_step_h200.json"
+}
+
+group_sweep() {
+  run sweep_qkv_rope_h200 240 "$OUT/sweep_qkv_rope_h200.json" \
+    python3 benchmarks/sweep_qkv_rope.py --shape llada-8b --out "$OUT/sweep_qkv_rope_h200.json"
+}
+
+group_kernels() {
+  run kernels_h200 240 "$OUT/kernels_h200.json" \
+    python3 benchmarks/bench_kernels.py --quick --out "$OUT/kernels_h200.json"
+}
+
+group_gemm() {
+  run gemm_h200 420 "$OUT/gemm_h200.json" \
+    python3 benchmarks/bench_gemm.py --out "$OUT/gemm_h200.json"
+}
+
+group_serve() {
+  local c n
+  for c in 1 8 32 64; do
+    n=$((c * 2 > 16 ? c * 2 : 16))
+    run "serve_h200_c$c" 120 "$OUT/serve_h200_c$c.json" \
+      "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --concurrency "$c" --requests "$n" \
+      --json "$OUT/serve_h200_c$c.json"
+  done
+}
+
+group_eval() {
+  local s d
+  run eval_matrix_arith_h200 240 "$OUT/eval_matrix_arith_h200.json" \
+    "${FD[@]}" eval --suite arith --n 200 --device cuda --dtype bfloat16 --matrix --no-progress \
+    --json "$OUT/eval_matrix_arith_h200.json"
+  for s in arith code; do
+    run "eval_exact_${s}_h200" 120 "$OUT/eval_exact_${s}_h200.json" \
+      "${FD[@]}" eval --suite "$s" --n 500 --device cuda --max-num-seqs 512 --no-progress \
+      --json "$OUT/eval_exact_${s}_h200.json"
+  done
+  for s in arith code; do
+    for d in threshold verify; do
+      run "eval_${s}_${d}_dual_b1_h200" 60 "$OUT/eval_${s}_${d}_dual_b1_h200.json" \
+        "${FD[@]}" eval --suite "$s" --n 100 --device cuda --max-num-seqs 1 --decode "$d" \
+        --cache dual --no-progress --json "$OUT/eval_${s}_${d}_dual_b1_h200.json"
+    done
+  done
+}
+
+group_ab() {
+  local ab=$OUT/fused_step_ab_h200 name flag
+  mkdir -p "$ab"
+  # batch-1 eval: general path first and last (the first process also fills Triton's cache)
+  for name in general_1 fused general_2; do
+    flag=(); [[ $name == fused ]] && flag=(--fused-step)
+    run "ab_eval_b1_$name" 90 "$ab/eval_b1_$name.json" \
+      "${FD[@]}" eval --suite arith --n 100 --device cuda --max-num-seqs 1 --decode threshold \
+      --cache dual --no-progress ${flag[@]+"${flag[@]}"} --json "$ab/eval_b1_$name.json"
+  done
+  # serving at concurrency 8: fused first and last
+  for name in fused_1 general fused_2; do
+    flag=(); [[ $name == fused_* ]] && flag=(--fused-step)
+    run "ab_serve_c8_$name" 90 "$ab/serve_c8_$name.json" \
+      "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --concurrency 8 --requests 64 \
+      ${flag[@]+"${flag[@]}"} --json "$ab/serve_c8_$name.json"
+  done
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+    --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 || true
+  echo "groups: ${GROUPS_TO_RUN[*]}"
+} | tee "$LOGS/env.txt"
+
+for g in "${GROUPS_TO_RUN[@]}"; do
+  "group_$g"
+done
+
+{
+  echo
+  printf '%-34s %-10s %6s  %s\n' "command" "status" "secs" "report (under $OUT)"
+  for i in "${!NAMES[@]}"; do
+    printf '%-34s %-10s %6s  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${REPORTS[$i]}"
+  done
+  echo "$((${#NAMES[@]} - FAILED)) of ${#NAMES[@]} commands ok; logs in $LOGS"
+} | tee "$LOGS/summary.txt"
+[[ $FAILED -eq 0 ]]
