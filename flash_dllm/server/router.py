@@ -1,0 +1,175 @@
+"""The HTTP endpoints: one handler each, over the app's ``ServerContext``.
+
+Admin (``/health``, ``/ready``, ``/metrics``, ``/v1/models``), OpenAI (``/v1/completions``,
+``/v1/chat/completions``: n choices, stop strings, SSE chunks as OpenAI sends them) and the native
+``/generate``. Handlers validate and submit; ``flash_dllm.server.choices`` drives the engine
+requests to a response.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flash_dllm.engine.request import RequestOutput
+from flash_dllm.server.choices import (Choice, final_output, run_choices, sse, sse_choices,
+                                       submit_choices, total_usage, usage)
+from flash_dllm.server.context import ServerContext, make_params, new_request_id, server_context
+from flash_dllm.server.errors import APIError
+from flash_dllm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                        ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                        ChatMessageOut, CompletionChoice, CompletionChunk,
+                                        CompletionRequest, CompletionResponse, GenerateRequest,
+                                        GenerateResponse)
+
+router = APIRouter()
+Ctx = Annotated[ServerContext, Depends(server_context)]
+
+
+# ---------------------------------------------------------------------------------------- admin
+@router.get("/health")
+async def health(ctx: Ctx):
+    eng = ctx.async_engine
+    if not eng.alive:
+        return JSONResponse({"status": "error", "error": repr(eng.error)}, 503)
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(ctx: Ctx):
+    eng = ctx.async_engine
+    if not eng.ready:
+        return JSONResponse({"status": "draining" if eng.draining else "error"}, 503,
+                            headers={"Retry-After": "5"})
+    return {"status": "ready", "running": eng.num_running, "waiting": eng.num_waiting}
+
+
+@router.get("/metrics")
+async def prometheus(ctx: Ctx):
+    return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+
+@router.get("/v1/models")
+async def models(ctx: Ctx):
+    return {"object": "list", "data": [{"id": ctx.served_model_name, "object": "model",
+                                        "created": ctx.created, "owned_by": "flash-dllm",
+                                        "max_model_len": ctx.max_model_len}]}
+
+
+# --------------------------------------------------------------------------------------- OpenAI
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
+    ctx.check_model(body.model)
+    ids, text = ctx.encode_prompt(body.prompt)
+    rid, choices = submit_choices(ctx, ids, body, body.max_tokens, "cmpl", text)
+    if body.stream:
+        return completion_stream(rid, ctx.served_model_name, choices, _include_usage(body))
+    await run_choices(choices, request.receive)
+    return CompletionResponse(id=rid, model=ctx.served_model_name, usage=total_usage(choices),
+                              choices=[CompletionChoice(index=ch.index, text=ch.text,
+                                                        finish_reason=ch.finish_reason)
+                                       for ch in choices])
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request, ctx: Ctx):
+    ctx.check_model(body.model)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    rid, choices = submit_choices(ctx, ctx.tokenizer.encode(text), body, max_tokens, "chatcmpl",
+                                  text)
+    if body.stream:
+        return chat_stream(rid, ctx.served_model_name, choices, _include_usage(body))
+    await run_choices(choices, request.receive)
+    return ChatCompletionResponse(id=rid, model=ctx.served_model_name, usage=total_usage(choices),
+                                  choices=[ChatChoice(index=ch.index,
+                                                      message=ChatMessageOut(content=ch.text),
+                                                      finish_reason=ch.finish_reason)
+                                           for ch in choices])
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def completion_stream(rid: str, model: str, choices: list[Choice],
+                      include_usage: bool) -> StreamingResponse:
+    """``text_completion`` chunks: one per text delta of a choice (its last carries the
+    finish_reason), then the usage chunk if asked for."""
+    t0 = int(time.time())
+
+    def events(ch: Choice, delta: str) -> list[dict]:
+        return [CompletionChunk(id=rid, created=t0, model=model, choices=[
+            CompletionChoice(index=ch.index, text=delta, finish_reason=ch.finish_reason)
+        ]).model_dump(exclude_none=False, exclude={"usage"})]
+
+    def closing() -> list[dict]:
+        if not include_usage:
+            return []
+        return [{"id": rid, "object": "text_completion", "created": t0, "model": model,
+                 "choices": [], "usage": total_usage(choices).model_dump()}]
+
+    return sse_choices(choices, [], events, closing)
+
+
+def chat_stream(rid: str, model: str, choices: list[Choice],
+                include_usage: bool) -> StreamingResponse:
+    """``chat.completion.chunk``s as OpenAI sends them: a role chunk per choice, content deltas,
+    an empty delta with the finish_reason, then the usage chunk if asked for."""
+    t0 = int(time.time())
+
+    def chunk(index: int, delta: ChatDelta, finish: str | None) -> dict:
+        ev = ChatCompletionChunk(id=rid, created=t0, model=model, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]).model_dump(
+                exclude={"usage"})
+        ev["choices"][0]["delta"] = delta.model_dump(exclude_none=True)   # as OpenAI
+        return ev
+
+    def events(ch: Choice, delta: str) -> list[dict]:
+        ev = [chunk(ch.index, ChatDelta(content=delta), None)] if delta else []
+        if ch.done:
+            ev.append(chunk(ch.index, ChatDelta(), ch.finish_reason))
+        return ev
+
+    def closing() -> list[dict]:
+        if not include_usage:
+            return []
+        return [{"id": rid, "object": "chat.completion.chunk", "created": t0, "model": model,
+                 "choices": [], "usage": total_usage(choices).model_dump()}]
+
+    opening = [chunk(ch.index, ChatDelta(role="assistant", content=""), None) for ch in choices]
+    return sse_choices(choices, opening, events, closing)
+
+
+# ------------------------------------------------------------------------------------ /generate
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, ctx: Ctx):
+    ids, text = ctx.encode_prompt(body.prompt)
+    knobs = body.model_copy(update={"steps": body.num_inference_steps}) \
+        if body.num_inference_steps is not None else body
+    stream = ctx.submit(ids, make_params(knobs, body.max_new_tokens), new_request_id("gen"), text)
+    decode, rid = ctx.tokenizer.decode, stream.request_id
+    if body.stream:
+        return sse(stream, decode, lambda delta, out: generate_events(rid, delta, out))
+    out = await final_output(stream, decode, request.receive)
+    return GenerateResponse(id=rid, text=decode(out.token_ids),
+                            token_ids=out.token_ids, finish_reason=out.finish_reason,
+                            num_forwards=out.num_forwards,
+                            tokens_per_forward=round(out.tokens_per_forward, 4), usage=usage(out))
+
+
+def generate_events(rid: str, delta: str, out: RequestOutput | None) -> list[dict]:
+    """One event per text delta; the last adds finish_reason, forwards, ids and usage."""
+    if out is None:
+        return []
+    ev = {"id": rid, "text": delta, "finished": out.finished}
+    if out.finished:
+        ev.update(finish_reason=out.finish_reason, num_forwards=out.num_forwards,
+                  token_ids=out.token_ids, usage=usage(out).model_dump())
+    return [ev]
