@@ -148,10 +148,7 @@ class EngineConfig:
     # activations and CUDA graphs. Overrides kv_cache_gb; num_kv_pages overrides both.
     gpu_memory_utilization: float | None = None
     max_waiting: int = 256               # AsyncEngine: queued requests before new ones are refused
-    # "paged": K/V live in the shared page pool and attention runs the paged kernels (default);
-    # "dense": the plain PyTorch path, a canvas-sized cache per request (reference, parity tests).
-    kv_layout: str = "paged"
-    # CUDA only: replay the model forward from CUDA graphs (paged layout; one graph per step shape,
+    # CUDA only: replay the model forward from CUDA graphs (one graph per step shape,
     # captured on its second sighting (third above cuda_graph_max_rows rows per request), at most
     # max_cuda_graphs kept; steps above cuda_graph_max_tokens rows run eagerly).
     cuda_graphs: bool = True
@@ -159,11 +156,11 @@ class EngineConfig:
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
     # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
-    # head, proposal, commit; ``engine/fused_step.py``) while batch x block_length <= the row cap
+    # head, proposal, commit; ``engine/step_graph.py``) while batch x block_length <= the row cap
     # (2048: batch 64 x 32). Opt-in. True: on (with CUDA graphs; without them, e.g. on the CPU,
     # the fused body runs eagerly, which the tests use). NOTE: off by default: steady steps are
     # faster with it (``bench step``), but in serving, where batch shapes keep changing, its
-    # captures stall requests (benchmarks/NOTES.md, fourth session, runs 16-17).
+    # captures stall requests (benchmarks/FINDINGS.md).
     fused_step: bool = False
     fused_step_max_rows: int = 2048
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
@@ -180,7 +177,6 @@ class EngineConfig:
         if self.num_kv_pages is not None:
             _check_int("num_kv_pages", self.num_kv_pages, 1)
         _check_int("max_waiting", self.max_waiting, 1)
-        _check_choice("kv_layout", self.kv_layout, ("paged", "dense"))
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)

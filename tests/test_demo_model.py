@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flash_dllm import LLM, SamplingParams
-from flash_dllm.engine.llm import DEMO_MODEL
+from flash_dllm.models.loader import DEMO_MODEL
 from flash_dllm.evals.runner import run_eval
 
 

@@ -1,6 +1,6 @@
-"""The fused step (``engine/fused_step.py``: a whole steady greedy step as one CUDA graph) run
-eagerly on the CPU against the general step path, and its eligibility rules. tests/gpu checks the
-captured graphs."""
+"""The fused step (the runner's ``step`` capture mode, ``engine/step_graph.py``: a whole steady
+greedy step as one CUDA graph) run eagerly on the CPU against the general step path, and its
+eligibility rules. tests/gpu checks the captured graphs."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,8 @@ import torch
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.fused_step import FusedStep
+from flash_dllm.engine.graphs import GraphCache
+from flash_dllm.engine.step_graph import StepGraphs as FusedStep
 from test_paged_engine import LONG
 from test_sampler import PROMPTS, run_engine, tiny
 
@@ -64,8 +65,7 @@ def test_fused_mixes_with_general_requests():
 
 
 def test_fused_early_stop_and_demo_model():
-    from flash_dllm.engine.llm import DEMO_MODEL
-    from flash_dllm.models.loader import load_model
+    from flash_dllm.models.loader import DEMO_MODEL, load_model
     model, _ = load_model(DEMO_MODEL, device="cpu", dtype="float32")
     prompts = [[1, 30 + i, 40, 41, 42] for i in range(3)]
     params = SamplingParams(max_tokens=64, block_length=32, cache="dual", decode="threshold")
@@ -79,11 +79,11 @@ def test_eligibility():
     reqs = [eng.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8,
                                                        cache="dual", decode="threshold",
                                                        threshold=1.0))]
-    assert not eng.fused.eligible(reqs)          # the block's first step: a refresh
+    assert not eng.runner.step_graphs.eligible(reqs)          # the block's first step: a refresh
     eng.step()
-    assert eng.fused.eligible(reqs)
+    assert eng.runner.step_graphs.eligible(reqs)
     eng.step()
-    assert eng.fused.stats["fused_steps"] == 1
+    assert eng.runner.step_graphs.stats["fused_steps"] == 1
     for bad in [dict(cache="none"), dict(temperature=0.5),
                 dict(decode="verify"), dict(kv_jaccard_min=0.5)]:
         e = Engine(model, model.cfg, EngineConfig(fused_step=True))
@@ -91,25 +91,24 @@ def test_eligibility():
                                                      **{"cache": "dual", "decode": "threshold",
                                                         **bad}))
         e.step()
-        assert not e.fused.eligible([r]), bad
+        assert not e.runner.step_graphs.eligible([r]), bad
     # rows cap: 3 requests x 8 > 16
     e = Engine(model, model.cfg, EngineConfig(fused_step=True, fused_step_max_rows=16))
     rs = [e.add_request(p, ok) for p in PROMPTS[:3]]
     e.step()
-    assert not e.fused.eligible(rs)
-    assert e.fused.eligible(rs[:2])
+    assert not e.runner.step_graphs.eligible(rs)
+    assert e.runner.step_graphs.eligible(rs[:2])
     # mixed policies: the general path
     e = Engine(model, model.cfg, EngineConfig(fused_step=True))
     rs = [e.add_request(PROMPTS[0], ok),
           e.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, cache="dual"))]
     e.step()
-    assert e.fused.eligible(rs[1:]) and not e.fused.eligible(rs)
+    assert e.runner.step_graphs.eligible(rs[1:]) and not e.runner.step_graphs.eligible(rs)
 
 
 def test_off_by_default_on_cpu_and_validated():
     model = tiny("llada")
-    assert Engine(model, model.cfg).fused is None
-    assert Engine(model, model.cfg, EngineConfig(kv_layout="dense", fused_step=True)).fused is None
+    assert Engine(model, model.cfg).runner.step_graphs is None
     with pytest.raises(ValueError, match="fused_step"):
         EngineConfig(fused_step="yes")
     with pytest.raises(ValueError, match="fused_step_max_rows"):
@@ -129,7 +128,7 @@ def test_engine_is_freed_without_gc():
                                                    decode="threshold", threshold=1.0))
         for _ in range(3):
             eng.step()
-        assert eng.fused.stats["fused_steps"] > 0
+        assert eng.runner.step_graphs.stats["fused_steps"] > 0
         ref = weakref.ref(eng)
         del eng
         assert ref() is None
@@ -141,12 +140,11 @@ def test_graph_policy():
     """On CUDA: the first sighting of a step shape runs on the general path, the second is
     captured, later ones replay; oversized steps always go to the general path; without graphs
     the body runs eagerly."""
-    from flash_dllm.engine.fused_step import FusedStep
-    f = FusedStep(max_rows=256, max_graphs=4, max_tokens=100)
+    f = FusedStep(GraphCache(4), max_rows=256, max_tokens=100)
     assert f._decide(("a",), 64, graphs=False) == "eager"
     assert f._decide(("a",), 64, graphs=True) == "general"
     assert f._decide(("a",), 64, graphs=True) == "capture"
-    f.graphs[("a",)] = object()
+    f.cache.graphs[("a",)] = object()
     assert f._decide(("a",), 64, graphs=True) == "replay"
     assert f._decide(("big",), 101, graphs=True) == "general"
     assert f._decide(("big",), 101, graphs=True) == "general"
@@ -162,11 +160,11 @@ def test_declined_step_runs_the_general_path():
                             threshold=1.0)
     ref, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fused_step=False))
     eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
-    eng.fused._decide = lambda *args: "general"
+    eng.runner.step_graphs._decide = lambda *args: "general"
     reqs = [eng.add_request(p, params) for p in PROMPTS]
     while eng.has_unfinished():
         eng.step()
-    assert eng.fused.stats["fused_steps"] == 0
+    assert eng.runner.step_graphs.stats["fused_steps"] == 0
     for a, b in zip(ref, reqs):
         assert torch.equal(a.canvas, b.canvas)
 
@@ -179,12 +177,12 @@ def test_released_requests_are_not_kept_by_step_caches():
     reqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
     for _ in range(3):
         eng.step()
-    assert eng.fused._last is not None and eng._tables.cached
+    assert eng.runner.step_graphs._last is not None and eng.runner._tables.cached
     eng.abort(reqs[0].request_id)
-    assert eng.fused._last is None and not eng._tables.cached
+    assert eng.runner.step_graphs._last is None and not eng.runner._tables.cached
     while eng.has_unfinished():
         eng.step()
-    assert eng.fused._last is None and not eng._tables.cached
+    assert eng.runner.step_graphs._last is None and not eng.runner._tables.cached
 
 
 @pytest.mark.parametrize("decode", ["threshold", "vanilla"])
@@ -215,9 +213,8 @@ def test_lm_head_rows_buckets():
 
 
 def test_graph_cache_policy():
-    """The capture policy GraphRunner and FusedStep share: capture at the first_capture-th
+    """The capture policy both capture modes share: capture at the first_capture-th
     sighting (large shapes one later), least recently used graph dropped beyond max_graphs."""
-    from flash_dllm.engine.cuda_graph import GraphCache
     c = GraphCache(max_graphs=2)
     assert [c.sighted("a") for _ in range(2)] == [False, True]
     assert [c.sighted("big", large=True) for _ in range(3)] == [False, False, True]

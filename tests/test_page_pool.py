@@ -127,15 +127,15 @@ def test_engine_admits_by_pages_and_frees_on_finish_and_abort():
     p = SamplingParams(max_tokens=16, block_length=8, early_stop=False)
     reqs = [eng.add_request([1, 10, 11, 12], p) for _ in range(3)]
     eng.step()
-    assert [r.pages is not None for r in reqs] == [True, True, False]   # the third waits
+    assert [eng.kv_manager.pages(r.request_id) is not None for r in reqs] == [True, True, False]   # the third waits
     assert eng.pool.num_used == 6 and len(eng.waiting) == 1
     eng.abort(reqs[0].request_id)                     # frees 3 pages at once
     assert eng.pool.num_used == 3
     eng.step()
-    assert reqs[2].pages is not None and eng.pool.num_used == 6
+    assert eng.kv_manager.pages(reqs[2].request_id) is not None and eng.pool.num_used == 6
     while eng.has_unfinished():
         eng.step()
-    assert eng.pool.num_used == 0 and all(r.pages is None for r in reqs)
+    assert eng.pool.num_used == 0 and all(eng.kv_manager.pages(r.request_id) is None for r in reqs)
     assert [r.finish_reason for r in reqs] == ["abort", "length", "length"]
 
 

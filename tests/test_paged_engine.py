@@ -1,5 +1,5 @@
-"""The engine on the paged KV cache (default ``kv_layout="paged"``) against the plain PyTorch path
-(``kv_layout="dense"``: a canvas-sized cache per request, one SDPA call per request).
+"""The engine on the paged KV cache against the plain PyTorch oracle (``tests/dense_oracle.py``:
+a canvas-sized cache per request, one SDPA call per request).
 
 On the CPU the paged path runs the kernels' PyTorch references (``kernels.rope_cache``,
 ``kernels.paged_attention``), so this checks the layout, the block tables, the slot mapping and the
@@ -13,13 +13,23 @@ import torch
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
+from dense_oracle import use_dense_oracle
 from test_sampler import PROMPTS, run_engine, tiny
 
 LONG = [[(7 * i + 3) % 90 + 5 for i in range(n)] for n in (3, 21, 40, 9)]
 
 
+def run_dense(model, prompts, params, **config):
+    eng = use_dense_oracle(Engine(model, model.cfg, EngineConfig(**config)))
+    reqs = [eng.add_request(p, params if isinstance(params, SamplingParams) else params[i])
+            for i, p in enumerate(prompts)]
+    while eng.has_unfinished():
+        eng.step()
+    return reqs, [eng.output(r) for r in reqs]
+
+
 def _same(model, prompts, params, **paged_kw):
-    dense, od = run_engine(model, prompts, params, config=EngineConfig(kv_layout="dense"))
+    dense, od = run_dense(model, prompts, params)
     paged, op = run_engine(model, prompts, params, config=EngineConfig(**paged_kw))
     for a, b, x, y in zip(dense, paged, od, op):
         assert torch.equal(a.canvas, b.canvas)
@@ -59,17 +69,18 @@ def test_pages_hold_the_canvas_kv():
     """After a step, the request's pages hold exactly the K/V the dense path keeps for it."""
     model = tiny("llada", seed=4)
     params = SamplingParams(max_tokens=16, block_length=8, cache="dual")
-    engines = {lay: Engine(model, model.cfg, EngineConfig(kv_layout=lay, page_size=4))
+    engines = {lay: Engine(model, model.cfg, EngineConfig(page_size=4))
                for lay in ("dense", "paged")}
+    use_dense_oracle(engines["dense"])
     reqs = {lay: e.add_request(PROMPTS[1], params) for lay, e in engines.items()}
     for e in engines.values():
         e.step()
         e.step()
     r = reqs["paged"]
-    kv = engines["paged"].kv                                  # [layers, 2, pages, ps, Hkv, D]
-    rows = torch.tensor(r.pages)
+    kv = engines["paged"].runner.kv                           # [layers, 2, pages, ps, Hkv, D]
+    rows = torch.tensor(engines["paged"].kv_manager.pages(r.request_id))
     paged = kv[:, :, rows].flatten(2, 3)[:, :, :r.canvas_len]  # [layers, 2, canvas, Hkv, D]
-    dense = reqs["dense"].kv
+    dense = engines["dense"].runner.backend.caches[reqs["dense"].request_id]
     assert torch.equal(paged[0], dense[0])       # layer 0: the same projections and RoPE, bit-exact
     # deeper layers: the attention sums run in another order (einsum vs SDPA), float32 noise
     torch.testing.assert_close(paged, dense, rtol=1e-4, atol=1e-5)
@@ -78,10 +89,11 @@ def test_pages_hold_the_canvas_kv():
 def test_pool_is_the_storage_and_frees():
     model = tiny("llada")
     eng = Engine(model, model.cfg, EngineConfig(num_kv_pages=8, page_size=4))
-    assert eng.kv.shape == (2, 2, 8, 4, model.cfg.num_kv_heads, model.cfg.head_dim)
+    assert eng.runner.kv.shape == (2, 2, 8, 4, model.cfg.num_kv_heads, model.cfg.head_dim)
     r = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=8, block_length=8))
     eng.step()
-    assert eng.pool.num_used == 3 and r.page_row.dtype == torch.int32
+    assert eng.pool.num_used == 3
+    assert eng.runner._states[r.request_id].page_row.dtype == torch.int32
     while eng.has_unfinished():
         eng.step()
     assert eng.pool.num_used == 0
@@ -98,7 +110,7 @@ def test_fused_projections_same_tokens():
 
 
 def test_engine_config_validation():
-    for kw, match in [(dict(kv_layout="flat"), "kv_layout"), (dict(cuda_graphs=1), "cuda_graphs"),
+    for kw, match in [(dict(cuda_graphs=1), "cuda_graphs"),
                       (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
                       (dict(max_cuda_graphs=0), "max_cuda_graphs")]:
         with pytest.raises(ValueError, match=match):
@@ -123,8 +135,8 @@ def test_mlp_row_chunks_match_whole(monkeypatch):
 @pytest.mark.parametrize("cache", ["dual", "prefix", "flash"])
 def test_qkv_row_chunks_match_whole(monkeypatch, cache):
     """Steps of more than QKV_CHUNK_ROWS rows project q/k/v + RoPE + page write in row chunks
-    (PagedContext.attend_chunked): same tokens as the whole-step projection."""
-    from flash_dllm.layers.attention import Attention, PagedContext
+    (PagedAttentionMetadata.attend_chunked): same tokens as the whole-step projection."""
+    from flash_dllm.layers.attention_backend import PagedAttentionMetadata as PagedContext
     model = tiny("llada", seed=8)
     params = SamplingParams(max_tokens=16, block_length=8, cache=cache, decode="threshold",
                             threshold=0.3, early_stop=False)
@@ -135,7 +147,7 @@ def test_qkv_row_chunks_match_whole(monkeypatch, cache):
     def spy(self, *args):
         calls.append(args[1].shape[0])
         return real(self, *args)
-    monkeypatch.setattr(Attention, "QKV_CHUNK_ROWS", 5)
+    monkeypatch.setattr(PagedContext, "QKV_CHUNK_ROWS", 5)
     monkeypatch.setattr(PagedContext, "attend_chunked", spy)
     chunked, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fuse_projections=True))
     assert calls and max(calls) > 5                           # refresh steps were chunked
@@ -162,15 +174,16 @@ def test_flash_query_is_window_plus_top_mass(monkeypatch):
     eng = Engine(model, model.cfg)
     req = eng.add_request(LONG[1], params)
     seen = []
-    orig = eng._forward
+    orig = eng.runner.forward
 
     def spy(ids, positions, ctx):
         seen.append(positions.clone())
         return orig(ids, positions, ctx)
-    monkeypatch.setattr(eng, "_forward", spy)
+    monkeypatch.setattr(eng.runner, "forward", spy)
     masses = []
     while eng.has_unfinished():
-        masses.append(None if req.attn_mass is None else req.attn_mass.clone())
+        st = eng.runner._states.get(req.request_id)
+        masses.append(None if st is None or st.attn_mass is None else st.attn_mass.clone())
         info = (req.block, req.first_step, req.block_start, req.block_end)
         eng.step()
         pos, mass = seen[-1], masses[-1]
@@ -197,9 +210,10 @@ def test_flash_batched_equals_solo_and_needs_paged():
     for p, r in zip(LONG, together):
         solo, _ = run_engine(model, [p], params)
         assert torch.equal(solo[0].canvas, r.canvas)
-    eng = Engine(model, model.cfg, EngineConfig(kv_layout="dense"))
+    eng = use_dense_oracle(Engine(model, model.cfg))
+    eng.add_request([5, 6], params)
     with pytest.raises(ValueError, match="cache='flash' needs the paged"):
-        eng.add_request([5, 6], params)
+        eng.step()
 
 
 def _top_k_one_by_one(conf, positions, bounds, ks, lens):

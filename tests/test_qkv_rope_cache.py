@@ -168,7 +168,7 @@ def test_engine_with_fused_projection_matches_unfused(monkeypatch, family):
     """The paged engine with every layer's q/k/v projection + RoPE + page write in the fused
     kernel (interpreted on the CPU, float32) gives the tokens of the unfused path."""
     from flash_dllm.config import EngineConfig, SamplingParams
-    from flash_dllm.layers.attention import PagedContext
+    from flash_dllm.layers.attention_backend import PagedAttentionMetadata as PagedContext
     from test_sampler import PROMPTS, run_engine, tiny
 
     model = tiny(family, seed=3)

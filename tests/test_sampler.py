@@ -153,13 +153,19 @@ def test_cached_modes_run_to_completion(family, cache, decode):
     model = tiny(family)
     params = SamplingParams(max_tokens=24, block_length=8, cache=cache, decode=decode,
                             threshold=0.7, early_stop=False)
-    reqs, outs = run_engine(model, PROMPTS, params)
-    for req, out in zip(reqs, outs):
+    eng = Engine(model, model.cfg)
+    reqs = [eng.add_request(p, params) for p in PROMPTS]
+    while eng.has_unfinished():
+        eng.step()
+    for req in reqs:
+        out = eng.output(req)
         assert out.finished and out.finish_reason in ("stop", "length")
         assert not (req.canvas == MASK).any()
         if decode == "vanilla":
             assert out.num_forwards == 24
-        assert req.kv is None   # the cache was released
+        # the cache was released
+        assert eng.kv_manager.pages(req.request_id) is None
+        assert req.request_id not in eng.runner._states
 
 
 def test_cached_mode_reuses_cache_between_steps():
@@ -237,14 +243,21 @@ def test_early_stop_after_block_with_eos():
 
 @pytest.mark.parametrize("layout", ["paged", "dense"])
 def test_abort_frees_request(layout):
+    from dense_oracle import use_dense_oracle
     model = tiny("llada")
-    eng = Engine(model, model.cfg, EngineConfig(kv_layout=layout))
+    eng = Engine(model, model.cfg)
+    if layout == "dense":
+        use_dense_oracle(eng)
     r = eng.add_request([1, 2, 3], SamplingParams(max_tokens=16, block_length=8, cache="dual"))
     eng.step()
-    held = r.page_row if layout == "paged" else r.kv
+    held = (eng.runner._states.get(r.request_id) if layout == "paged"
+            else eng.runner.backend.caches.get(r.request_id))
     assert held is not None and eng.pool.num_used > 0
     assert eng.abort(r.request_id)
-    assert r.kv is None and r.page_row is None and r.finish_reason == "abort"
+    released = (eng.runner._states.get(r.request_id) if layout == "paged"
+                else eng.runner.backend.caches.get(r.request_id))
+    assert released is None and eng.kv_manager.pages(r.request_id) is None
+    assert r.finish_reason == "abort"
     assert eng.pool.num_used == 0
     eng.step()
     assert not eng.has_unfinished()

@@ -23,7 +23,7 @@ from flash_dllm import LLM, SamplingParams
 from flash_dllm.config import EngineConfig
 from flash_dllm.server.app import build_app
 from flash_dllm.server.detokenize import IncrementalDetokenizer
-from flash_dllm.server.serve import load_async_engine
+from flash_dllm.entrypoints.serve import load_async_engine
 
 MODEL = "tiny"
 REQUIRED_METRICS = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total",

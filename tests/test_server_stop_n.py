@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from flash_dllm.config import EngineConfig
-from flash_dllm.server.serve import load_async_engine
+from flash_dllm.entrypoints.serve import load_async_engine
 from flash_dllm.server.stops import (MAX_STOP_STRINGS, StopBuffer, find_stop, partial_stop_len,
                                      stop_strings, tokens_covering)
 from test_server import ckpt, client, make_app, metrics_of, run, sse_events  # noqa: F401

@@ -25,7 +25,7 @@ from flash_dllm.decoding.verify import (
     select_after_verify,
 )
 from flash_dllm.engine.engine import Engine
-from flash_dllm.layers.attention import PackedContext, Segment, VerifyRows
+from dense_oracle import DenseStep, Segment, VerifyRows
 from flash_dllm.models.loader import build_model
 
 
@@ -121,9 +121,9 @@ def _verify_forward(model, canvas, cand_pos, cand_tok, allow_fn=None):
     blk = build_verify_block(canvas, cand_pos, cand_tok, shift)
     allow = blk.allow if allow_fn is None else allow_fn(blk.allow)
     L, m = canvas.shape[0], cand_pos.shape[0]
-    seg = Segment(0, L, torch.arange(L), None, verify=VerifyRows(L, L + blk.num_rows, m - 1, allow))
+    seg = Segment(0, L, torch.arange(L), verify=VerifyRows(L, L + blk.num_rows, m - 1, allow))
     h = model.hidden(torch.cat([canvas, blk.ids]), torch.cat([torch.arange(L), blk.positions]),
-                     PackedContext([seg]))
+                     DenseStep([seg]))
     return model.logits(h[L + m - 1:])
 
 
@@ -216,9 +216,10 @@ def test_mask_view_cannot_see_its_own_draft(leak, monkeypatch):
     prompt = [A_TOK] * 6 + [B_TOK] * 2
     req = eng.add_request(prompt, SamplingParams(max_tokens=4, block_length=4, decode="verify",
                                                  threshold=1.0, gamma=0.01, early_stop=False))
-    eng._admit()
+    eng.scheduler.admit()
     P = len(prompt)
-    req.drafts = (torch.tensor([P, P + 1, P + 2]), torch.tensor([A_TOK, B_TOK, A_TOK]))
+    st = eng.runner.seq(req, eng.kv_manager.pages(req.request_id))
+    st.drafts = (torch.tensor([P, P + 1, P + 2]), torch.tensor([A_TOK, B_TOK, A_TOK]))
     eng.step()
     assert int(req.canvas[P]) == A_TOK                        # M_1 (the canvas row) agrees
     assert int(req.canvas[P + 1]) == (B_TOK if leak else COUNT_MASK)
@@ -458,7 +459,9 @@ def test_kv_sentinel_refreshes_the_keys_it_flags(monkeypatch):
     monkeypatch.setattr(model, "hidden", spy)
     refreshed = 0
     while eng.has_unfinished():
-        pending = [None if r.refresh is None else r.refresh.clone() for r in eng.running]
+        states = [eng.runner._states.get(r.request_id) for r in eng.running]
+        pending = [None if st is None or st.refresh is None else st.refresh.clone()
+                   for st in states]
         eng.step()
         for ref, (slots, _) in zip(pending, seen[-1]):
             if ref is not None:

@@ -196,7 +196,7 @@ class InProcessServer:
     """uvicorn on a free loopback port in a background thread (``with`` block)."""
 
     def __init__(self, app, aeng) -> None:
-        from flash_dllm.server.serve import make_uvicorn_server
+        from flash_dllm.server.launch import make_uvicorn_server
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

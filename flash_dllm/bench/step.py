@@ -38,7 +38,7 @@ SHAPES: dict[str, dict] = {
 
 def shape_config(name: str) -> dict:
     if name == "demo":
-        from flash_dllm.engine.llm import default_model_path
+        from flash_dllm.models.loader import default_model_path
         return read_json(default_model_path() / "config.json")
     if name not in SHAPES:
         raise ValueError(f"--model-shape must be one of {sorted(SHAPES) + ['demo']}, got {name!r}")
@@ -95,9 +95,9 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
         q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, r.first_step,
                              cfg.logit_shift, first_block=r.block == 0)
         q = q1 - q0
-        if r.params.cache == "flash" and r.attn_mass is not None:
+        if r.params.cache == "flash" and r.num_forwards > 0:    # top-k from the last step's mass
             q += min(r.params.flash_budget, r.canvas_len - q)
-        masked = int((r.canvas[r.block_start:r.block_end] == cfg.mask_token_id).sum())
+        masked = r.num_masked
         total += q * per_token
         total += 4 * q * r.canvas_len * cfg.num_heads * hd * cfg.num_layers
         total += 2 * masked * d * cfg.vocab_size
@@ -105,13 +105,12 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 
 
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
-               steps: int, warmup: int, device: torch.device, kv_layout: str = "paged",
-               cuda_graphs: bool = True, flash_budget: int | None = None,
-               decode: str = "vanilla", fused_step: bool = True,
+               steps: int, warmup: int, device: torch.device, cuda_graphs: bool = True,
+               flash_budget: int | None = None, decode: str = "vanilla", fused_step: bool = True,
                fused_max_rows: int | None = None) -> dict:
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
-        (prompt + gen) // 16 + 1), kv_layout=kv_layout, cuda_graphs=cuda_graphs,
+        (prompt + gen) // 16 + 1), cuda_graphs=cuda_graphs,
         fused_step=fused_step and cuda_graphs and device.type == "cuda", **extra_cfg))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
@@ -121,29 +120,10 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     reqs = [engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)
             for _ in range(batch)]
     timer = _Timer(device)
-    fwd: list = []                     # the model forward alone, inside each step
-    orig_forward = engine._forward
-    cuda = device.type == "cuda"
-
-    def timed_forward(ids, positions, ctx):
-        # NOTE: CUDA events recorded around the forward and read after the step: no sync inside
-        # the step, so timing the forward does not change the step's own time
-        fwd.clear()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = orig_forward(ids, positions, ctx)
-            end.record()
-            fwd.extend([start, end])
-            return out
-        t0 = time.perf_counter()
-        out = orig_forward(ids, positions, ctx)
-        fwd.append(time.perf_counter() - t0)
-        return out
-
-    def forward_seconds() -> float:
-        return fwd[0].elapsed_time(fwd[1]) / 1e3 if cuda else fwd[0]
-    engine._forward = timed_forward
+    runner = engine.runner
+    # the forward alone, inside each step: the runner brackets it with CUDA events read after
+    # the step (no sync inside the step, so timing it does not change the step's own time)
+    runner.time_forward = True
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -153,30 +133,30 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
         # only the request's very first step for flash
         first = reqs[0].first_step and (cache != "flash" or reqs[0].block == 0)
         f = step_flops(cfg, reqs)
-        fwd.clear()          # a fused step (engine/fused_step.py) runs no separate forward
+        runner.forward_events = []     # a fused step (the step graph) runs no separate forward
         t = timer(engine.step)
         if i < warmup:
             continue
         (refresh if first and cache != "none" else cached).append(t)
-        if not (first and cache != "none") and fwd:
-            fwd_cached.append(forward_seconds())
+        fwd = runner.forward_seconds()
+        if not (first and cache != "none") and fwd is not None:
+            fwd_cached.append(fwd)
         if not (first and cache != "none"):
             flops.append(f / t)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     for r in reqs:
         engine.abort(r.request_id)
-    graphs = engine.graphs.stats if engine.graphs is not None else None
-    if graphs is not None and engine.fused is not None:
-        graphs = {**graphs, **engine.fused.stats}
-    # NOTE: the timing hook makes a reference cycle (engine -> closure -> engine): break it and
-    # collect, so this case's KV pool and graphs are freed before the next case's peak is read
-    del engine._forward
-    del engine, reqs, orig_forward
+    graphs = None
+    if runner.forward_graphs is not None:
+        graphs = dict(runner.forward_graphs.stats)
+        if runner.step_graphs is not None:
+            graphs.update(runner.step_graphs.stats)
+    del engine, reqs, runner
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     ms = 1e3 * statistics.median(cached)
-    return {"batch": batch, "cache": cache, "kv_layout": kv_layout,
+    return {"batch": batch, "cache": cache,
             "cuda_graphs": graphs is not None, "graph_stats": graphs,
             "prompt": prompt, "gen": gen, "block": block,
             "timed_steps": len(cached), "ms": ms, "ms_mean": 1e3 * statistics.fmean(cached),
@@ -192,7 +172,7 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
 
 def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dtype: str,
               prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print,
-              kv_layouts: tuple[str, ...] = ("paged",), cuda_graphs: bool = True,
+              cuda_graphs: bool = True,
               flash_budget: int | None = None, decode: str = "vanilla",
               fused_step: bool = True, fused_max_rows: int | None = None) -> dict:
     dev = torch.device(device)
@@ -206,9 +186,9 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     floor_ms = 1e3 * weight_bytes / bw
     kv_per_token = cfg.kv_bytes_per_token(tdtype)
     rows = []
-    cases = [(lay, c, b) for lay in kv_layouts for c in caches for b in batches]
-    for lay, cache, b in cases:
-        r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev, lay,
+    cases = [(c, b) for c in caches for b in batches]
+    for cache, b in cases:
+        r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                        cuda_graphs, flash_budget, decode, fused_step, fused_max_rows)
         if cache == "flash":
             r["flash_budget"] = (flash_budget if flash_budget is not None
@@ -223,8 +203,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             r["ms_per_step_in_block"] = (r["ms_refresh"] + (block - 1) * r["ms"]) / block
         else:
             r["ms_per_step_in_block"] = r["ms"]
-        # the paged layout writes K/V to pages in every mode; the dense one keeps none for "none"
-        exact_kv = 0 if cache == "none" and lay == "dense" else kv_per_token * (prompt + gen) * b
+        # the paged layout writes K/V to pages in every mode
+        exact_kv = kv_per_token * (prompt + gen) * b
         r["expected_bytes"] = weight_bytes + exact_kv
         r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
         r["expected_gib"] = r["expected_bytes"] / 2**30
@@ -243,7 +223,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
 def row_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
     peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
-    return (f"{r.get('kv_layout', 'paged'):5s} batch {r['batch']:3d}  cache {r['cache']:6s}  "
+    return (f"batch {r['batch']:3d}  cache {r['cache']:6s}  "
             f"{r['ms']:9.2f} ms (forward {r.get('ms_forward') or float('nan'):8.2f}, per step in "
             f"block {r.get('ms_per_step_in_block', float('nan')):8.2f})  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "

@@ -1,8 +1,9 @@
 """Which canvas positions a denoising step recomputes, per cache mode.
 
-Every mode runs through the same mechanism (``flash_dllm.layers.attention.PackedContext``): the
-recomputed positions write fresh K/V into the request's canvas-sized cache, then attend to the whole
-cached canvas. A mode is therefore only a choice of query range:
+Every mode runs through the same mechanism (the attention backend,
+``flash_dllm.layers.attention_backend``): the recomputed positions write fresh K/V into the
+request's pages, then attend to the whole cached canvas. A mode is therefore only a choice of query
+range:
 
 | mode     | first step of a block | later steps of the block           |
 |----------|-----------------------|------------------------------------|

@@ -6,8 +6,8 @@ running requests always fits in memory (never an OOM mid-flight). Pages are refe
 later prefix cache can share one page between requests with a common prompt prefix: ``share``
 takes another reference, ``free`` drops one, and a page returns to the free list at zero.
 
-NOTE: the plain PyTorch path still keeps dense per-request K/V tensors; the pool only accounts for
-them. Moving K/V physically into pages is a later step and does not change this interface.
+The ledger holds no bytes: the K/V of page ``p`` live at ``kv[:, :, p]`` in the runner's pool
+tensor (``cache/paged.py``); ``cache/kv_manager.py`` maps requests to their pages.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Paged KV-cache layout and the small tensor helpers around it (no torch.cuda here).
 
 Layout: ONE tensor per model, ``[layers, 2, num_pages, page_size, kv_heads, head_dim]``
-(index 0 = K, 1 = V). ``layer_kv(cache, l)`` gives that layer's K and V pools as zero-copy views
-``[num_pages, page_size, kv_heads, head_dim]``, which is what every kernel takes. A token's slot is
+(index 0 = K, 1 = V). ``cache[l, 0]`` and ``cache[l, 1]`` are that layer's K and V pools as
+zero-copy views ``[num_pages, page_size, kv_heads, head_dim]``, which is what every kernel takes. A token's slot is
 ``page * page_size + offset``; a request owns a row of page ids (its block table).
 
 Why this layout:
@@ -15,12 +15,12 @@ Why this layout:
   ``kv_heads * head_dim``. Every row is a full-sector transaction, so the head-major alternative
   (``[pages, kv_heads, page_size, head_dim]``) would buy longer bursts but not fewer bytes, at the
   cost of a scattered write. With GQA the query heads of a group hit the same rows in L2.
-- **Same order as the dense per-request caches** (``layers.attention.Segment.kv`` is
-  ``[layers, 2, canvas, kv_heads, head_dim]``: a canvas is one big page) and as FlashAttention /
+- **Same order as a dense per-request cache** (``[layers, 2, canvas, kv_heads, head_dim]``, the
+  tests' oracle: a canvas is one big page) and as FlashAttention /
   FlashInfer's "NHD" paged layout, so a vendor kernel can be swapped in without a copy.
 - **Layer-outermost** keeps each layer's K/V pool one strided view with no per-layer allocation.
-  The kernels take page/slot strides as arguments, so a page-major order (``[pages, layers, 2,
-  ...]``, one memcpy per page for CPU/disk tiers) would only change ``allocate``/``layer_kv``.
+  The kernels take page/slot strides as arguments. Pages that leave the GPU (tiers, transfers)
+  travel page-first (all layers of a page contiguous), packed and unpacked by kernels.
 
 Bytes per token (all layers, K and V) = ``2 * layers * kv_heads * head_dim * dtype_bytes``:
 LLaDA-8B (32 layers, 32 kv heads, 128) 512 KiB in bf16; Dream-7B (28 layers, 4 kv heads) 56 KiB.
@@ -94,50 +94,6 @@ def allocate_kv_cache(layout: PagedKVLayout, device: torch.device | str = "cpu",
     return alloc(layout.shape, dtype=layout.dtype, device=device)
 
 
-def layer_kv(cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cache [layers, 2, P, S, Hkv, D] -> (k, v) views [P, S, Hkv, D] of one layer."""
-    if cache.dim() != 6 or cache.shape[1] != 2:
-        raise ValueError(f"cache must be [layers, 2, pages, page_size, kv_heads, head_dim], got "
-                         f"{tuple(cache.shape)}")
-    return cache[layer, 0], cache[layer, 1]
-
-
 def pages_needed(length: int, page_size: int) -> int:
+    """Pages that ``length`` tokens occupy."""
     return -(-length // page_size)
-
-
-def block_table(pages: list[list[int]], device: torch.device | str = "cpu",
-                width: int | None = None) -> torch.Tensor:
-    """Per-request page-id lists -> int32 [B, width] (padded with page 0, never read: kernels stop
-    at each request's key length)."""
-    width = max((len(p) for p in pages), default=0) if width is None else width
-    table = torch.zeros((len(pages), max(width, 1)), dtype=torch.int32)
-    for b, row in enumerate(pages):
-        if len(row) > width:
-            raise ValueError(f"request {b} has {len(row)} pages > table width {width}")
-        table[b, :len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table.to(device)
-
-
-def token_requests(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cu_seqlens [B+1] -> the request index of each packed token [T] (int64, no host sync)."""
-    tokens = torch.arange(num_tokens, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].to(tokens.dtype), tokens, right=True)
-
-
-def slot_mapping(table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor,
-                 page_size: int) -> torch.Tensor:
-    """(block table [B, max_pages], request index [T], canvas position [T]) -> slot [T] int64,
-    ``slot = table[req, pos // page_size] * page_size + pos % page_size``."""
-    pages = table[requests.long(), positions.long() // page_size].long()
-    return pages * page_size + positions.long() % page_size
-
-
-def gather_kv(cache: torch.Tensor, layer: int, pages: torch.Tensor, length: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's first ``length`` keys and values of ``layer``: ([L, Hkv, D], [L, Hkv, D])
-    copies, in position order (the dense view the reference attention uses)."""
-    k, v = layer_kv(cache, layer)
-    n = pages_needed(length, k.shape[1])
-    idx = pages[:n].long()
-    return k[idx].flatten(0, 1)[:length], v[idx].flatten(0, 1)[:length]

@@ -69,3 +69,38 @@ def select_threshold(confidence: torch.Tensor, group_ids: torch.Tensor, num_grou
     first = torch.full((num_groups,), n, dtype=idx.dtype, device=idx.device)
     first = first.scatter_reduce(0, group_ids, cand, reduce="amin")
     return (confidence >= threshold[group_ids]) | (idx == first[group_ids])
+
+
+# ------------------------------------------------------------------ graph-safe (static shapes)
+# The same rules on a [B, block] layout with static shapes and no host work inside the call, so a
+# whole step can be captured in a CUDA graph (``engine/step_graph.py``). Each agrees exactly with
+# its general twin above on the same inputs (tests/test_fused_step.py).
+
+def threshold_rows(conf: torch.Tensor, masked: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """``select_threshold`` on each row's masked slots (every row has one): conf >= tau[b], and
+    always the row's first slot of the highest confidence. conf/masked [B, bl], tau [B] -> keep."""
+    B, bl = conf.shape
+    c = torch.where(masked, conf, -1.0).view(-1)               # probabilities are >= 0
+    gid = torch.arange(B, device=c.device).repeat_interleave(bl)
+    return select_threshold(c, gid, B, tau.to(c.dtype)).view(B, bl) & masked
+
+
+def top_k_rows(conf: torch.Tensor, masked: torch.Tensor, perm: torch.Tensor,
+               bstart: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """``select_top_k`` on a [B, bl] layout: per (canvas length, k) group one topk over rows the
+    length of the canvas, -inf but at the masked slots (k <= masked slots, so only those are
+    chosen). ``groups``: (length, k, a, e) over ``perm[a:e]`` (row indices of the group);
+    ``bstart`` [B]: each row's block start. conf/masked [B, bl] -> keep."""
+    B, bl = conf.shape
+    dev = conf.device
+    c = torch.where(masked, conf, float("-inf"))
+    pos = bstart[:, None] + torch.arange(bl, device=dev)             # [B, bl] canvas slots
+    keep = torch.zeros(B, bl, dtype=torch.bool, device=dev)
+    for length, k, a, e in groups:
+        members = perm[a:e]
+        rows = torch.full((e - a, length), float("-inf"), dtype=c.dtype, device=dev)
+        rows.scatter_(1, pos[members], c[members])
+        chosen = torch.topk(rows, k, dim=-1).indices - bstart[members][:, None]
+        keep[members] = torch.zeros(e - a, bl, dtype=torch.bool, device=dev).scatter_(
+            1, chosen, True)
+    return keep

@@ -7,9 +7,11 @@ a request whose canvas does not fit waits in the engine's queue; when that queue
 ``EngineConfig.max_waiting`` requests, ``submit`` refuses new ones with ``QueueFullError``.
 
 NOTE: only the engine thread touches the ``Engine``. The event loop talks to it through a command
-inbox (add, abort) applied between steps, and the engine thread hands outputs back with
-``loop.call_soon_threadsafe``. ``Engine.validate`` is the one call made from the loop: it reads only
-immutable configuration.
+inbox of typed messages (``AddRequest``, ``AbortRequest``) applied between steps, and the engine
+thread hands outputs back with ``loop.call_soon_threadsafe``. ``Engine.validate`` is the one call
+made from the loop: it reads only immutable configuration. Outputs are host data built from the
+step's ``StepOutput``s (no device access on publish) and carry token ids only: detokenising is the
+consumer's job, on its own thread (the server does it incrementally on the event loop).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import AsyncIterator, Protocol
 
 from flash_dllm.config import SamplingParams
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.request import Request, RequestOutput
+from flash_dllm.engine.request import Request, RequestOutput, StepOutput
 
 
 class QueueFullError(RuntimeError):
@@ -58,6 +60,24 @@ class _Stream:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox message: queue a validated request (its id is already reserved)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    prompt: str | None
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox message: abort a request (unknown or finished ids are ignored)."""
+
+    request_id: str
+
+
 @dataclass
 class _Live:
     """Engine-thread view of one request."""
@@ -65,7 +85,6 @@ class _Live:
     req: Request
     stream: _Stream
     emitted: int = 0                 # committed-prefix length last published
-    first_token_seen: bool = False
 
 
 class RequestStream:
@@ -109,7 +128,7 @@ class AsyncEngine:
         self.engine = engine
         self.observer = observer
         self._cv = threading.Condition()
-        self._inbox: deque[tuple] = deque()          # ("add", args) | ("abort", request_id)
+        self._inbox: deque[AddRequest | AbortRequest] = deque()
         self._live: dict[str, _Live] = {}            # engine thread only
         self._ids: set[str] = set()                  # ids submitted and not yet finished
         self._pending_adds = 0                       # adds in the inbox (guarded by _cv)
@@ -179,7 +198,7 @@ class AsyncEngine:
                                      f"retry later")
             self._ids.add(rid)
             self._pending_adds += 1
-            self._inbox.append(("add", (list(prompt_ids), params, rid, prompt, stream)))
+            self._inbox.append(AddRequest(list(prompt_ids), params, rid, prompt, stream))
             self._cv.notify()
         self.start()
         return RequestStream(self, stream)
@@ -198,7 +217,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; applied before the next step. Unknown or finished ids are ignored."""
         with self._cv:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
             self._cv.notify()
 
     # ---------------------------------------------------------------------------------- counters
@@ -228,43 +247,46 @@ class AsyncEngine:
                         return
                     cmds = list(self._inbox)
                     self._inbox.clear()
-                for kind, arg in cmds:
-                    if kind == "add":
-                        ids, params, rid, prompt, stream = arg
-                        try:
-                            req = self.engine.add_request(ids, params, request_id=rid,
-                                                          prompt=prompt)
-                        except Exception as e:  # noqa: BLE001 - validated already; be safe
-                            self._post(stream, e)
-                            with self._cv:
-                                self._ids.discard(rid)
-                            continue
-                        self._live[rid] = _Live(req, stream)
+                for cmd in cmds:
+                    if isinstance(cmd, AddRequest):
+                        self._add_now(cmd)
                     else:
-                        self._abort_now(arg)
+                        self._abort_now(cmd.request_id)
+                adds = sum(1 for c in cmds if isinstance(c, AddRequest))
                 with self._cv:   # moved from the inbox to the engine's queue: count them there
-                    self._engine_waiting = sum(1 for r in self.engine.waiting if not r.finished)
-                    self._pending_adds -= sum(1 for c in cmds if c[0] == "add")
+                    self._engine_waiting = self.engine.scheduler.num_waiting
+                    self._pending_adds -= adds
+                outs: list[StepOutput] = []
                 if self.engine.has_unfinished():
                     t0 = time.perf_counter()
-                    self.engine.step()
+                    outs = self.engine.step()
                     dt = time.perf_counter() - t0
-                    batch = self.engine.stats["last_batch_size"]
-                    if self.observer is not None and batch:
-                        self.observer.on_step(dt, batch)
-                self._publish()
+                    if self.observer is not None and outs:
+                        self.observer.on_step(dt, len(outs))
+                self._publish(outs)
         except BaseException as e:   # noqa: BLE001 - every waiting client must hear about it
             self.error = e
             streams = [live.stream for live in self._live.values()]
             self._live.clear()
             with self._cv:
-                streams += [arg[4] for kind, arg in self._inbox if kind == "add"]
+                streams += [c.stream for c in self._inbox if isinstance(c, AddRequest)]
                 self._inbox.clear()
                 self._pending_adds = 0
                 self._ids.clear()
             for stream in streams:
                 self._post(stream, e)
             raise
+
+    def _add_now(self, cmd: AddRequest) -> None:
+        try:
+            req = self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id,
+                                          prompt=cmd.prompt)
+        except Exception as e:  # noqa: BLE001 - validated already; be safe
+            self._post(cmd.stream, e)
+            with self._cv:
+                self._ids.discard(cmd.request_id)
+            return
+        self._live[cmd.request_id] = _Live(req, cmd.stream)
 
     def _abort_now(self, rid: str) -> None:
         live = self._live.pop(rid, None)
@@ -275,30 +297,27 @@ class AsyncEngine:
         self._done(live, out)
         self._post(live.stream, out)
 
-    def _publish(self) -> None:
-        """Post an output for every request whose committed prefix grew or that finished."""
+    def _publish(self, outs: list[StepOutput]) -> None:
+        """Post an output for every request of the step whose committed prefix grew or that
+        finished (host data only: no device access)."""
         now = time.monotonic()
         # NOTE: counts first: a client that got its final output must already see it gone from
-        # requests_running (the step has removed finished requests from engine.running)
+        # requests_running (the step has removed finished requests from the running list)
         self._engine_running = len(self.engine.running)
-        self._engine_waiting = sum(1 for r in self.engine.waiting if not r.finished)
-        for rid, live in list(self._live.items()):
-            req = live.req
-            if req.pages is None and not req.finished:
-                continue                 # still waiting for pages
-            n = len(req.generated_ids())
-            if n == live.emitted and not req.finished:
+        self._engine_waiting = self.engine.scheduler.num_waiting
+        for so in outs:
+            live = self._live.get(so.request_id)
+            if live is None or (not so.new_token_ids and not so.finished):
                 continue
             if self.observer is not None:
-                if n > live.emitted:
-                    self.observer.on_tokens(n - live.emitted)
-                if n and not live.first_token_seen:
+                if so.new_token_ids:
+                    self.observer.on_tokens(len(so.new_token_ids))
+                if live.emitted == 0 and so.num_tokens:
                     self.observer.on_first_token(now - live.stream.arrival)
-            live.first_token_seen |= n > 0
-            live.emitted = n
-            out = self.engine.output(req)
-            if req.finished:             # NOTE: book-keeping first, so a client that got its
-                del self._live[rid]      # final output already sees it in the counters
+            live.emitted = so.num_tokens
+            out = self.engine.output(live.req)
+            if so.finished:              # NOTE: book-keeping first, so a client that got its
+                del self._live[so.request_id]   # final output already sees it in the counters
                 self._done(live, out)
             self._post(live.stream, out)
 

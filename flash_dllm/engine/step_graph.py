@@ -1,15 +1,15 @@
-"""The fused step: a whole steady-state denoising step as one CUDA graph.
+"""The ``step`` capture mode: a whole steady-state denoising step as one CUDA graph.
 
 At small batch a step is bound by the host, not the GPU: the demo model's forward replays in
 0.27 ms but the ~100 launches around it (gather the canvas, LM head, proposal, commit rule, commit,
-book-keeping) took 1.5 ms (``benchmarks/results/step_demo_h200.json``). This path runs all of it
-inside one graph, so a step costs the host one host->device copy of its index vector, one graph
-replay and one device->host copy of the per-request counts.
+book-keeping) took 1.5 ms. This mode runs all of it inside one graph, so a step costs the host one
+host->device copy of its index vector, one graph replay and the step's one device->host copy (the
+active blocks after the commit, ``StepResult.blocks``).
 
 What the graph does, for B requests whose active blocks all have ``bl`` slots:
 1. ``ids = arena[ids_idx]``: the query tokens, gathered from the canvas arena (so the tokens the
    previous replay committed are seen without any host work);
-2. the paged forward (``DiffusionTransformer.hidden`` over a ``PagedContext``);
+2. the paged forward (``DiffusionTransformer.hidden`` over ``PagedAttentionMetadata``);
 3. final norm + LM head, then the greedy proposal (``kernels/argmax_confidence``). Up to
    ``LM_ALL_ROWS`` block rows the LM head runs at **every** block slot (B x bl rows, not only the
    masked ones: the shape stays static, and at these sizes the LM head is bound by reading its
@@ -17,17 +17,17 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
    2048 rows, ~2.7 ms on the H200 for all of them), so the masked slots are compacted on the
    device into ``lm_rows`` rows, the host's masked count rounded up to a bucket of R/8 rows (the
    bucket is part of the graph key, so a block replays at most 8 graphs);
-4. the commit rule per request on its still-masked slots: ``threshold`` (as
-   ``decoding.policies.select_threshold``: conf >= tau, and always the first most confident) or
-   ``vanilla`` (as ``select_top_k``: the same topk calls on the same shapes, so the same ties);
-5. the commit, one scatter into the arena, and per-request (commits, first-slot commit) counts.
+4. the commit rule per request on its still-masked slots, with the graph-safe twins of
+   ``decoding/policies.py``: ``threshold_rows`` or ``top_k_rows`` (vanilla: the same topk calls
+   on the same shapes as ``select_top_k``, so the same ties);
+5. the commit, one scatter into the arena; the output is the active blocks after it.
 
-Eligible steps (``eligible``): paged cache, CUDA graphs on, every request a cached (not
-first-of-block) ``dual`` or ``prefix`` step, all with ``decode="threshold"`` or all with
-``"vanilla"``, temperature 0, no sentinel, a full block, all blocks the same length, and
-B x bl <= ``fused_step_max_rows``. Everything else (refresh steps, sampling, verify, ``flash``,
-mixed policies) takes the general path. On the CPU the same body runs eagerly when
-``EngineConfig(fused_step=True)`` (tests compare it with the general path).
+Eligible steps (``eligible``): CUDA graphs on (or, on the CPU, ``EngineConfig(fused_step=True)``,
+which runs the same body eagerly for the tests), every request a cached (not first-of-block)
+``dual`` or ``prefix`` step, all with ``decode="threshold"`` or all with ``"vanilla"``,
+temperature 0, no sentinel, a full block, all blocks the same length, and B x bl <=
+``fused_step_max_rows``. Everything else (refresh steps, sampling, verify, ``flash``, mixed
+policies) takes the general path.
 
 NOTE: the logits come from a GEMM over more rows than the general path's (which has the masked
 rows only); cuBLAS may round the two differently in the last bit, so the two paths agree token
@@ -35,7 +35,6 @@ for token on real models but are not bitwise twins.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -43,12 +42,12 @@ import numpy as np
 import torch
 
 from flash_dllm.cache.modes import query_range
-from flash_dllm.decoding.policies import select_threshold
-from flash_dllm.engine.cuda_graph import GraphCache
-from flash_dllm.engine import packing
+from flash_dllm.decoding.policies import threshold_rows, top_k_rows
+from flash_dllm.engine import inputs
+from flash_dllm.engine.graphs import GraphCache, GraphKey
 from flash_dllm.kernels import argmax_confidence
 from flash_dllm.kernels.paged_attention import seqlen_bound
-from flash_dllm.layers.attention import PagedBatch, PagedContext
+from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
 from flash_dllm.transfer import h2d_into
 
 
@@ -74,8 +73,8 @@ class _Layout:
     def slices(self) -> dict[str, slice]:
         T, R, B = self.T, self.R, self.B
         sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
-                 ("first", R), ("cu_q", B + 1), ("seq_lens", B), ("tau", B), ("perm", B),
-                 ("bstart", B), ("table", B * self.width)]
+                 ("cu_q", B + 1), ("seq_lens", B), ("tau", B), ("perm", B), ("bstart", B),
+                 ("table", B * self.width)]
         out, a = {}, 0
         for name, n in sizes:
             out[name] = slice(a, a + n)
@@ -91,31 +90,27 @@ class _Layout:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inp: torch.Tensor        # [layout.size] int64, the graph's static input
-    out: torch.Tensor        # [2, B] int64: commits, first-slot commits
+    out: torch.Tensor        # [B, bl] int64: the active blocks after the commit
     loaded: np.ndarray | None = None     # the host vector ``inp`` holds now
 
 
-class FusedStep:
-    """Owned by an ``Engine``, which it gets as an argument (no back-reference: an engine and its
-    GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
+class StepGraphs:
+    """Owned by a ``ModelRunner``, which it gets as an argument (no back-reference: a runner and
+    its GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
 
     # up to this many block rows the LM head runs at every block slot (bound by its weight read)
     LM_ALL_ROWS = 256
 
-    def __init__(self, max_rows: int, max_graphs: int, max_tokens: int,
+    def __init__(self, cache: GraphCache, max_rows: int, max_tokens: int,
                  capture_rows: int = 128) -> None:
+        self.cache = cache
         self.max_rows = max_rows
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
         self.capture_rows = capture_rows  # longer per-request queries: captured one later
-        self.cache = GraphCache(max_graphs)
         self.stats = {"fused_steps": 0, "fused_captures": 0}
         # the last step's (requests, their blocks, host vector, layout): within a block the
         # index vector does not change (the tokens come from the arena), so it is reused
         self._last: tuple | None = None
-
-    @property
-    def graphs(self) -> OrderedDict:
-        return self.cache.graphs
 
     @property
     def first_capture(self) -> int:
@@ -127,13 +122,15 @@ class FusedStep:
     def first_capture(self, n: int) -> None:
         self.cache.first_capture = n
 
-    def forget(self, req) -> None:
-        """Drop the cached index vector if it belongs to a batch holding ``req`` (released)."""
-        if self._last is not None and any(r is req for r in self._last[0]):
+    def forget(self, request_id: str) -> None:
+        """Drop the cached index vector if it belongs to a batch holding the request (released)."""
+        if self._last is not None and any(r.request_id == request_id for r in self._last[0]):
             self._last = None
 
     # ------------------------------------------------------------------------------ eligibility
-    def eligible(self, batch) -> bool:
+    def eligible(self, batch, states=None) -> bool:
+        """``batch``: the step's requests; ``states``: their runner states (pending sentinel
+        refreshes make a step ineligible)."""
         bl = batch[0].params.block_length
         decode = batch[0].params.decode
         if len(batch) * bl > self.max_rows or decode not in ("threshold", "vanilla"):
@@ -141,60 +138,61 @@ class FusedStep:
         for r in batch:
             p = r.params
             if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != decode
-                    or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None or p.perturb_sigma is not None
-                    or p.kv_jaccard_min is not None or r.refresh is not None):
+                    or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None
+                    or p.perturb_sigma is not None or p.kv_jaccard_min is not None):
                 return False
-        return True
+        return states is None or all(st.refresh is None for st in states)
 
     # ------------------------------------------------------------------------------------- run
-    def run(self, eng, batch) -> tuple[list[int], list[int]] | None:
-        """Run one step of ``eng``'s ``batch``; returns per-request (commits, first-slot
-        commits), or None when the general path should run this step instead (on CUDA: the
-        step's shape has no graph yet and is seen for the first time, or it is too large to
-        capture)."""
+    def run(self, runner, plan) -> np.ndarray | None:
+        """Run one step of ``plan`` on ``runner``; returns the active blocks after it [B, bl]
+        (host), or None when the general path should run this step instead (on CUDA: the step's
+        shape has no graph yet and is seen for the first time, or it is too large to capture)."""
+        batch = plan.requests
         blocks = self._signature(batch)
         last = self._last
-        if last is not None and last[1] == blocks and packing.same_batch(last[0], batch):
+        if last is not None and last[1] == blocks and inputs.same_batch(last[0], batch):
             host, lay = last[2], last[3]
         else:
-            host, lay = self._host_inputs(eng, batch, blocks)
+            host, lay = self._host_inputs(runner, plan, blocks)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay)
         lm_rows = self.lm_head_rows(lay.R, sum(r.num_masked for r in batch))
-        key = (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k, lay.groups, lm_rows)
-        dev = eng.device
-        graphs = dev.type == "cuda" and eng.graphs is not None
-        action = self._decide(key, lay.T, graphs, lay.max_q)
+        key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
+                                lay.groups, lm_rows))
+        dev = runner.device
+        action = self._decide(key, lay.T, runner.forward_graphs is not None, lay.max_q)
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
         if action == "eager":
             inp = torch.from_numpy(host).to(dev)
-            return self._tolist(self._body(eng, inp, lay, lm_rows))
+            return self._body(runner, inp, lay, lm_rows).cpu().numpy()
         if action == "capture":
             inp = h2d_into(torch.empty(lay.size, dtype=torch.long, device=dev), host)
-            counts = self._capture(eng, key, inp, lay, lm_rows)
-            self.graphs[key].loaded = host
-            return self._tolist(counts)
+            first, graph, out = self.cache.capture(lambda: self._body(runner, inp, lay, lm_rows))
+            self.cache.add(key, _Graph(graph, inp, out, loaded=host))
+            self.stats["fused_captures"] += 1
+            return first.cpu().numpy()
         g = self.cache.get(key)
         if g.loaded is not host:          # a new block or batch: one host->device copy
             h2d_into(g.inp, host)
             g.loaded = host
         g.graph.replay()
-        return self._tolist(g.out)
+        return g.out.cpu().numpy()          # the step's one device->host copy
 
-    def _decide(self, key: tuple, T: int, graphs: bool, max_q: int = 0) -> str:
+    def _decide(self, key: GraphKey, T: int, graphs: bool, max_q: int = 0) -> str:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
         general path), ``capture`` or ``replay``. Capture follows ``GraphCache``'s policy
         (default: at the second sighting); earlier sightings run on the general path, whose
-        forward graphs are keyed on fewer things (a fused key also holds vanilla's (canvas
+        forward graphs are keyed on fewer things (a step key also holds vanilla's (canvas
         length, k) groups). A step whose requests query more than ``capture_rows`` rows each
         (prefix mode: the key changes with every block) counts as large (captured one sighting
         later), and steps of more than ``max_tokens`` query rows are never captured (the pool
         would keep their activations for good)."""
         if not graphs:
             return "eager"
-        if key in self.graphs:
+        if key in self.cache.graphs:
             return "replay"
         if T > self.max_tokens:
             return "general"
@@ -211,11 +209,6 @@ class FusedStep:
         return min(R, max(1, -(-masked // g)) * g)
 
     @staticmethod
-    def _tolist(out: torch.Tensor) -> tuple[list[int], list[int]]:
-        committed, firsts = out.tolist()          # the step's one device->host copy
-        return committed, firsts
-
-    @staticmethod
     def _signature(batch) -> list[tuple[int, int]]:
         """What the index vector depends on besides the requests themselves: their blocks and,
         for vanilla, how many slots each commits (``select_top_k``'s k)."""
@@ -224,11 +217,12 @@ class FusedStep:
         return [(r.block, min(r.transfer_count(), r.num_masked)) for r in batch]
 
     @staticmethod
-    def _host_inputs(eng, batch, signature: list[tuple[int, int]]
+    def _host_inputs(runner, plan, signature: list[tuple[int, int]]
                      ) -> tuple[np.ndarray, _Layout]:
-        ps, W = eng.pool.page_size, eng.arena.shape[1]
-        shift = eng.cfg.logit_shift
-        width = eng.pool.pages_for(eng.cfg.max_position)
+        batch = plan.requests
+        ps, W = runner.page_size, runner.arena.shape[1]
+        shift = runner.cfg.logit_shift
+        width = runner.table_width
         bl = batch[0].params.block_length
         windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, False,
                                shift) for r in batch]
@@ -249,22 +243,21 @@ class FusedStep:
                       groups)
         sl = lay.slices
         host = np.zeros(lay.size, dtype=np.int64)
-        table = eng._tables.get(batch, width)            # the general path's cached table
+        table = runner.block_table(plan)                 # the general path's cached table
         host[sl["table"]] = table.ravel()
         cu = np.zeros(B + 1, dtype=np.int64)
         cu[1:] = np.cumsum(counts)
-        pos, n = packing.range_positions(windows)
+        pos, n = inputs.range_positions(windows)
         req = np.repeat(np.arange(B), n)
-        arena_row = np.array([r.arena_row for r in batch], dtype=np.int64)
+        arena_row = np.array(runner.arena_rows(batch), dtype=np.int64)
         host[sl["ids_idx"]] = arena_row[req] * W + pos
         host[sl["positions"]] = pos
-        host[sl["slots"]] = packing.page_slots(table, req, pos, ps)
+        host[sl["slots"]] = page_slots(table, req, pos, ps)
         bstart = np.array([r.block_start for r in batch], dtype=np.int64)
         blk = bstart[:, None] + np.arange(bl)                                  # [B, bl]
         q0 = np.array([w[0] for w in windows], dtype=np.int64)
         host[sl["rows"]] = (blk - shift - q0[:, None] + cu[:-1, None]).ravel()
         host[sl["blk_idx"]] = (arena_row[:, None] * W + blk).ravel()
-        host[sl["first"]] = (blk == np.array([r.prompt_len for r in batch])[:, None]).ravel()
         host[sl["cu_q"]] = cu
         host[sl["seq_lens"]] = [r.canvas_len for r in batch]
         host[sl["tau"]] = np.array([r.params.threshold for r in batch],
@@ -275,18 +268,20 @@ class FusedStep:
 
     # ------------------------------------------------------------------------------------ body
     @staticmethod
-    def _body(eng, inp: torch.Tensor, lay: _Layout, lm_rows: int) -> torch.Tensor:
-        """The step on the device, from the index vector ``inp``; returns [2, B] counts. Only
-        static-shape ops, no host syncs: this is what the graph captures."""
-        model, mask_id = eng.model, eng.cfg.mask_token_id
+    def _body(runner, inp: torch.Tensor, lay: _Layout, lm_rows: int) -> torch.Tensor:
+        """The step on the device, from the index vector ``inp``; returns the active blocks after
+        the commit [B, bl]. Only static-shape ops, no host syncs: this is what the graph
+        captures."""
+        model, mask_id = runner.model, runner.cfg.mask_token_id
         sl = lay.slices
         B, bl = lay.B, lay.bl
         i32 = torch.int32
-        batch = PagedBatch(eng.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
-                           inp[sl["seq_lens"]].to(i32), inp[sl["table"]].to(i32).view(B, -1),
-                           lay.max_q, eng.inv_freq, lay.max_k)
-        flat = eng.arena.view(-1)
-        hidden = model.hidden(flat[inp[sl["ids_idx"]]], inp[sl["positions"]], PagedContext(batch))
+        meta = PagedAttentionMetadata(runner.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
+                                      inp[sl["seq_lens"]].to(i32),
+                                      inp[sl["table"]].to(i32).view(B, -1), lay.max_q,
+                                      runner.backend.inv_freq, lay.max_k)
+        flat = runner.arena.view(-1)
+        hidden = model.hidden(flat[inp[sl["ids_idx"]]], inp[sl["positions"]], meta)
         blk_idx = inp[sl["blk_idx"]]
         blocks = flat[blk_idx].view(B, bl)
         masked = blocks == mask_id
@@ -294,16 +289,16 @@ class FusedStep:
         if lm_rows >= lay.R:
             tok, conf = argmax_confidence.op(model.logits(hidden[rows]), mask_id)
         else:
-            tok, conf = FusedStep._masked_proposal(model, hidden, rows, masked.view(-1),
-                                                   lm_rows, mask_id)
+            tok, conf = StepGraphs._masked_proposal(model, hidden, rows, masked.view(-1),
+                                                    lm_rows, mask_id)
         if lay.groups is None:
-            keep = FusedStep._threshold(conf.view(B, bl), masked, inp[sl["tau"]])
+            keep = threshold_rows(conf.view(B, bl), masked, inp[sl["tau"]].view(torch.float64))
         else:
-            keep = FusedStep._top_k(conf.view(B, bl), masked, inp[sl["perm"]],
-                                    inp[sl["bstart"]], lay.groups)
-        flat[blk_idx] = torch.where(keep, tok.view(B, bl), blocks).view(-1)
-        first = inp[sl["first"]].view(B, bl).bool()
-        return torch.stack([keep.sum(1), (keep & first).sum(1)])
+            keep = top_k_rows(conf.view(B, bl), masked, inp[sl["perm"]], inp[sl["bstart"]],
+                              lay.groups)
+        new = torch.where(keep, tok.view(B, bl), blocks)
+        flat[blk_idx] = new.view(-1)
+        return new
 
     @staticmethod
     def _masked_proposal(model, hidden: torch.Tensor, rows: torch.Tensor, masked: torch.Tensor,
@@ -324,55 +319,3 @@ class FusedStep:
         tok = torch.zeros(R + 1, dtype=tok_m.dtype, device=dev).scatter_(0, src, tok_m)
         conf = torch.zeros(R + 1, dtype=conf_m.dtype, device=dev).scatter_(0, src, conf_m)
         return tok[:R], conf[:R]
-
-    @staticmethod
-    def _threshold(conf: torch.Tensor, masked: torch.Tensor, tau_bits: torch.Tensor
-                   ) -> torch.Tensor:
-        """``decoding.policies.select_threshold`` on each request's masked slots (every running
-        request has one): conf >= tau, and always the first slot of the highest confidence.
-        conf/masked [B, bl] -> keep."""
-        B, bl = conf.shape
-        c = torch.where(masked, conf, -1.0).view(-1)               # probabilities are >= 0
-        gid = torch.arange(B, device=c.device).repeat_interleave(bl)
-        tau = tau_bits.view(torch.float64).to(c.dtype)              # as select_threshold's
-        return select_threshold(c, gid, B, tau).view(B, bl) & masked
-
-    @staticmethod
-    def _top_k(conf: torch.Tensor, masked: torch.Tensor, perm: torch.Tensor,
-               bstart: torch.Tensor, groups: tuple) -> torch.Tensor:
-        """``decoding.policies.select_top_k``: per (canvas length, k) group one topk over rows
-        the length of the canvas, -inf but at the masked slots (k <= masked slots, so only those
-        are chosen). conf/masked [B, bl] -> keep."""
-        B, bl = conf.shape
-        dev = conf.device
-        c = torch.where(masked, conf, float("-inf"))
-        pos = bstart[:, None] + torch.arange(bl, device=dev)             # [B, bl] canvas slots
-        keep = torch.zeros(B, bl, dtype=torch.bool, device=dev)
-        for length, k, a, e in groups:
-            members = perm[a:e]
-            rows = torch.full((e - a, length), float("-inf"), dtype=c.dtype, device=dev)
-            rows.scatter_(1, pos[members], c[members])
-            chosen = torch.topk(rows, k, dim=-1).indices - bstart[members][:, None]
-            keep[members] = torch.zeros(e - a, bl, dtype=torch.bool, device=dev).scatter_(
-                1, chosen, True)
-        return keep
-
-    def _capture(self, eng, key, inp: torch.Tensor, lay: _Layout, lm_rows: int
-                 ) -> torch.Tensor:
-        """Run this step eagerly (the warm-up torch.cuda.graph asks for: it *is* the step, so its
-        commits and K/V writes are the real ones) and capture the graph for later replays
-        (capturing runs nothing). Returns the eager counts."""
-        runner = eng.graphs
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            counts = self._body(eng, inp, lay, lm_rows).clone()
-        torch.cuda.current_stream().wait_stream(stream)
-        if runner.pool is None:
-            runner.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=runner.pool):
-            out = self._body(eng, inp, lay, lm_rows)
-        self.cache.add(key, _Graph(graph, inp, out, loaded=None))
-        self.stats["fused_captures"] += 1
-        return counts

@@ -1,7 +1,9 @@
 """Engine side of ``decode="verify"`` and the sentinels: per-request drafts in, commits out.
 
 The tensor rules live in ``flash_dllm.decoding.verify`` / ``.sentinels``; this module holds what
-needs a request: its pending drafts, counters and generators. ``Engine.step`` calls, in order:
+needs a request: its knobs (``req.params``), its device state in the runner (``st``: pending
+drafts, generators, top-k history) and its counters of this step (``counters``: a dict in
+``new_counters`` layout, handed back in ``StepResult``). The runner calls, in order:
 
 1. ``plan_verification`` while packing the batch: the verification block of the drafts proposed by
    the request's previous forward (folded into this forward: no extra forward);
@@ -12,7 +14,8 @@ needs a request: its pending drafts, counters and generators. ``Engine.step`` ca
 
 NOTE (invariant): a request's drafts are slots that were masked after its last commit, and nothing
 commits between two of its forwards, so every draft is still a masked slot of the active block when
-it is verified. Drafts are dropped when the block completes (``Request.advance``).
+it is verified. Drafts are dropped when the block completes (``ModelRunner`` resets a
+request's per-block state when its block advances).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from flash_dllm.decoding.verify import (
     order_candidates,
     select_after_verify,
 )
-from flash_dllm.layers.attention import VerifyRows
+from flash_dllm.layers.attention_backend import VerifyRows
 from flash_dllm.transfer import h2d
 
 
@@ -47,14 +50,26 @@ def new_counters() -> dict:
             "sentinel_triggers": dict.fromkeys(SENTINELS, 0)}
 
 
-def _count(req, stats: dict, key: str, n: int, name: str | None = None) -> None:
+def merge_counters(target: dict, delta: dict) -> None:
+    """Add a ``new_counters``-layout dict into another."""
+    for key, v in delta.items():
+        if isinstance(v, dict):
+            for name, n in v.items():
+                target[key][name] += n
+        else:
+            target[key] += v
+
+
+def _count(counters: list, i: int, key: str, n: int, name: str | None = None) -> None:
+    """Add ``n`` to request ``i``'s counters of this step (created at the first count)."""
     if not n:
         return
-    for target in (req.counters, stats):
-        if name is None:
-            target[key] += n
-        else:
-            target[key][name] += n
+    if counters[i] is None:
+        counters[i] = new_counters()
+    if name is None:
+        counters[i][key] += n
+    else:
+        counters[i][key][name] += n
 
 
 @dataclass
@@ -68,26 +83,27 @@ class VerifyPlan:
     mask_rows: torch.Tensor        # [m - 1] packed rows of the mask views M_2 .. M_m
 
 
-def plan_verification(req, logit_shift: int, start: int) -> VerifyPlan | None:
-    """The verification block for ``req``'s pending drafts, packed from row ``start`` on."""
-    if req.params.decode != "verify" or req.drafts is None:
+def plan_verification(req, st, logit_shift: int, start: int) -> VerifyPlan | None:
+    """The verification block for ``req``'s pending drafts (``st.drafts``), packed from row
+    ``start`` on."""
+    if req.params.decode != "verify" or st.drafts is None:
         return None
-    pos, tok = req.drafts
+    pos, tok = st.drafts
     m = pos.shape[0]
     if m == 0:
         return None
     if m == 1:
         return VerifyPlan(pos, tok, None, None, pos.new_empty(0))
-    blk = build_verify_block(req.canvas, pos, tok, logit_shift)
+    blk = build_verify_block(st.canvas, pos, tok, logit_shift)
     rows = VerifyRows(start, start + blk.num_rows, blk.num_keys, blk.allow)
     mask_rows = torch.arange(start + m - 1, start + 2 * (m - 1), device=pos.device)
     return VerifyPlan(pos, tok, blk, rows, mask_rows)
 
 
-def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n_slot: int,
-                  tokens: torch.Tensor, conf: torch.Tensor, positions: torch.Tensor,
-                  bounds: list[tuple[int, int]], keep: torch.Tensor, mask_id: int,
-                  stats: dict) -> None:
+def select_verify(batch, states, counters: list, plans: list[VerifyPlan | None],
+                  logits: torch.Tensor, n_slot: int, tokens: torch.Tensor, conf: torch.Tensor,
+                  positions: torch.Tensor, bounds: list[tuple[int, int]], keep: torch.Tensor,
+                  mask_id: int) -> None:
     """Fill ``keep`` (and ``tokens`` of accepted drafts) for the verify requests of ``batch``.
 
     ``logits`` [n_slot + mask views, V]: the masked slots' rows first (``tokens``/``conf`` are their
@@ -117,10 +133,10 @@ def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n
         cand_slot.append(slot)
         p = batch[i].params
         vgroups.append(RowGroup(n_cand, n_cand + m, p.temperature, p.top_k, p.top_p,
-                                batch[i].generator))
+                                states[i].generator))
         off += m - 1
         n_cand += m
-        _count(batch[i], stats, "verify_candidates", m)
+        _count(counters, i, "verify_candidates", m)
     if cand_rows:
         vlog = logits[torch.cat(cand_rows)]                                # [candidates, V]
         ctok, cgid, cslot = torch.cat(cand_tok), torch.cat(cand_gid), torch.cat(cand_slot)
@@ -135,7 +151,7 @@ def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n
         accepted_any[cgid[acc]] = True
         n_acc = torch.bincount(cgid[acc], minlength=G).tolist()
         for g, i in enumerate(vidx):
-            _count(batch[i], stats, "verify_accepted", n_acc[g])
+            _count(counters, i, "verify_accepted", n_acc[g])
 
     # 2. sentinels demote threshold-passing slots to drafts
     tau = h2d([batch[i].params.threshold for i in vidx], conf.dtype, dev)
@@ -153,44 +169,44 @@ def select_verify(batch, plans: list[VerifyPlan | None], logits: torch.Tensor, n
         checks = torch.bincount(gid[rows], minlength=G).tolist()
         trigs = torch.bincount(gid[rows[trig]], minlength=G).tolist()
         for g, i in enumerate(vidx):
-            _count(batch[i], stats, "sentinel_checks", checks[g], "entropy")
-            _count(batch[i], stats, "sentinel_triggers", trigs[g], "entropy")
+            _count(counters, i, "sentinel_checks", checks[g], "entropy")
+            _count(counters, i, "sentinel_triggers", trigs[g], "entropy")
     for i in vidx:
-        req, sigma = batch[i], batch[i].params.perturb_sigma
+        req, st, sigma = batch[i], states[i], batch[i].params.perturb_sigma
         if sigma is None:
             continue
         s, e = bounds[i]
         rows = s + torch.nonzero(passing[s:e]).squeeze(-1)
         if rows.numel() == 0:
             continue
-        if req.sentinel_generator is None:
+        if st.sentinel_generator is None:
             seed = req.params.seed if req.params.seed is not None else 0
-            req.sentinel_generator = torch.Generator(device=dev).manual_seed(seed)
-        trig = perturbation_flips(logits[rows], sigma, req.sentinel_generator, forbid=mask_id)
+            st.sentinel_generator = torch.Generator(device=dev).manual_seed(seed)
+        trig = perturbation_flips(logits[rows], sigma, st.sentinel_generator, forbid=mask_id)
         demoted[rows[trig]] = True
-        _count(req, stats, "sentinel_checks", rows.numel(), "perturbation")
-        _count(req, stats, "sentinel_triggers", int(trig.sum()), "perturbation")
+        _count(counters, i, "sentinel_checks", rows.numel(), "perturbation")
+        _count(counters, i, "sentinel_triggers", int(trig.sum()), "perturbation")
 
     # 3. the threshold rule on what is left (at least one commit per forward in all)
     keep[sel] |= select_after_verify(conf[sel], gsel, G, tau, available[sel], demoted[sel],
                                      accepted_any)
 
 
-def update_drafts(req, tokens: torch.Tensor, conf: torch.Tensor, positions: torch.Tensor,
+def update_drafts(req, st, tokens: torch.Tensor, conf: torch.Tensor, positions: torch.Tensor,
                   keep: torch.Tensor) -> None:
     """After a verify request's commits: its still-masked block slots become the next drafts
     (this forward's proposals, most confident first, at most ``max_verify``). Slices are the
     request's own slot rows."""
     remain = ~keep
     if req.params.decode != "verify" or not bool(remain.any()):
-        req.drafts = None
+        st.drafts = None
         return
     order = order_candidates(conf[remain], req.params.max_verify)
-    req.drafts = (positions[remain][order], tokens[remain][order])
+    st.drafts = (positions[remain][order], tokens[remain][order])
 
 
-def kv_consistency(req, probe_weights: torch.Tensor | None, masked: torch.Tensor,
-                   stats: dict) -> None:
+def kv_consistency(req, st, probe_weights: torch.Tensor | None, masked: torch.Tensor,
+                   counters: list, i: int) -> None:
     """Compare each probed slot's top-k attended keys with its previous step's; where the Jaccard
     overlap is below ``kv_jaccard_min``, mark those keys for recomputation in the next forward
     (their cached K/V are rewritten; ``cache="none"`` recomputes everything anyway)."""
@@ -199,15 +215,15 @@ def kv_consistency(req, probe_weights: torch.Tensor | None, masked: torch.Tensor
     p = req.params
     k = min(p.kv_top_k, probe_weights.shape[1])
     top = probe_weights.topk(k, dim=-1).indices                               # [slots, k]
-    if req.kv_history is None or req.kv_history.shape[1] != k:
-        req.kv_history = torch.full((p.block_length, k), -1, dtype=torch.long, device=top.device)
+    if st.kv_history is None or st.kv_history.shape[1] != k:
+        st.kv_history = torch.full((p.block_length, k), -1, dtype=torch.long, device=top.device)
     local = masked - req.block_start
-    prev = req.kv_history[local]
+    prev = st.kv_history[local]
     valid = prev[:, 0] >= 0
     trig = valid & (topk_jaccard(prev, top) < p.kv_jaccard_min)
-    req.kv_history[local] = top
-    _count(req, stats, "sentinel_checks", int(valid.sum()), "kv_consistency")
+    st.kv_history[local] = top
+    _count(counters, i, "sentinel_checks", int(valid.sum()), "kv_consistency")
     n_trig = int(trig.sum())
-    _count(req, stats, "sentinel_triggers", n_trig, "kv_consistency")
+    _count(counters, i, "sentinel_triggers", n_trig, "kv_consistency")
     if n_trig:
-        req.refresh = torch.unique(top[trig])
+        st.refresh = torch.unique(top[trig])

@@ -16,7 +16,7 @@ negative slot skips the K/V write), the kernel
 Tiling: rotate-half RoPE pairs column ``c`` of a head with column ``c + D/2`` of the same head, so a
 program owns, for one head and a chunk of ``BLOCK_C`` columns of its first half, both column sets
 ``{c}`` and ``{c + D/2}``: two fp32 accumulators fed by two contiguous ``[BLOCK_C, hidden]`` row
-ranges of ``weight``, streamed over ``hidden`` in ``BLOCK_K`` steps (``skinny_gemm``'s tile idea).
+ranges of ``weight``, streamed over ``hidden`` in ``BLOCK_K`` steps (the tile idea of ``benchmarks/studies/skinny_gemm.py``).
 Every rotated pair is then complete in registers and the epilogue needs no exchange between
 programs. Grid: ``(cdiv(T, BLOCK_M), (H + 2 Hkv) * (D/2) / BLOCK_C)``.
 
@@ -166,7 +166,7 @@ def default_config(T: int, N: int, K: int, head_dim: int = 128, num_sms: int = 1
     dividing ``head_dim / 2`` and halves (down to 16, ``tl.dot``'s minimum) until there are
     ~2 programs per SM: no split-K is possible (RoPE needs the complete sum), so the column tiles
     alone must keep every SM streaming. LLaDA-8B (N 12288) and Dream-7B (N 4608) both get
-    BLOCK_C = 16, i.e. 32 weight rows per program, as ``skinny_gemm``'s tiles."""
+    BLOCK_C = 16, i.e. 32 weight rows per program, as the skinny-GEMM study's tiles."""
     half = head_dim // 2
     block_m = min(64, max(16, next_pow2(T)))
     block_c = min(64, half & -half)              # largest power of two dividing half
@@ -174,7 +174,7 @@ def default_config(T: int, N: int, K: int, head_dim: int = 128, num_sms: int = 1
     while block_c > 16 and row_tiles * (N // head_dim) * (half // block_c) < 2 * num_sms:
         block_c //= 2
     # BLOCK_K 256, 3 stages: best of 24 tiles for LLaDA-8B at 32 rows on the H200, inside a CUDA
-    # graph (``benchmarks/sweep_qkv_rope.py``, results/run17/sweep_qkv_rope.json): 1.015 ms for
+    # graph (``benchmarks/sweep_qkv_rope.py``, results/sweep_qkv_rope_h200.json): 1.015 ms for
     # 32 layers, as fast as cuBLAS + rope_cache (1.010); BLOCK_K 128 / 4 stages took 1.056
     return dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=256, num_warps=4, num_stages=3)
 

@@ -179,3 +179,30 @@ def save_checkpoint(model: DiffusionTransformer, folder: str | os.PathLike,
     with open(folder / "model.safetensors.index.json", "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return folder
+
+
+# --------------------------------------------------------------------- model folder and device
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
+
+
+def default_model_path() -> Path:
+    """The small checkpoint shipped inside the package."""
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise FileNotFoundError(f"no model given and the shipped demo checkpoint is missing at "
+                                f"{DEMO_MODEL}; pass a checkpoint folder")
+    return DEMO_MODEL
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) -> a usable ``torch.device``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {device!r}")
+    return dev

@@ -28,8 +28,9 @@ class DiffusionTransformer(nn.Module):
     """Token ids -> hidden states -> logits, with no causal mask.
 
     ``forward(ids)`` on a ``[B, L]`` batch returns logits ``[B, L, V]`` *as the checkpoint defines
-    them* (Dream's are not yet shifted). The engine instead calls ``hidden`` on packed tokens with a
-    ``PackedContext`` and ``logits`` only on the rows it needs.
+    them* (Dream's are not yet shifted). The engine instead calls ``hidden`` on packed tokens with
+    the step's attention metadata (``layers/attention_backend.py``) and ``logits`` only on the rows
+    it needs.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -43,7 +44,9 @@ class DiffusionTransformer(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """ids/positions: [B, L] (DenseContext) or [T] packed (PackedContext) -> pre-norm hidden."""
+        """ids/positions: [B, L] (``DenseContext``) or [T] packed (the engine's attention
+        metadata) -> pre-norm hidden. ``ctx.attention(module, layer, x, positions)`` runs each
+        layer's attention."""
         # NOTE: each layer is ``Block``'s two residual sums, but each residual add is fused with
         # the norm that follows it (``add_rmsnorm``): one kernel per add+norm on the GPU.
         layers = self.layers

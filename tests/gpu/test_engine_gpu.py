@@ -2,7 +2,7 @@
 
 Run on the GPU box: ``python -m pytest -m gpu tests/gpu -q``.
 - CUDA graphs replay exactly what the eager paged forward computes (same kernels): identical tokens.
-- The paged Triton path and the plain PyTorch path (``kv_layout="dense"``) give the same answers
+- The paged Triton path and the plain PyTorch oracle (``tests/dense_oracle.py``) give the same answers
   (float32; the two attention implementations sum in different orders, so a near-tie could flip:
   the bound is a 95 % agreement on 64 held-out problems, and accuracy within 2 points).
 """
@@ -17,20 +17,23 @@ if not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from dense_oracle import use_dense_oracle
 from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.engine.llm import LLM
+from flash_dllm.entrypoints.llm import LLM
 from flash_dllm.evals.tasks import get_suite
 
 SUITE = get_suite("arith")
 PROBLEMS = SUITE.test_problems(64, seed=0)
 
 
-def _run(dtype, cache, decode, first_capture=None, **cfg):
+def _run(dtype, cache, decode, first_capture=None, dense=False, **cfg):
     llm = LLM(device="cuda", dtype=dtype, engine_config=EngineConfig(**cfg))
+    if dense:
+        use_dense_oracle(llm.engine)
     if first_capture is not None:
         # the demo model finishes a block in ~2 forwards and the batch changes all the time, so
         # a fused shape rarely comes back: capture at the first sighting to exercise the graphs
-        llm.engine.fused.first_capture = first_capture
+        llm.engine.runner.step_graphs.first_capture = first_capture
     params = SamplingParams(max_tokens=64, block_length=32, cache=cache, decode=decode)
     outs = llm.generate([p.prompt for p in PROBLEMS], params)
     return llm, [o.text for o in outs]
@@ -42,7 +45,7 @@ def test_cuda_graphs_equal_eager(cache, decode):
     llm_g, graphs = _run("bfloat16", cache, decode, max_num_seqs=8, fused_step=False)
     _, eager = _run("bfloat16", cache, decode, max_num_seqs=8, cuda_graphs=False)
     assert graphs == eager
-    st = llm_g.engine.graphs.stats
+    st = llm_g.engine.runner.forward_graphs.stats
     if decode == "vanilla":          # 32 steps per block: the block-sized step shape repeats
         assert st["graph_replays"] > 0, st
 
@@ -51,7 +54,7 @@ def test_cuda_graphs_equal_eager(cache, decode):
                                           ("none", "vanilla")])
 def test_paged_triton_matches_dense_path(cache, decode):
     _, paged = _run("float32", cache, decode, max_num_seqs=64)
-    _, dense = _run("float32", cache, decode, max_num_seqs=64, kv_layout="dense")
+    _, dense = _run("float32", cache, decode, max_num_seqs=64, dense=True)
     agree = sum(a == b for a, b in zip(paged, dense)) / len(paged)
     acc = [SUITE.accuracy(PROBLEMS, texts) for texts in (paged, dense)]
     assert agree >= 0.95, agree
@@ -62,12 +65,12 @@ def test_paged_triton_matches_dense_path(cache, decode):
 @pytest.mark.parametrize("cache,decode", [("dual", "threshold"), ("prefix", "threshold"),
                                           ("dual", "vanilla")])
 def test_fused_step_matches_general_path(dtype, cache, decode):
-    """The whole-step graph (engine/fused_step.py) against the general path (forward graph +
+    """The whole-step graph (engine/step_graph.py) against the general path (forward graph +
     eager proposal/commit). Its LM head GEMM has all block rows, the general one the masked rows
     only, so cuBLAS may round differently: near-ties may flip (same bound as paged vs dense)."""
     llm_f, fused = _run(dtype, cache, decode, first_capture=1, max_num_seqs=8, fused_step=True)
     _, general = _run(dtype, cache, decode, max_num_seqs=8, fused_step=False)
-    assert llm_f.engine.fused.stats["fused_steps"] > 0
+    assert llm_f.engine.runner.step_graphs.stats["fused_steps"] > 0
     agree = sum(a == b for a, b in zip(fused, general)) / len(fused)
     acc = [SUITE.accuracy(PROBLEMS, texts) for texts in (fused, general)]
     print(f"fused vs general ({dtype}, {cache}, {decode}): {agree:.3f} identical answers, accuracy {acc}")
@@ -96,13 +99,13 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
     for fused in (True, False):
         eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=4, fused_step=fused))
         if fused:
-            eng.fused.first_capture = 1          # few shapes repeat here (see test above)
+            eng.runner.step_graphs.first_capture = 1   # few shapes repeat here (see test above)
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         while eng.has_unfinished():
             eng.step()
         canvases.append([r.canvas for r in reqs])
         if fused:
-            st = eng.fused.stats
+            st = eng.runner.step_graphs.stats
             assert st["fused_steps"] > (2 if steps else 50), st
     for a, b in zip(*canvases):
         assert torch.equal(a, b)

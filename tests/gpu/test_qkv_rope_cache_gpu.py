@@ -19,7 +19,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect or
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from flash_dllm.cache import paged
+import paged_reference as paged
 from flash_dllm.kernels import qkv_rope_cache, rope_cache
 
 DEV = torch.device("cuda")

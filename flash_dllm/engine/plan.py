@@ -1,0 +1,51 @@
+"""The data that crosses the engine's seams each step (host data, no device state).
+
+``Scheduler.schedule() -> StepPlan``; ``ModelRunner.execute(plan) -> StepResult``;
+``Engine`` applies the result to its requests. Features plug in here: the memory tiers add the
+pages to load and store to the plan, disaggregation the pages to send.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flash_dllm.engine.request import Request
+
+
+@dataclass
+class SeqPlan:
+    """One request's part of a step.
+
+    ``window``: the canvas positions ``[q0, q1)`` the step recomputes (its cache mode's query
+    range, ``cache/modes.py``). The runner may add positions decided on the device from earlier
+    steps' attention (``cache="flash"``'s top-k, the KV sentinel's refresh) and, for
+    ``decode="verify"``, the verification rows of its pending drafts. ``pages``: the request's KV
+    pages, which must be resident for the step (its block table row)."""
+
+    req: Request
+    window: tuple[int, int]
+    pages: list[int]
+
+
+@dataclass
+class StepPlan:
+    seqs: list[SeqPlan] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [s.req for s in self.seqs]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class StepResult:
+    """What the runner hands back after a step, in ONE device->host copy: each request's active
+    block as the step left it (``blocks`` [B, max block length] int64; columns past a request's
+    block length are padding). Counters: per request, the verify / sentinel counts of this step
+    (``verify_step.new_counters`` layout) or None when none was counted."""
+
+    blocks: np.ndarray
+    counters: list[dict | None] | None = None

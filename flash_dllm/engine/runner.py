@@ -1,0 +1,216 @@
+"""The model runner: owns the device state and executes a step plan on its device.
+
+``ModelRunner.execute(plan) -> StepResult``. What it owns (and nothing else touches):
+
+- the model, its KV page pool and attention backend (``layers/attention_backend.py``);
+- the canvas **arena**: every running request's canvas is a row of one tensor, so a step gathers
+  its ids and commits its tokens with one launch each;
+- each running request's device state (``SeqState``: arena row, page ids on the device, sampling
+  generators, Flash-Verify drafts, the KV sentinel's history, the ``flash`` mode's attention mass);
+- the CUDA graphs of both capture modes (``engine/graphs.py``, ``engine/step_graph.py``).
+
+NOTE (syncs): a step makes ONE device->host copy, the active blocks after the commit
+(``StepResult.blocks``), from which the engine derives commits, the committed prefix and
+finishing on the host. Only opt-in features sync more (``verify`` counters, sentinels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
+from flash_dllm.config import EngineConfig
+from flash_dllm.engine import inputs
+from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
+from flash_dllm.engine.plan import StepPlan, StepResult
+from flash_dllm.engine.request import Request
+from flash_dllm.engine.sampler import sample_and_commit
+from flash_dllm.engine.step_graph import StepGraphs
+from flash_dllm.engine.verify_step import kv_consistency, update_drafts
+from flash_dllm.layers.attention_backend import PagedAttentionBackend
+from flash_dllm.models.config import ModelConfig
+from flash_dllm.transfer import h2d
+
+
+@dataclass
+class SeqState:
+    """One running request's device state (the runner's; the request itself is host data)."""
+
+    arena_row: int
+    canvas: torch.Tensor                 # [canvas] long: a view of the arena row
+    page_row: torch.Tensor               # [pages] int32: the request's page ids
+    generator: torch.Generator | None = None
+    sentinel_generator: torch.Generator | None = None
+    # per-block state (reset when the request's block advances)
+    block: int = 0
+    drafts: tuple[torch.Tensor, torch.Tensor] | None = None   # decode="verify": (slots, tokens)
+    refresh: torch.Tensor | None = None      # cached positions the next forward recomputes
+    kv_history: torch.Tensor | None = None   # [block_length, k] last top-k keys per slot
+    # cache="flash": (the last step's mass [batch, keys], this request's row in it)
+    mass_src: tuple[torch.Tensor, int] | None = None
+
+    @property
+    def attn_mass(self) -> torch.Tensor | None:
+        """cache="flash": attention mass [canvas] each key got in this request's last step."""
+        if self.mass_src is None:
+            return None
+        mass, row = self.mass_src
+        return mass[row, :self.canvas.shape[0]]
+
+
+class ModelRunner:
+    def __init__(self, model, cfg: ModelConfig, config: EngineConfig) -> None:
+        self.model, self.cfg, self.config = model, cfg, config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        fuse = config.fuse_projections
+        if fuse or (fuse is None and self.device.type == "cuda"):
+            model.fuse_projections()
+        # NOTE: allocated before the KV pool is sized from gpu_memory_utilization, so the pool
+        # accounts for it
+        self.arena = torch.full((config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
+                                dtype=torch.long, device=self.device)
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype), self._kv_budget())
+        self.page_size = config.page_size
+        self.table_width = -(-cfg.max_position // self.page_size)
+        layout = PagedKVLayout(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads,
+                               cfg.head_dim, self.dtype)
+        self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
+                                             cfg.head_dim, cfg.rope_theta)
+        self.graph_cache = GraphCache(config.max_cuda_graphs)
+        self.forward_graphs: ForwardGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.forward_graphs = ForwardGraphs(model, self.graph_cache,
+                                                config.cuda_graph_max_rows,
+                                                config.cuda_graph_max_tokens)
+        self.step_graphs: StepGraphs | None = None
+        if config.fused_step:
+            self.step_graphs = StepGraphs(self.graph_cache, config.fused_step_max_rows,
+                                          config.cuda_graph_max_tokens,
+                                          config.cuda_graph_max_rows)
+        self._tables = inputs.BlockTables()
+        self._states: dict[str, SeqState] = {}
+        # benchmarks: when True, CUDA events (or host times) bracket each step's forward
+        self.time_forward = False
+        self.forward_events: list = []
+
+    def _kv_budget(self) -> int | None:
+        u = self.config.gpu_memory_utilization
+        if u is None or self.config.num_kv_pages is not None:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError("gpu_memory_utilization needs a CUDA device; use kv_cache_gb on "
+                             f"{self.device}")
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(0, int(u * total) - torch.cuda.memory_allocated(self.device))
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The KV page pool [layers, 2, pages, page_size, kv_heads, head_dim]."""
+        return self.backend.kv
+
+    # ------------------------------------------------------------------------ per-request state
+    def seq(self, req: Request, pages: list[int] | None = None) -> SeqState:
+        """The request's device state, created at its first step (``pages``: its KV pages)."""
+        st = self._states.get(req.request_id)
+        if st is None:
+            if pages is None:
+                raise ValueError(f"request {req.request_id!r} has no runner state and no pages")
+            row = self._free_rows.pop()
+            canvas = self.arena[row, :req.canvas_len]
+            canvas.copy_(h2d(req.tokens, torch.long, self.device))
+            st = SeqState(row, canvas, h2d(pages, torch.int32, self.device), block=req.block)
+            p = req.params
+            if p.temperature > 0:
+                seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
+                st.generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._states[req.request_id] = st
+        elif st.block != req.block:       # a new block: its drafts, refresh and history go
+            st.block = req.block
+            st.drafts = st.refresh = st.kv_history = None
+        return st
+
+    def release(self, request_id: str) -> None:
+        """Drop a finished or aborted request's device state (its arena row is reused)."""
+        st = self._states.pop(request_id, None)
+        if st is not None:
+            self._free_rows.append(st.arena_row)
+        self.backend.release(request_id)
+        # the step caches hold the last batch's requests (identity checks): let this one go
+        self._tables.forget(request_id)
+        if self.step_graphs is not None:
+            self.step_graphs.forget(request_id)
+
+    def block_table(self, plan: StepPlan) -> np.ndarray:
+        """[B, table_width] int32 page ids of the plan's requests (cached while the batch stays)."""
+        return self._tables.get(plan.requests, [s.pages for s in plan.seqs], self.table_width)
+
+    def arena_rows(self, batch: list[Request]) -> list[int]:
+        return [self._states[r.request_id].arena_row for r in batch]
+
+    # ----------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """One denoising forward for every request of ``plan``: commits tokens on the device and
+        returns the active blocks after it (the step's one device->host copy)."""
+        states = [self.seq(s.req, s.pages) for s in plan.seqs]
+        if self.step_graphs is not None and self.step_graphs.eligible(plan.requests, states):
+            blocks = self.step_graphs.run(self, plan)
+            if blocks is not None:
+                return StepResult(blocks)
+        return self._general(plan, states)
+
+    def _general(self, plan: StepPlan, states: list[SeqState]) -> StepResult:
+        batch = plan.requests
+        step = inputs.pack_step(self, plan, states)
+        hidden = self.forward(step.ids, step.positions, step.meta)
+        if step.flash:      # cache="flash": where this step's attention went, for the next top-k
+            mass = step.meta.mass.clone()    # one copy (a graph's output is overwritten on replay)
+            for i in step.flash:
+                states[i].mass_src = (mass, i)
+        tokens, conf, keep, counters = sample_and_commit(
+            self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
+        blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
+        blocks = blocks.cpu().numpy()                      # the step's one device->host copy
+        for i, (req, st, seg, (s, e)) in enumerate(zip(batch, states, step.segments,
+                                                       step.bounds)):
+            if req.params.decode == "verify":
+                update_drafts(req, st, tokens[s:e], conf[s:e], step.slot_pos[s:e], keep[s:e])
+            if seg.probe is not None:
+                kv_consistency(req, st, seg.probe_weights, step.slot_pos[s:e], counters, i)
+        return StepResult(blocks, counters)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model forward of one step (from a CUDA graph when one fits)."""
+        if not self.time_forward:
+            return self._forward(ids, positions, meta)
+        # NOTE: events recorded around the forward and read after the step: timing it adds no
+        # sync inside the step
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._forward(ids, positions, meta)
+            end.record()
+            self.forward_events = [start, end]
+            return out
+        import time
+        t0 = time.perf_counter()
+        out = self._forward(ids, positions, meta)
+        self.forward_events = [time.perf_counter() - t0]
+        return out
+
+    def _forward(self, ids, positions, meta) -> torch.Tensor:
+        if self.forward_graphs is not None:
+            return self.forward_graphs.forward(ids, positions, meta)
+        return self.model.hidden(ids, positions, meta)
+
+    def forward_seconds(self) -> float | None:
+        """The last timed forward's seconds (``time_forward``; None if no forward ran since the
+        events were cleared, e.g. a whole-step graph)."""
+        ev = self.forward_events
+        if not ev:
+            return None
+        return ev[0].elapsed_time(ev[1]) / 1e3 if len(ev) == 2 else ev[0]

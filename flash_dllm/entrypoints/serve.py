@@ -1,0 +1,72 @@
+"""``flash-dllm serve``: load a checkpoint, build the app, run it under uvicorn (SIGTERM drains)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from flash_dllm.config import EngineConfig
+from flash_dllm.entrypoints.args import EngineArgs
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+    add_server_flags(s)
+    EngineArgs.add_cli_args(s)
+    s.set_defaults(func=run)
+
+
+def add_server_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("FLASH_DLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
+                        "(default: $FLASH_DLLM_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the checkpoint folder's name)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies get 413")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to let in-flight requests finish after SIGTERM (default: no limit)")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def load_async_engine(model=None, device: str = "cpu", dtype: str = "float32",
+                      config: EngineConfig | None = None, args: EngineArgs | None = None):
+    """(AsyncEngine, Tokenizer, folder) for a checkpoint folder (default: the demo model), with
+    ``config`` replacing the engine knobs; or for parsed ``args``."""
+    from flash_dllm.engine.async_engine import AsyncEngine
+    from flash_dllm.entrypoints.loader import load_engine
+
+    if args is None:
+        args = EngineArgs(model=None if model is None else str(model), device=device, dtype=dtype)
+    override = {} if config is None else dataclasses.asdict(config)
+    loaded = load_engine(args, **override)
+    return AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
+
+
+def build_server_app(a: argparse.Namespace):
+    """(app, async engine, served model name) from parsed ``serve`` flags."""
+    from flash_dllm.server.app import build_app
+
+    aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
+    name = getattr(a, "served_model_name", None) or folder.name
+    app = build_app(aeng, tok, name, api_key=a.api_key,
+                    max_body_bytes=getattr(a, "max_body_bytes", 1 << 20))
+    return app, aeng, name
+
+
+def run(a: argparse.Namespace) -> int:
+    from flash_dllm.server.launch import make_uvicorn_server
+
+    app, aeng, name = build_server_app(a)
+    if a.host not in ("127.0.0.1", "localhost", "::1") and a.api_key is None:
+        print(f"warning: serving on {a.host} without --api-key", file=sys.stderr)
+    pool = aeng.engine.pool
+    print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} "
+          f"({pool.num_pages} KV pages of {pool.page_size} tokens, "
+          f"max_num_seqs={aeng.engine.config.max_num_seqs})", file=sys.stderr, flush=True)
+    make_uvicorn_server(app, aeng, a.host, a.port, a.log_level, a.drain_timeout).run()
+    return 0

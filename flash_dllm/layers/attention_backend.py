@@ -1,0 +1,245 @@
+"""The engine's attention backend: projection + RoPE + page write + paged attention for one step.
+
+K/V live in ONE page pool ``[layers, 2, pages, page_size, kv_heads, head_dim]`` (``cache/paged.py``)
+that the backend owns. Once per step the runner asks ``PagedAttentionBackend.build`` for the
+step's ``PagedAttentionMetadata`` (index tensors built on the host, one host->device copy); the
+model then calls ``metadata.attention(module, layer, x, positions)`` in every layer, which runs, for
+all requests at once and with no per-request loop or host sync (so the forward can be captured in
+a CUDA graph):
+
+1. the q/k/v projection, RoPE, and the write of k/v into their page slots: one kernel for steps of
+   at most 64 rows (``kernels/qkv_rope_cache``), row chunks of ``QKV_CHUNK_ROWS`` for very large
+   steps (a full-canvas refresh of a big batch), else one GEMM + ``kernels/rope_cache``;
+2. one paged attention launch over the block tables (``kernels/paged_attention``), which can also
+   return the attention mass each key received (``mass_layer``: the ``flash`` cache mode's top-k).
+
+The metadata's ``segments`` say which packed rows belong to which request. Two kinds of rows are
+special and documented here because the runner puts them into the metadata:
+
+- **verification rows** (``decode="verify"``, ``Segment.verify``): extra query rows after a
+  request's canvas rows that verify last forward's drafts. Their slot is -1 (their K/V are never
+  written to the pool) and their attention is exact and masked (``VerifyRows.allow``), computed
+  from a dense copy of the request's canvas K/V;
+- **probe rows** (the KV-consistency sentinel, ``Segment.probe``): canvas rows whose attention
+  weights over the canvas are recorded at ``probe_layer`` (``Segment.probe_weights``).
+
+A step without special rows never takes those paths. On the CPU every kernel call runs the
+kernel's PyTorch reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flash_dllm.kernels import paged_attention as paged_attention_op
+from flash_dllm.kernels import qkv_rope_cache as qkv_rope_cache_op
+from flash_dllm.kernels import rope_cache as rope_cache_op
+from flash_dllm.kernels.paged_attention import seqlen_bound
+from flash_dllm.kernels.rope_cache import inv_freq as rope_inv_freq
+from flash_dllm.layers.attention import attention_weights, masked_attention
+from flash_dllm.layers.rotary import Rotary
+from flash_dllm.transfer import h2d
+
+
+@dataclass
+class VerifyRows:
+    """A segment's verification block (``flash_dllm.decoding.verify``): packed rows
+    ``start:end``, of which the first ``num_keys`` (the draft views) also serve as extra keys.
+    ``allow`` [rows, canvas + num_keys] says which keys each row sees. The rows attend to the
+    request's canvas keys and to those extra keys; their K/V are never written to the cache and
+    no canvas row ever sees them."""
+
+    start: int
+    end: int
+    num_keys: int
+    allow: torch.Tensor
+
+
+@dataclass
+class Segment:
+    """One request's rows of a packed step: ``start:end`` are its canvas rows, ``slots`` their
+    canvas positions; ``pages``/``length`` its page ids (int32, device) and canvas length."""
+
+    start: int
+    end: int
+    slots: torch.Tensor | None = None
+    request_id: str = ""
+    verify: VerifyRows | None = None       # decode="verify": extra rows after ``end``
+    probe: torch.Tensor | None = None      # rows (from ``start``) whose attention is recorded
+    probe_weights: torch.Tensor | None = None   # out: [probe rows, canvas], mean over heads
+    pages: torch.Tensor | None = None
+    length: int = 0
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Everything one step's attention reads (built once per step by ``PagedAttentionBackend``).
+
+    ``slots`` [T]: the page slot (``page * page_size + offset``) each packed row's K/V goes to, -1
+    for rows that are never cached (verification rows). Request b owns packed rows
+    ``cu_q[b]:cu_q[b+1]`` and attends to its ``seq_lens[b]`` canvas keys through
+    ``block_table[b]``; ``max_q`` is a host bound on every request's row count (kernel grid) and
+    ``max_k`` one on the key counts (``paged_attention.seqlen_bound``: lets small batches split
+    each request's keys over more programs; 0 = unknown, never split)."""
+
+    # inference on the paged cache: steps of more rows project q/k/v in chunks of this many
+    # (``attend_chunked``), bounding a refresh step's peak memory
+    QKV_CHUNK_ROWS = 4096
+
+    kv: torch.Tensor               # [layers, 2, pages, page_size, kv_heads, head_dim]
+    slots: torch.Tensor            # [T] int32 (host-built) or int64
+    cu_q: torch.Tensor             # [B + 1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    block_table: torch.Tensor      # [B, max_pages] int32
+    max_q: int
+    inv_freq: torch.Tensor         # [head_dim / 2] float32
+    max_k: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    probe_layer: int | None = None
+    mass_layer: int | None = None  # the layer whose per-key mass is kept in ``mass``
+    mass: torch.Tensor | None = None   # out: [B, max_pages * page_size]
+
+    def __post_init__(self) -> None:
+        self.special = [s for s in self.segments if s.verify is not None or s.probe is not None]
+
+    # ------------------------------------------------------------------------------ the layer
+    def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
+                  ) -> torch.Tensor:
+        """``attn``'s attention for packed rows ``x`` [T, d] -> [T, H * D]."""
+        qkv = attn.qkv_proj
+        H, Hkv = attn.num_heads, attn.num_kv_heads
+        if qkv is not None and x.dim() == 2 and not self.special:
+            if qkv_rope_cache_op.ENABLED and qkv_rope_cache_op.takes_triton(x, qkv.weight,
+                                                                            self.kv):
+                return self.attend_projected(layer, x, qkv, H, Hkv, positions, attn.rotary)
+            if x.shape[0] > self.QKV_CHUNK_ROWS and not torch.is_grad_enabled():
+                return self.attend_chunked(layer, x, qkv, H, Hkv, positions, attn.rotary,
+                                           self.QKV_CHUNK_ROWS)
+        q, k, v = attn.project(x)
+        return self.attend(layer, q, k, v, positions, attn.rotary)
+
+    def attend_projected(self, layer: int, x: torch.Tensor, proj, num_heads: int,
+                         num_kv_heads: int, positions: torch.Tensor, rotary: Rotary
+                         ) -> torch.Tensor:
+        """From the layer's normed input ``x`` [T, d]: one kernel projects q/k/v, rotates q/k and
+        writes k/v into their page slots (``kernels.qkv_rope_cache``)."""
+        kc, vc = self.kv[layer, 0], self.kv[layer, 1]
+        qr = qkv_rope_cache_op.op(x, proj.weight, proj.bias, positions, kc, vc, self.slots,
+                                  self.inv_freq, num_heads, num_kv_heads, rotary.apply_in_fp32)
+        return self._attend_rotated(layer, qr)
+
+    def attend_chunked(self, layer: int, x: torch.Tensor, proj, num_heads: int,
+                       num_kv_heads: int, positions: torch.Tensor, rotary: Rotary,
+                       chunk: int) -> torch.Tensor:
+        """From ``x`` [T, d] for a step of many rows (a full-canvas refresh): the projection +
+        RoPE + page write run in row chunks, so the [T, (H + 2 Hkv) D] projection never exists
+        whole (805 MB for batch 32 x 1024 rows of LLaDA-8B); only the rotated queries are kept
+        for the attention, which runs once every key is in the pages."""
+        kc, vc = self.kv[layer, 0], self.kv[layer, 1]
+        T, D = x.shape[0], kc.shape[-1]
+        qr = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
+        for i in range(0, T, chunk):
+            j = min(T, i + chunk)
+            q, k, v = rope_cache_op.split_qkv(proj(x[i:j]), num_heads, num_kv_heads, D)
+            qr[i:j] = rope_cache_op.op(q, k, v, positions[i:j], kc, vc, self.slots[i:j],
+                                       self.inv_freq, rotary.apply_in_fp32)
+        return self._attend_rotated(layer, qr)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """From projected q [T, H, D], k/v [T, Hkv, D] (un-rotated)."""
+        kc, vc = self.kv[layer, 0], self.kv[layer, 1]             # [pages, page_size, Hkv, D]
+        qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots, self.inv_freq,
+                              rotary.apply_in_fp32)                # rotated q; k/v now in pages
+        out = self._attend_rotated(layer, qr)
+        for seg in self.special:
+            self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
+        return out
+
+    def _attend_rotated(self, layer: int, qr: torch.Tensor) -> torch.Tensor:
+        """Paged attention of the rotated queries (their step's K/V already in the pages)."""
+        kc, vc = self.kv[layer, 0], self.kv[layer, 1]
+        track = layer == self.mass_layer
+        out = paged_attention_op.op(qr, kc, vc, self.cu_q, self.seq_lens, self.block_table,
+                                    self.max_q, return_mass=track, max_seqlen_k=self.max_k or None)
+        if track:
+            out, self.mass = out
+        return out.flatten(1)                                      # [T, H * D]
+
+    def _special_rows(self, seg: Segment, layer: int, out: torch.Tensor, qr: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      rotary: Rotary) -> None:
+        if seg.verify is None and layer != self.probe_layer:
+            return                        # a probe-only segment needs the probe layer alone
+        ps = self.kv.shape[3]
+        n = -(-seg.length // ps)
+        idx = seg.pages[:n].long()
+        ks = self.kv[layer, 0, idx].flatten(0, 1)[:seg.length]     # [canvas, Hkv, D] (a copy)
+        vs = self.kv[layer, 1, idx].flatten(0, 1)[:seg.length]
+        if seg.verify is not None:
+            vr = seg.verify
+            d0, d1 = vr.start, vr.start + vr.num_keys
+            kd = rotary(k[d0:d1], positions[d0:d1])                # draft views' keys, rotated
+            out[vr.start:vr.end] = masked_attention(qr[vr.start:vr.end], ks, vs, kd, v[d0:d1],
+                                                    vr.allow)
+        if seg.probe is not None and layer == self.probe_layer:
+            seg.probe_weights = attention_weights(qr[seg.start:seg.end][seg.probe], ks)
+
+
+class PagedAttentionBackend:
+    """Owns the KV page pool of one model and builds each step's ``PagedAttentionMetadata``."""
+
+    def __init__(self, kv: torch.Tensor, head_dim: int, rope_theta: float) -> None:
+        self.kv = kv                        # [layers, 2, pages, page_size, kv_heads, head_dim]
+        self.page_size = kv.shape[3]
+        self.inv_freq = rope_inv_freq(head_dim, rope_theta, kv.device)
+
+    def release(self, request_id: str) -> None:
+        """A request left (its pages are the KV manager's to reuse): nothing to drop here."""
+
+    def build(self, table: np.ndarray, canvas_lens: list[int], positions: torch.Tensor,
+              pos_host: np.ndarray | None, cu: list[int], uncached: list[tuple[int, int]],
+              segments: list[Segment] | None = None, probe_layer: int | None = None,
+              mass_layer: int | None = None) -> PagedAttentionMetadata:
+        """The step's metadata. ``table`` [B, width] int32: page ids per request (the runner's
+        cached block table); ``cu``: per-request packed row boundaries; ``uncached``: row ranges
+        never written to the pool (verification rows). When every packed position is a host range
+        (``pos_host``: no flash top-k, sentinel refresh or verification rows), slots, block
+        table, ``cu_q`` and ``seq_lens`` are computed on the host and cross in ONE int32 copy.
+
+        NOTE: the table is always as wide as the longest possible canvas (the kernels read only
+        each request's own columns), so a step's shape, hence its CUDA graph, does not depend on
+        how long the requests' canvases happen to be."""
+        ps, dev = self.page_size, self.kv.device
+        B, width = table.shape
+        T = positions.shape[0]
+        host = np.zeros(T + (B + 1) + B + B * width, dtype=np.int32)
+        host[2 * B + 1 + T:].reshape(B, width)[:] = table
+        host[T:T + B + 1] = cu
+        host[T + B + 1:T + 2 * B + 1] = canvas_lens
+        if pos_host is not None:           # one request per range, in batch order
+            host[:T] = page_slots(table, np.repeat(np.arange(B), np.diff(cu)), pos_host, ps)
+        dev_all = h2d(host, torch.int32, dev)
+        cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
+        table_t = dev_all[T + 2 * B + 1:].view(B, width)
+        counts = [b - a for a, b in zip(cu, cu[1:])]
+        if pos_host is not None:
+            slots = dev_all[:T]
+        else:
+            req_idx = torch.repeat_interleave(torch.arange(B, device=dev),
+                                              h2d(counts, torch.long, dev), output_size=T)
+            slots = table_t[req_idx, positions // ps].long() * ps + positions % ps
+            for a, b in uncached:           # verification rows: never written to the cache
+                slots[a:b] = -1
+        return PagedAttentionMetadata(self.kv, slots, cu_t, lens_t, table_t, max(counts),
+                                      self.inv_freq, seqlen_bound(max(canvas_lens)),
+                                      segments or [], probe_layer, mass_layer)
+
+
+def page_slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int
+               ) -> np.ndarray:
+    """The page slot of each packed row (request ``req``, canvas position ``pos``), on the host:
+    ``table[req, pos // page_size] * page_size + pos % page_size``."""
+    return table[req, pos // page_size] * page_size + pos % page_size
