@@ -20,6 +20,7 @@ import copy
 import itertools
 import time
 
+import numpy as np
 import torch
 
 from flash_dllm.cache.kv_manager import KVCacheManager
@@ -46,6 +47,7 @@ class Engine:
         self.kv_manager = KVCacheManager(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift)
         self._ids = itertools.count()
+        self._stop_ids = tuple(int(t) for t in cfg.eos_token_ids)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       **new_counters()}       # decode="verify" and sentinels
@@ -99,6 +101,7 @@ class Engine:
             return False
         req.abort()
         self._release(req)    # serving: an aborted request frees its pages at once
+        self.scheduler.invalidate()
         return True
 
     def has_unfinished(self) -> bool:
@@ -116,17 +119,40 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float) -> list[StepOutput]:
         """Book-keeping after a step, on the host: requests advance, finish and free pages."""
+        reqs = plan.requests
+        blocks = result.blocks                                      # [B, max_bl]
+        # the whole batch at once: MASK left, first MASK-or-stop slot, stop ids per block
+        is_mask = blocks == self.cfg.mask_token_id
+        is_stop = np.zeros_like(is_mask)
+        for sid in self._stop_ids:                                  # a few ids: faster than isin
+            is_stop |= blocks == sid
+        lens = np.array([r.params.block_length for r in reqs])
+        if (lens != blocks.shape[1]).any():                         # padding columns
+            pad = np.arange(blocks.shape[1])[None, :] >= lens[:, None]
+            is_mask &= ~pad
+            is_stop &= ~pad
+            ends = is_mask | is_stop | pad
+        else:
+            ends = is_mask | is_stop
+        masked, stops = is_mask.sum(1).tolist(), is_stop.any(1).tolist()
+        first_end = np.where(ends.any(1), ends.argmax(1), lens).tolist()
+        first_slot = (~is_mask[:, 0]).tolist()
         outputs = []
         committed = 0
-        for i, req in enumerate(plan.requests):
-            outputs.append(req.apply(result.blocks[i]))
-            committed += outputs[-1].num_committed
+        changed = False                # a new block, refresh state or finish: a new plan
+        for i, req in enumerate(reqs):
+            was_first = req.first_step
+            out = req.apply(blocks[i], masked[i], first_end[i], stops[i], first_slot[i])
+            outputs.append(out)
+            committed += out.num_committed
+            changed = changed or was_first or req.first_step or req.finished
             if result.counters is not None and result.counters[i] is not None:
                 merge_counters(req.counters, result.counters[i])
                 merge_counters(self.stats, result.counters[i])
             if req.finished:
                 self._release(req)
-        self.scheduler.drop_finished()
+        if changed:
+            self.scheduler.drop_finished()
         self.stats["tokens_committed"] += committed
         self.stats["forwards"] += 1
         self.stats["step_seconds"] += time.perf_counter() - t0

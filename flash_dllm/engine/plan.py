@@ -32,9 +32,8 @@ class SeqPlan:
 class StepPlan:
     seqs: list[SeqPlan] = field(default_factory=list)
 
-    @property
-    def requests(self) -> list[Request]:
-        return [s.req for s in self.seqs]
+    def __post_init__(self) -> None:
+        self.requests: list[Request] = [s.req for s in self.seqs]
 
     def __len__(self) -> int:
         return len(self.seqs)

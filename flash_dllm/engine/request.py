@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,9 +42,9 @@ class RequestOutput:
         return len(self.token_ids) / self.num_forwards if self.num_forwards else 0.0
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step did to one request (host data, from ``Engine.step``)."""
+class StepOutput(NamedTuple):
+    """What one step did to one request (host data, from ``Engine.step``; a tuple: one is made
+    per request per step)."""
 
     request_id: str
     new_token_ids: list[int]        # ids appended to the committed answer prefix by this step
@@ -108,23 +109,30 @@ class Request:
         """Tokens ``vanilla`` commits at this step of the block."""
         return self.schedule[min(self.step_in_block, len(self.schedule) - 1)]
 
-    def apply(self, block: np.ndarray) -> StepOutput:
+    def apply(self, block: np.ndarray, masked: int, first_end: int, stop_in_block: bool,
+              first_slot: bool) -> StepOutput:
         """Book-keeping after a step, from the active block as the step left it (``block``: at
-        least ``block_length`` ids, read back from the device)."""
+        least ``block_length`` ids, read back from the device) and what the engine computed for
+        the whole batch at once: ``masked`` MASK slots left in it, ``first_end`` the first slot
+        of it that is MASK or an end-of-answer id (``block_length`` if none), whether it holds an
+        end-of-answer id, and whether its first slot is committed."""
         bl = self.params.block_length
-        old = self.tokens[self.block_start:self.block_end]
-        committed = int(((old == self.mask_id) & (block[:bl] != self.mask_id)).sum())
-        first_token = self.block == 0 and old[0] == self.mask_id and block[0] != self.mask_id
-        old[:] = block[:bl]
+        b0 = self.prompt_len + self.block * bl
+        committed = self.num_masked - masked
+        self.tokens[b0:b0 + bl] = block[:bl]
         before = self.num_tokens
-        end = self.block_end - self.prompt_len          # the applied block's end (generated)
-        self._advance(committed, bool(first_token))
-        self.num_tokens = self._prefix_length(end)
-        new = self.tokens[self.prompt_len + before:self.prompt_len + self.num_tokens]
-        return StepOutput(self.request_id, new.tolist(), self.num_tokens, committed,
-                          self.finished, self.finish_reason)
+        start = b0 - self.prompt_len                        # the block, in answer positions
+        if before >= start:            # the committed prefix had reached this block: extend it
+            self.num_tokens = start + first_end
+        self._advance(committed, first_slot and self.block == 0 and
+                      self.first_token_time is None, stop_in_block)
+        new = []
+        if self.num_tokens > before:
+            new = self.tokens[self.prompt_len + before:self.prompt_len + self.num_tokens].tolist()
+        return StepOutput(self.request_id, new, self.num_tokens, committed, self.finished,
+                          self.finish_reason)
 
-    def _advance(self, committed: int, first_token: bool) -> None:
+    def _advance(self, committed: int, first_token: bool, stop_in_block: bool) -> None:
         self.num_forwards += 1
         self.step_in_block += 1
         self.first_step = False
@@ -133,14 +141,12 @@ class Request:
         self.num_masked -= committed
         if self.num_masked > 0:
             return
-        done_block = self.tokens[self.block_start:self.block_end]
         self.block += 1
         self.step_in_block = 0
         self.first_step = True
         self.num_masked = self.params.block_length
         last = self.block == self.params.num_blocks
-        ended = self.params.early_stop and not last and bool(np.isin(done_block,
-                                                                      self._stops).any())
+        ended = self.params.early_stop and not last and stop_in_block
         if last:
             self._finish("stop" if self._has_stop() else "length")
         elif ended:
@@ -159,14 +165,6 @@ class Request:
 
     def abort(self) -> None:
         self._finish("abort")
-
-    def _prefix_length(self, end: int) -> int:
-        """The committed answer prefix, scanned from its last length up to ``end`` (everything
-        after the active block is MASK, and a prefix that reached a stop id never grows)."""
-        n = self.num_tokens
-        seg = self.tokens[self.prompt_len + n:self.prompt_len + end]
-        ends = (seg == self.mask_id) | (seg[:, None] == self._stops[None, :]).any(1)
-        return n + (int(ends.argmax()) if ends.any() else seg.shape[0])
 
     def generated_ids(self) -> list[int]:
         """Committed answer ids: the left-contiguous committed prefix of the generated region, cut

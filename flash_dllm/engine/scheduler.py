@@ -23,6 +23,11 @@ class Scheduler:
         self.logit_shift = logit_shift
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # each running request's SeqPlan, rebuilt only when its block or refresh state changes;
+        # the whole StepPlan is reused while nothing joined, left or changed block (the engine
+        # calls ``invalidate``), so a steady batch costs no per-request planning
+        self._plans: dict[str, tuple[tuple[int, bool], SeqPlan]] = {}
+        self._last: StepPlan | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -56,15 +61,34 @@ class Scheduler:
             admitted.append(req)
         return admitted
 
+    def invalidate(self) -> None:
+        """A running request finished, was aborted, or entered a new block or refresh state."""
+        self._last = None
+
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan one step for every running request."""
-        self.admit()
-        self.running = [r for r in self.running if not r.finished]
-        shift = self.logit_shift
-        return StepPlan([SeqPlan(r, query_range(r.params.cache, r.canvas_len, r.block_start,
-                                                r.block_end, r.first_step, shift,
-                                                first_block=r.block == 0),
-                                 self.kv.pages(r.request_id)) for r in self.running])
+        if self.admit():
+            self._last = None
+        if self._last is None:
+            self.drop_finished()
+            self._last = StepPlan([self._plan(r) for r in self.running])
+        return self._last
+
+    def _plan(self, r: Request) -> SeqPlan:
+        key = (r.block, r.first_step)
+        cached = self._plans.get(r.request_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        window = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
+                             r.first_step, self.logit_shift, first_block=r.block == 0)
+        plan = SeqPlan(r, window, self.kv.pages(r.request_id))
+        self._plans[r.request_id] = (key, plan)
+        return plan
 
     def drop_finished(self) -> None:
-        self.running = [r for r in self.running if not r.finished]
+        self._last = None
+        if any(r.finished for r in self.running):
+            for r in self.running:
+                if r.finished:
+                    self._plans.pop(r.request_id, None)
+            self.running = [r for r in self.running if not r.finished]

@@ -111,6 +111,7 @@ class StepGraphs:
         # the last step's (requests, their blocks, host vector, layout): within a block the
         # index vector does not change (the tokens come from the arena), so it is reused
         self._last: tuple | None = None
+        self._eligible: tuple | None = None       # (plan, eligible?) of the last plan seen
 
     @property
     def first_capture(self) -> int:
@@ -126,8 +127,15 @@ class StepGraphs:
         """Drop the cached index vector if it belongs to a batch holding the request (released)."""
         if self._last is not None and any(r.request_id == request_id for r in self._last[0]):
             self._last = None
+        self._eligible = None
 
     # ------------------------------------------------------------------------------ eligibility
+    def eligible_plan(self, plan, states) -> bool:
+        """``eligible`` for a step plan (cached while the scheduler reuses the plan)."""
+        if self._eligible is None or self._eligible[0] is not plan:
+            self._eligible = (plan, self.eligible(plan.requests, states))
+        return self._eligible[1]
+
     def eligible(self, batch, states=None) -> bool:
         """``batch``: the step's requests; ``states``: their runner states (pending sentinel
         refreshes make a step ineligible)."""
@@ -149,15 +157,19 @@ class StepGraphs:
         (host), or None when the general path should run this step instead (on CUDA: the step's
         shape has no graph yet and is seen for the first time, or it is too large to capture)."""
         batch = plan.requests
-        blocks = self._signature(batch)
         last = self._last
-        if last is not None and last[1] == blocks and inputs.same_batch(last[0], batch):
-            host, lay = last[2], last[3]
+        if last is not None and last[4] is plan and batch[0].params.decode != "vanilla":
+            host, lay = last[2], last[3]      # the same plan: same requests in the same blocks
         else:
-            host, lay = self._host_inputs(runner, plan, blocks)
+            blocks = self._signature(batch)
+            if last is not None and last[1] == blocks and inputs.same_batch(last[0], batch):
+                host, lay = last[2], last[3]
+            else:
+                host, lay = self._host_inputs(runner, plan, blocks)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
-            self._last = (list(batch), blocks, host, lay)
-        lm_rows = self.lm_head_rows(lay.R, sum(r.num_masked for r in batch))
+            self._last = (list(batch), blocks, host, lay, plan)
+        lm_rows = lay.R if lay.R <= self.LM_ALL_ROWS else self.lm_head_rows(
+            lay.R, sum(r.num_masked for r in batch))
         key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
                                 lay.groups, lm_rows))
         dev = runner.device
