@@ -151,14 +151,14 @@ group_ab() {
   mkdir -p "$ab"
   # batch-1 eval: general path first and last (the first process also fills Triton's cache)
   for name in general_1 fused general_2; do
-    flag=(); [[ $name == fused ]] && flag=(--fused-step)
+    flag=(--no-fused-step); [[ $name == fused ]] && flag=(--fused-step)
     run "ab_eval_b1_$name" 90 "$ab/eval_b1_$name.json" \
       "${FD[@]}" eval --suite arith --n 100 --device cuda --max-num-seqs 1 --decode threshold \
       --cache dual --no-progress ${flag[@]+"${flag[@]}"} --json "$ab/eval_b1_$name.json"
   done
   # serving at concurrency 8: fused first and last
   for name in fused_1 general fused_2; do
-    flag=(); [[ $name == fused_* ]] && flag=(--fused-step)
+    flag=(--no-fused-step); [[ $name == fused_* ]] && flag=(--fused-step)
     run "ab_serve_c8_$name" 90 "$ab/serve_c8_$name.json" \
       "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --concurrency 8 --requests 64 \
       ${flag[@]+"${flag[@]}"} --json "$ab/serve_c8_$name.json"

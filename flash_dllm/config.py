@@ -156,12 +156,12 @@ class EngineConfig:
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
     # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
-    # head, proposal, commit; ``engine/step_graph.py``) while batch x block_length <= the row cap
-    # (2048: batch 64 x 32). Opt-in. True: on (with CUDA graphs; without them, e.g. on the CPU,
-    # the fused body runs eagerly, which the tests use). NOTE: off by default: steady steps are
-    # faster with it (``bench step``), but in serving, where batch shapes keep changing, its
-    # captures stall requests (benchmarks/FINDINGS.md).
-    fused_step: bool = False
+    # head, proposal, commit; the runner's ``step`` capture mode, ``engine/step_graph.py``) while
+    # batch x block_length <= the row cap (2048: batch 64 x 32). None (default): on when CUDA
+    # graphs are (H200, same machine, A/B: batch-1 eval 1.7-1.8 s vs 1.9-2.1 s on the general
+    # path; serving no worse, see benchmarks/FINDINGS.md); True: also on the CPU, where the body
+    # runs eagerly (the tests compare it with the general path); False: off.
+    fused_step: bool | None = None
     fused_step_max_rows: int = 2048
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
@@ -182,8 +182,8 @@ class EngineConfig:
         _check_int("max_cuda_graphs", self.max_cuda_graphs, 1)
         _check_int("cuda_graph_max_rows", self.cuda_graph_max_rows, 1)
         _check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, 1)
-        if not isinstance(self.fused_step, bool):
-            raise ValueError(f"fused_step must be a bool, got {self.fused_step!r}")
+        if self.fused_step is not None and not isinstance(self.fused_step, bool):
+            raise ValueError(f"fused_step must be a bool or None, got {self.fused_step!r}")
         _check_int("fused_step_max_rows", self.fused_step_max_rows, 1)
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be a bool or None, got "

@@ -87,7 +87,8 @@ class ModelRunner:
                                                 config.cuda_graph_max_rows,
                                                 config.cuda_graph_max_tokens)
         self.step_graphs: StepGraphs | None = None
-        if config.fused_step:
+        fused = config.fused_step
+        if fused or (fused is None and self.forward_graphs is not None):
             self.step_graphs = StepGraphs(self.graph_cache, config.fused_step_max_rows,
                                           config.cuda_graph_max_tokens,
                                           config.cuda_graph_max_rows)

@@ -46,9 +46,9 @@ class EngineArgs:
                                                  "429 (default: %(default)s)")
     cuda_graphs: bool = _knob("cuda_graphs", bool, "CUDA: replay step forwards from CUDA graphs "
                                                    "(default: on)")
-    fused_step: bool = _knob("fused_step", bool,
-                             "CUDA: run steady greedy dual/prefix steps as one graph each "
-                             "(default: %(default)s)")
+    fused_step: bool | None = _knob("fused_step", bool,
+                                    "run steady greedy dual/prefix steps as one CUDA graph each "
+                                    "(default: on with CUDA graphs)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
