@@ -167,6 +167,18 @@ class EngineConfig:
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).
     fuse_projections: bool | None = None
+    # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py, engine/kv_offload.py)
+    # keep finished requests' full pages as cached blocks and reuse them for prompts that start
+    # with the same tokens (multi-turn chat); reused K/V are approximate (bidirectional model)
+    prefix_reuse: bool = False
+    kv_cpu_gb: float = 0.0               # L1: pinned host memory for cached pages (0: none)
+    kv_disk_path: str | None = None      # L2: a file for cached pages (None: none)
+    kv_disk_gb: float = 0.0              # L2 size
+    kv_offload_dtype: str = "bf16"       # pages below L0: "bf16" (the pool's, exact), fp8, int8
+    kv_placement: str = "lru"            # which cached pages leave a tier first
+    # debug / tests: after every step, every running request's pages go down to host memory and
+    # back (the tiers' data path end to end; outputs must not change with bf16)
+    kv_tier_stress: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -192,6 +204,25 @@ class EngineConfig:
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float))
                               or not 0.0 < u < 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1) or None, got {u!r}")
+        for name in ("prefix_reuse", "kv_tier_stress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("kv_cpu_gb", "kv_disk_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20:
+                raise ValueError(f"{name} must be a number of GiB >= 0, got {v!r}")
+        if (self.kv_disk_path is None) != (self.kv_disk_gb == 0):
+            raise ValueError("kv_disk_path and kv_disk_gb go together: give both (a file path "
+                             f"and a size > 0) or neither, got kv_disk_path={self.kv_disk_path!r}, "
+                             f"kv_disk_gb={self.kv_disk_gb!r}")
+        if self.kv_disk_path is not None and self.kv_cpu_gb == 0:
+            raise ValueError("kv_disk_path needs kv_cpu_gb > 0: pages reach the disk through "
+                             "pinned host memory")
+        _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
+        _check_choice("kv_placement", self.kv_placement, ("lru",))
+        if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
+            raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
+                             "prefix_reuse=True (--prefix-reuse) too")
 
     def num_pages(self, kv_bytes_per_token: int, budget_bytes: int | None = None) -> int:
         """Pages in the pool for a model whose cached token takes ``kv_bytes_per_token`` bytes;

@@ -1,21 +1,71 @@
-"""The KV manager: which KV pages each request owns (no torch).
+"""The KV manager: which pages each request owns, prefix reuse across requests, and the tiers of
+cached pages (no torch).
 
 NOTE (ownership): the manager is the only writer of the page ledger (``PagePool``: free list and
-reference counts). The scheduler asks it to reserve a request's pages at admission and to free
-them when the request finishes or is aborted; the runner only reads the page ids it is given in
-the step plan, and owns the bytes (the pool tensor) behind them. A request holds its pages from
-admission to release, so the set of running requests always fits (never an OOM mid-flight).
+reference counts), of the prefix tree and of the tier records (``cache/tiers.py``). The scheduler
+asks it to reserve a request's pages at admission and to release them when the request finishes
+(``publish``: its full pages become cached blocks) or is aborted; the runner only reads the page
+ids of the step plan and carries out the tier ops the manager hands it (``take_ops``), reporting
+back (``ops_done``). A request holds one pool reference on every page of its block table from
+admission to release, so a running batch always fits (never an out-of-memory mid-flight); a
+cached block in L0 holds one more, so a shared page outlives the requests that use it.
+
+Prefix reuse (``prefix_reuse=True``): at admission the prompt's page-aligned prefix is matched in
+the tree; reused pages are read-only for the request (its steps never recompute positions below
+``reused_len``: the bidirectional model's K/V of a prompt depend on what follows it, so reused
+K/V are approximate in the same way as Fast-dLLM's prefix cache). A reused page in L1 or L2 is
+loaded (through ``Fetch`` / ``Load`` ops) only when the cost model says loading beats recomputing.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 from flash_dllm.cache.page_pool import PagePool
+from flash_dllm.cache.tiers import (L0, L1, L2, TIER_NAMES, Block, CostModel, Fetch, Load, Spill,
+                                   Store, StoreDisk, make_policy)
+
+
+@dataclass
+class Allocation:
+    """A request's admission: its block table (reused pages first) and what it reuses."""
+
+    pages: list[int]
+    reused_len: int = 0                     # prompt tokens whose K/V are reused (frozen)
+    hit_tiers: list[int] = field(default_factory=list)   # per reused page: the tier it came from
+    loads: list[Load] = field(default_factory=list)      # reused pages that must be loaded first
+
+
+def _stats() -> dict:
+    return {"query_tokens": 0, "hit_tokens": [0, 0, 0], "bytes_moved": {}, "l0_evictions": 0,
+            "checksum_failures": 0, "load_failures": 0, "dropped_blocks": 0,
+            "published_pages": 0}
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, prefix_reuse: bool = False,
+                 namespace: bytes = b"", l1_slots: int = 0, l2_slots: int = 0,
+                 placement: str = "lru", page_bytes: int = 0, clock=time.monotonic) -> None:
         self.pool = PagePool(num_pages, page_size)
         self._pages: dict[str, list[int]] = {}
+        self._locked: dict[str, tuple] = {}         # request id -> (tree, reused nodes)
+        # one prefix tree per cache mode: a page's key chains its tokens with the model, dtype,
+        # layout, page size, offload dtype (``namespace``) and the cache mode that computed it
+        self.prefix_reuse = prefix_reuse
+        self.namespace = namespace
+        self.trees: dict[str, object] = {}
+        self.policy = make_policy(placement)
+        self.cost = CostModel(page_bytes=max(page_bytes, 1), page_size=page_size)
+        self._l1_free = list(range(l1_slots - 1, -1, -1))
+        self._l2_free = list(range(l2_slots - 1, -1, -1))
+        self.l1_slots, self.l2_slots = l1_slots, l2_slots
+        self._blocks: set[Block] = set()            # every cached block with a live node
+        self._ops: list = []                        # tier ops for the runner's next step
+        self.page_bytes = page_bytes
+        self.clock = clock
+        self.stats = _stats()
 
+    # ------------------------------------------------------------------------------- queries
     @property
     def page_size(self) -> int:
         return self.pool.page_size
@@ -26,7 +76,8 @@ class KVCacheManager:
 
     @property
     def num_used(self) -> int:
-        return self.pool.num_used
+        """Pages reserved by requests (cached blocks excluded): 0 when nothing runs."""
+        return len({p for pages in self._pages.values() for p in pages})
 
     def pages_for(self, n_tokens: int) -> int:
         return self.pool.pages_for(n_tokens)
@@ -34,23 +85,270 @@ class KVCacheManager:
     def can_ever_fit(self, n_tokens: int) -> bool:
         return self.pool.can_ever_fit(n_tokens)
 
-    def allocate(self, request_id: str, n_tokens: int) -> list[int] | None:
-        """Reserve pages for a canvas of ``n_tokens`` tokens, or None when they do not fit now
-        (never a partial allocation)."""
-        if request_id in self._pages:
-            raise ValueError(f"request {request_id!r} already holds KV pages")
-        pages = self.pool.allocate(n_tokens)
-        if pages is not None:
-            self._pages[request_id] = pages
-        return pages
-
     def pages(self, request_id: str) -> list[int] | None:
         return self._pages.get(request_id)
 
-    def free(self, request_id: str) -> bool:
-        """Release a request's pages; False when it holds none (idempotent)."""
+    def cached_pages(self) -> list[int]:
+        """Cached blocks per tier [L0, L1, L2] (published copies)."""
+        n = [0, 0, 0]
+        for b in self._blocks:
+            for t, where in enumerate((b.l0, b.l1, b.l2)):
+                if where is not None and not (t == L0 and b.loading):
+                    n[t] += 1
+        return n
+
+    # ----------------------------------------------------------------------------- admission
+    def tree(self, mode: str):
+        """The prefix tree of cache mode ``mode`` (created at first use)."""
+        t = self.trees.get(mode)
+        if t is None:
+            from flash_dllm.cache.prefix_tree import PrefixTree
+            t = self.trees[mode] = PrefixTree(self.page_size, self.namespace + mode.encode())
+        return t
+
+    def allocate(self, request_id: str, n_tokens: int, prompt_ids: list[int] | None = None,
+                 reuse: bool = True, mode: str = "dual") -> Allocation | None:
+        """Reserve pages for a canvas of ``n_tokens`` tokens, reusing cached pages of
+        ``prompt_ids``' prefix when ``reuse``; None when they do not fit now (never a partial
+        allocation; cached blocks may have been evicted to make room, which is harmless)."""
+        if request_id in self._pages:
+            raise ValueError(f"request {request_id!r} already holds KV pages")
+        n_total = self.pool.pages_for(n_tokens)
+        reuse = reuse and self.prefix_reuse and bool(prompt_ids)
+        tree = self.tree(mode) if reuse else None
+        nodes = self._match(tree, prompt_ids) if reuse else []
+        protect = {nd.block for nd in nodes}
+        # a disk hit is fetched into a host slot first: reserve them now (the reuse stops at the
+        # first disk hit that gets none)
+        fetch: dict = {}
+        for i, nd in enumerate(nodes):
+            if nd.block.tier == L2:
+                slot = self._l1_slot(protect)
+                if slot is None:
+                    nodes = nodes[:i]
+                    break
+                fetch[nd.block] = slot
+        # every reused page not in L0 needs a fresh page to be loaded into
+        fresh = n_total - len(nodes) + sum(1 for nd in nodes if nd.block.tier != L0)
+        if self.pool.num_free < fresh:
+            self._make_room(fresh - self.pool.num_free, protect)
+        if self.pool.num_free < fresh:
+            self._l1_free += fetch.values()
+            return None
+        new = self.pool.allocate(fresh * self.page_size) if fresh else []
+        alloc = Allocation([], reused_len=len(nodes) * self.page_size)
+        now = self.clock()
+        for nd in nodes:
+            b = nd.block
+            tier = b.tier
+            alloc.hit_tiers.append(tier)
+            if tier != L0:
+                page = new.pop()
+                if tier == L2:
+                    slot = fetch[b]
+                    b.pending_l1 = slot
+                    self._ops.append(Fetch(b, b.l2, slot))
+                    src = slot
+                else:
+                    src = b.l1
+                b.l0, b.loading = page, True      # the cache's reference: this allocation
+                load = Load(b, src, page)
+                alloc.loads.append(load)
+                self._ops.append(load)
+            self.policy.touch(b, now)
+            alloc.pages.append(b.l0)
+        self.pool.share(alloc.pages)                # the request's reference on reused pages
+        alloc.pages += new
+        if tree is not None:
+            tree.lock(nodes)
+        self._locked[request_id] = (tree, nodes)
+        self._pages[request_id] = alloc.pages
+        if reuse:
+            self.stats["query_tokens"] += len(prompt_ids)
+        for t in alloc.hit_tiers:
+            self.stats["hit_tokens"][t] += self.page_size
+        return alloc
+
+    def _match(self, tree, prompt_ids: list[int]) -> list:
+        """The reusable prefix: full pages strictly before the last prompt token (the step that
+        decodes the first block recomputes from there), stopping at the first block that has no
+        usable copy or whose load the cost model says loses to recomputing."""
+        limit = (len(prompt_ids) - 1) // self.page_size
+        out = []
+        for nd in tree.match(prompt_ids[:limit * self.page_size]):
+            b = nd.block
+            if b is None or b.lost or b.busy or b.tier is None:
+                break
+            if b.tier != L0 and not self.cost.worth_loading(1, b.tier):
+                break
+            out.append(nd)
+        return out
+
+    # ------------------------------------------------------------------------------ eviction
+    def _make_room(self, pages: int, protect: set) -> None:
+        """Free ``pages`` L0 pages held only by the cache: demote unused cached blocks, the
+        policy's choice first (to L1 when it has room, else dropped)."""
+        cands = [b for b in self._blocks if b.l0 is not None and not b.busy
+                 and b not in protect and b.node.ref == 0]
+        for b in self.policy.order(cands)[:pages]:
+            self._demote_l0(b, protect)
+
+    def _demote_l0(self, b: Block, protect: set) -> None:
+        page, b.l0 = b.l0, None
+        self.stats["l0_evictions"] += 1
+        if b.l1 is None and b.l2 is None:
+            slot = self._l1_slot(protect)
+            if slot is not None:
+                # NOTE: the runner runs stores before anything else of its next step, so the
+                # pack reads the page before any step or load can write the freed page
+                b.pending_l1 = slot
+                self._ops.append(Store(b, page, slot))
+                if self._l2_free:          # write-through: a copy on disk too, so the host slot
+                    b.pending_l2 = self._l2_free.pop()      # can be reused at once later
+                    self._ops.append(Spill(b, slot, b.pending_l2))
+            elif self._l2_free:            # host slots all busy: straight to disk
+                b.pending_l2 = self._l2_free.pop()
+                self._ops.append(StoreDisk(b, page, b.pending_l2))
+            else:
+                self._drop(b)
+        self.pool.free([page])
+
+    def _l1_slot(self, protect: set) -> int | None:
+        """A free host slot, evicting a cached block's L1 copy if needed (one with a disk copy
+        first, else the policy's choice, dropped)."""
+        if not self._l1_free:
+            cands = [b for b in self._blocks if b.l1 is not None and not b.busy
+                     and b not in protect]
+            for b in sorted(self.policy.order(cands), key=lambda b: b.l2 is None):
+                self._l1_free.append(b.l1)
+                b.l1 = None
+                if b.l0 is None and b.l2 is None:
+                    self._drop(b)
+                break
+        return self._l1_free.pop() if self._l1_free else None
+
+    def _drop(self, b: Block) -> None:
+        """No copy of ``b`` is left: lookups stop there; its node goes once it is a leaf."""
+        b.lost = True
+        self.stats["dropped_blocks"] += 1
+        self._prune(b)
+
+    def _prune(self, b: Block) -> None:
+        node, tree = b.node, b.tree
+        while (node is not None and node.parent is not None and not node.children
+               and node.ref == 0 and (node.block is None or node.block.lost)):
+            parent = node.parent
+            if node.block is not None:
+                self._blocks.discard(node.block)
+            tree.remove(node)
+            node = parent
+
+    # ------------------------------------------------------------------------------- release
+    def free(self, request_id: str, publish: list[int] | None = None) -> bool:
+        """Release a request's pages (idempotent: False when it holds none). ``publish``: the
+        token ids whose full pages become cached blocks (a finished request's final canvas
+        prefix); None (abort, or reuse off) drops them."""
         pages = self._pages.pop(request_id, None)
         if pages is None:
             return False
+        tree, nodes = self._locked.pop(request_id, (None, []))
+        if tree is not None:
+            tree.unlock(nodes)
+            now = self.clock()
+            for nd in nodes:
+                self.policy.touch(nd.block, now)
+            if publish is not None:
+                self._publish(tree, publish, pages, len(nodes), now)
         self.pool.free(pages)
         return True
+
+    def _publish(self, tree, tokens: list[int], pages: list[int], reused: int,
+                 now: float) -> None:
+        n = min(len(tokens) // self.page_size, len(pages))
+        if n <= reused:
+            return
+        fresh = [None] * reused + [Block(b"", l0=pages[i]) for i in range(reused, n)]
+        for i, (node, adopted) in enumerate(tree.insert(tokens[:n * self.page_size], fresh)):
+            if not adopted:
+                continue
+            b = node.block
+            b.key, b.node, b.tree = node.key, node, tree
+            self.policy.touch(b, now)
+            self.pool.share([b.l0])                 # the cache's own reference
+            self._blocks.add(b)
+            self.stats["published_pages"] += 1
+
+    # ------------------------------------------------------------------------------- tier ops
+    def take_ops(self) -> list:
+        """The tier ops the runner carries out before the next step (stores first)."""
+        ops, self._ops = self._ops, []
+        order = {Store: 0, StoreDisk: 0, Spill: 1, Fetch: 2, Load: 3}
+        return sorted(ops, key=lambda op: order[type(op)])
+
+    def ops_done(self, results: list) -> list[str]:
+        """Results ``(op, ok, seconds)`` from the runner; publishes what succeeded, drops what
+        failed. Returns nothing; failed loads are handled by ``load_failed``."""
+        for op, ok, seconds in results:
+            b = op.block
+            moved = self.page_bytes
+            if isinstance(op, Store):
+                b.pending_l1 = None
+                if ok:
+                    b.l1 = op.slot
+                    self._count_bytes(L1, "down", moved)
+                else:
+                    self._l1_free.append(op.slot)
+                    if b.l0 is None and b.l2 is None:
+                        self._drop(b)
+            elif isinstance(op, (Spill, StoreDisk)):
+                b.pending_l2 = None
+                if ok:
+                    b.l2 = op.disk_slot
+                    self._count_bytes(L2, "down", moved)
+                else:
+                    self._l2_free.append(op.disk_slot)
+                    if isinstance(op, StoreDisk) and b.l0 is None and b.l1 is None:
+                        self._drop(b)
+            elif isinstance(op, Fetch):
+                b.pending_l1 = None
+                if ok:
+                    b.l1 = op.slot
+                    self._count_bytes(L2, "up", moved)
+                else:
+                    self._l1_free.append(op.slot)
+                    self._l2_free.append(op.disk_slot)
+                    b.l2 = None
+                    self.stats["checksum_failures"] += 1
+            elif isinstance(op, Load):
+                b.loading = False
+                if ok:
+                    self._count_bytes(L1, "up", moved)
+                    if seconds:
+                        self.cost.observe_load(1, L1 if b.l2 is None else L2, seconds)
+                else:                    # corrupt host copy: never served, never kept
+                    self.stats["checksum_failures"] += 1
+                    self.stats["load_failures"] += 1
+                    if b.l1 is not None:
+                        self._l1_free.append(b.l1)
+                        b.l1 = None
+                    b.l0 = None      # the request's allocation is undone by load_failed
+        return []
+
+    def load_failed(self, request_id: str) -> None:
+        """A load of one of the request's reused pages failed verification: undo its allocation
+        (it is admitted again and recomputes what it cannot reuse)."""
+        pages = self._pages.pop(request_id, [])
+        tree, nodes = self._locked.pop(request_id, (None, []))
+        if tree is not None:
+            tree.unlock(nodes)
+        # the cache's reference on pages whose load failed goes with them (b.l0 was cleared)
+        cache_refs = [p for nd, p in zip(nodes, pages) if nd.block.l0 != p]
+        self.pool.free(pages + cache_refs)
+        for nd in nodes:
+            b = nd.block
+            if b.l0 is None and b.l1 is None and b.l2 is None and not b.busy:
+                self._drop(b)
+
+    def _count_bytes(self, tier: int, direction: str, n: int) -> None:
+        key = (TIER_NAMES[tier], direction)
+        self.stats["bytes_moved"][key] = self.stats["bytes_moved"].get(key, 0) + n

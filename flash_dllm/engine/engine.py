@@ -44,7 +44,14 @@ class Engine:
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model, cfg, self.config)
         self.device, self.dtype = self.runner.device, self.runner.dtype
-        self.kv_manager = KVCacheManager(self.runner.num_pages, self.config.page_size)
+        off = self.runner.offload
+        self.kv_manager = KVCacheManager(
+            self.runner.num_pages, self.config.page_size,
+            prefix_reuse=self.config.prefix_reuse, namespace=self.runner.compat,
+            l1_slots=off.host.num_slots if off is not None and self.config.kv_cpu_gb else 0,
+            l2_slots=off.l2_slots if off is not None else 0,
+            placement=self.config.kv_placement,
+            page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift)
         self._ids = itertools.count()
         self._stop_ids = tuple(int(t) for t in cfg.eos_token_ids)
@@ -100,7 +107,7 @@ class Engine:
         if req is None:
             return False
         req.abort()
-        self._release(req)    # serving: an aborted request frees its pages at once
+        self._release(req)    # serving: an aborted request frees its pages at once (unpublished)
         self.scheduler.invalidate()
         return True
 
@@ -112,14 +119,22 @@ class Engine:
         """Run one denoising forward for every running request; what it did to each of them."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        if not plan.seqs:
+        if not plan.seqs and not plan.ops:
             return []
         result = self.runner.execute(plan)
         return self._apply(plan, result, t0)
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float) -> list[StepOutput]:
         """Book-keeping after a step, on the host: requests advance, finish and free pages."""
+        self.kv_manager.ops_done(result.ops_done)
         reqs = plan.requests
+        if result.failed:        # a reused page failed verification: admit it again, recompute
+            for req in reqs:
+                if req.request_id in result.failed:
+                    self.kv_manager.load_failed(req.request_id)
+                    self.runner.release(req.request_id)
+                    self.scheduler.requeue(req)
+            reqs = [r for r in reqs if r.request_id not in result.failed]
         blocks = result.blocks                                      # [B, max_bl]
         # the whole batch at once: MASK left, first MASK-or-stop slot, stop ids per block
         is_mask = blocks == self.cfg.mask_token_id
@@ -154,14 +169,22 @@ class Engine:
         if changed:
             self.scheduler.drop_finished()
         self.stats["tokens_committed"] += committed
-        self.stats["forwards"] += 1
+        self.stats["forwards"] += bool(reqs)
         self.stats["step_seconds"] += time.perf_counter() - t0
         self.stats["last_batch_size"] = len(plan.seqs)
         return outputs
 
     def _release(self, req: Request) -> None:
-        """Return a finished or aborted request's pages and device state."""
-        self.kv_manager.free(req.request_id)
+        """Return a finished or aborted request's pages and device state. A request that
+        finished (not aborted) publishes its pages for prefix reuse: the prompt and every block
+        before the last one decoded (their K/V were refreshed with their final tokens; the last
+        block's K/V were computed while it was still being unmasked)."""
+        publish = None
+        if (self.config.prefix_reuse and req.finish_reason != "abort"
+                and req.params.cache != "none"):
+            n = req.prompt_len + max(req.block - 1, 0) * req.params.block_length
+            publish = req.tokens[:n].tolist()
+        self.kv_manager.free(req.request_id, publish)
         self.runner.release(req.request_id)
 
     # ------------------------------------------------------------------------------------ outputs

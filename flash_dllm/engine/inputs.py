@@ -93,22 +93,24 @@ def flash_extras(batch: list, states: list, windows: list[tuple[int, int]], dev:
     for b, (r, st) in enumerate(zip(batch, states)):
         if r.params.cache == "flash" and st.mass_src is not None:
             q0, q1 = windows[b]
-            k = min(r.params.flash_budget, r.canvas_len - (q1 - q0))
+            # reused pages [0, reused_len) are read-only: never among the recomputed positions
+            k = min(r.params.flash_budget, r.canvas_len - (q1 - q0) - r.reused_len)
             if k > 0:      # same source and same k per topk call (ties: see select_top_k)
                 groups.setdefault((id(st.mass_src[0]), k), []).append(b)
     out: dict[int, torch.Tensor] = {}
     for (_, k), members in groups.items():
         src = states[members[0]].mass_src[0]                          # [rows, keys]
-        row, q0, q1, length = h2d(
+        row, q0, q1, length, reused = h2d(
             [[states[b].mass_src[1] for b in members], [windows[b][0] for b in members],
-             [windows[b][1] for b in members], [batch[b].canvas_len for b in members]],
-            torch.long, dev)[:, :, None]                              # one copy: 4 x [members, 1]
+             [windows[b][1] for b in members], [batch[b].canvas_len for b in members],
+             [batch[b].reused_len for b in members]],
+            torch.long, dev)[:, :, None]                              # one copy: 5 x [members, 1]
         rows = src[row[:, 0]]
         col = torch.arange(rows.shape[1], device=dev)[None, :]
-        # NOTE: -1 for the window (mass >= 0 elsewhere), -inf past the canvas: never chosen
-        # while k <= canvas - window, which the budget below guarantees
+        # NOTE: -1 for the window (mass >= 0 elsewhere), -inf past the canvas and in the reused
+        # (read-only) prefix: never chosen while k <= canvas - window - reused, the budget above
         rows = rows.masked_fill((col >= q0) & (col < q1), -1.0)
-        rows = rows.masked_fill(col >= length, float("-inf"))
+        rows = rows.masked_fill((col >= length) | (col < reused), float("-inf"))
         top = torch.topk(rows, k, dim=-1).indices.sort(dim=-1).values   # [members, k]
         for j, b in enumerate(members):
             out[b] = top[j]
@@ -157,7 +159,8 @@ def pack_step(runner, plan, states: list) -> StepInputs:
         q0, q1 = windows[b]
         extra = extras.get(b)
         if st.refresh is not None:     # KV-consistency sentinel: also recompute these keys
-            r = st.refresh[(st.refresh < q0) | (st.refresh >= q1)]
+            r = st.refresh[((st.refresh < q0) | (st.refresh >= q1))
+                           & (st.refresh >= req.reused_len)]
             extra = r if extra is None else torch.cat([extra, r])
             st.refresh = None
         # the window is a contiguous slice (a view: the final cat is the only copy), its

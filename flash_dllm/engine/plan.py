@@ -30,7 +30,11 @@ class SeqPlan:
 
 @dataclass
 class StepPlan:
+    """``ops``: the KV manager's tier ops (``cache/tiers.py``) to carry out before the step:
+    stores (L0 -> L1) first, then spills, fetches and loads of the pages reused requests need."""
+
     seqs: list[SeqPlan] = field(default_factory=list)
+    ops: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.requests: list[Request] = [s.req for s in self.seqs]
@@ -48,3 +52,6 @@ class StepResult:
 
     blocks: np.ndarray
     counters: list[dict | None] | None = None
+    ops_done: list = field(default_factory=list)   # (op, ok, seconds) of completed tier ops
+    failed: set = field(default_factory=set)       # request ids skipped: a reused page failed
+    #                                                verification (``blocks`` omits their rows)

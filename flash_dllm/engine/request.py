@@ -84,6 +84,7 @@ class Request:
         self.early_stopped = False
         self.counters: dict = new_counters()       # decode="verify" and sentinels
         self.num_tokens = 0                        # committed answer prefix length
+        self.reused_len = 0      # prompt tokens whose K/V came from the prefix cache (read-only)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

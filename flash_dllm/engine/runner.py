@@ -15,6 +15,7 @@ finishing on the host. Only opt-in features sync more (``verify`` counters, sent
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,9 @@ import torch
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.config import EngineConfig
 from flash_dllm.engine import inputs
+from flash_dllm.cache.tiers import Load
 from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
+from flash_dllm.engine.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
 from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
@@ -94,6 +97,19 @@ class ModelRunner:
                                           config.cuda_graph_max_rows)
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
+        # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
+        self.page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype)
+        self.compat = self._compat(config)
+        self.offload: KVOffloader | None = None
+        if config.kv_cpu_gb or config.kv_tier_stress:
+            record = RecordLayout.for_pool(self.kv, OFFLOAD_DTYPES[config.kv_offload_dtype])
+            slots = int(config.kv_cpu_gb * 2**30) // record.nbytes
+            if config.kv_cpu_gb and slots < 1:
+                raise ValueError(f"kv_cpu_gb={config.kv_cpu_gb} holds no page record of "
+                                 f"{record.nbytes} bytes")
+            self.offload = KVOffloader(self.kv, slots, config.kv_offload_dtype,
+                                       config.kv_disk_path, int(config.kv_disk_gb * 2**30),
+                                       self.compat)
         self._last_plan: StepPlan | None = None     # the last plan and its requests' states
         self._last_states: list[SeqState] = []
         # benchmarks: when True, CUDA events (or host times) bracket each step's forward
@@ -109,6 +125,15 @@ class ModelRunner:
                              f"{self.device}")
         total = torch.cuda.get_device_properties(self.device).total_memory
         return max(0, int(u * total) - torch.cuda.memory_allocated(self.device))
+
+    def _compat(self, config: EngineConfig) -> bytes:
+        """What a cached page's bytes depend on besides its tokens (prefix-tree namespace and
+        disk-record compatibility): model shape, dtype, page layout and size, offload dtype."""
+        c = self.cfg
+        desc = (f"{c.num_layers}/{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{c.head_dim}/"
+                f"{c.vocab_size}/{c.rope_theta}/{self.dtype}/page{self.page_size}/"
+                f"layer-major-v1/{config.kv_offload_dtype}")
+        return hashlib.blake2b(desc.encode(), digest_size=16).digest()
 
     @property
     def kv(self) -> torch.Tensor:
@@ -158,8 +183,28 @@ class ModelRunner:
     # ----------------------------------------------------------------------------------- step
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """One denoising forward for every request of ``plan``: commits tokens on the device and
-        returns the active blocks after it (the step's one device->host copy)."""
+        """The plan's tier ops, then one denoising forward for every request of ``plan``: commits
+        tokens on the device and returns the active blocks after it (the step's one
+        device->host copy). A request one of whose reused pages failed verification is left
+        out (``StepResult.failed``): nothing is computed on a page that is not what it claims."""
+        done, failed = [], set()
+        if self.offload is not None:
+            done = self.offload.run(plan.ops) if plan.ops else self.offload.poll()
+            bad = {op.page for op, ok, _ in done if isinstance(op, Load) and not ok}
+            if bad:
+                failed = {s.req.request_id for s in plan.seqs if bad.intersection(s.pages)}
+                plan = StepPlan([s for s in plan.seqs if s.req.request_id not in failed])
+        if not plan.seqs:
+            return StepResult(np.zeros((0, 1), dtype=np.int64), ops_done=done, failed=failed)
+        result = self._execute(plan)
+        result.ops_done, result.failed = done, failed
+        if self.config.kv_tier_stress:        # every page down to host memory and back
+            pages = sorted({p for s in plan.seqs for p in s.pages})
+            if not self.offload.roundtrip(pages):
+                raise RuntimeError("kv_tier_stress: a page came back corrupt")
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         if plan is self._last_plan:          # the same batch in the same blocks: same states
             states = self._last_states
         else:

@@ -54,9 +54,12 @@ class Scheduler:
             req = self.waiting.popleft()
             if req.finished:          # aborted while waiting
                 continue
-            if self.kv.allocate(req.request_id, req.canvas_len) is None:
+            alloc = self.kv.allocate(req.request_id, req.canvas_len, req.prompt_ids,
+                                     reuse=req.params.cache != "none", mode=req.params.cache)
+            if alloc is None:
                 self.waiting.appendleft(req)
                 break
+            req.reused_len = alloc.reused_len
             self.running.append(req)
             admitted.append(req)
         return admitted
@@ -72,15 +75,26 @@ class Scheduler:
         if self._last is None:
             self.drop_finished()
             self._last = StepPlan([self._plan(r) for r in self.running])
+        self._last.ops = self.kv.take_ops()
         return self._last
+
+    def requeue(self, req: Request) -> None:
+        """A running request goes back to the head of the queue (its admission was undone)."""
+        self.running = [r for r in self.running if r is not req]
+        self._plans.pop(req.request_id, None)
+        req.reused_len = 0
+        self.waiting.appendleft(req)
+        self._last = None
 
     def _plan(self, r: Request) -> SeqPlan:
         key = (r.block, r.first_step)
         cached = self._plans.get(r.request_id)
         if cached is not None and cached[0] == key:
             return cached[1]
-        window = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
+        q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
                              r.first_step, self.logit_shift, first_block=r.block == 0)
+        # NOTE: reused pages are shared and read-only: nothing below reused_len is recomputed
+        window = (max(q0, r.reused_len), q1)
         plan = SeqPlan(r, window, self.kv.pages(r.request_id))
         self._plans[r.request_id] = (key, plan)
         return plan

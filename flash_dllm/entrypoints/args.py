@@ -49,18 +49,44 @@ class EngineArgs:
     fused_step: bool | None = _knob("fused_step", bool,
                                     "run steady greedy dual/prefix steps as one CUDA graph each "
                                     "(default: on with CUDA graphs)")
+    prefix_reuse: bool = _knob("prefix_reuse", bool,
+                               "keep finished requests' KV pages and reuse them for prompts that "
+                               "start with the same tokens (multi-turn chat); reused K/V are "
+                               "approximate (bidirectional attention). Default: on for serve, "
+                               "off elsewhere")
+    kv_cpu_gb: float = _knob("kv_cpu_gb", float,
+                             "GiB of pinned host memory for cached KV pages that leave the GPU "
+                             "(L1; needs --prefix-reuse; default: %(default)s, none)")
+    kv_disk_path: str | None = _knob("kv_disk_path", str,
+                                     "a file for cached KV pages below host memory (L2; created "
+                                     "and preallocated; records of an earlier process are never "
+                                     "used)")
+    kv_disk_gb: float = _knob("kv_disk_gb", float, "size of --kv-disk-path in GiB")
+    kv_offload_dtype: str = _knob("kv_offload_dtype", str,
+                                  "how pages are stored below the GPU: bf16 (the pool's own dtype, "
+                                  "exact), fp8 (e4m3) or int8 (one scale per page, layer and "
+                                  "head; half the bytes) (default: %(default)s)",
+                                  choices=["bf16", "fp8", "int8"])
+    kv_placement: str = _knob("kv_placement", str,
+                              "which cached pages leave a tier first (default: %(default)s)",
+                              choices=["lru"])
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     defaults: dict | None = None) -> argparse.ArgumentParser:
+        """Add a flag per field; ``defaults`` overrides a few for one command (``serve`` turns
+        prefix reuse on, as serving engines do)."""
+        defaults = defaults or {}
         g = parser.add_argument_group("model and engine (mirror EngineConfig)")
         for f in dataclasses.fields(cls):
             meta = f.metadata
             flag = "--" + f.name.replace("_", "-")
+            default = defaults.get(f.name, f.default)
             if meta["type"] is bool:
                 g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=f.default, help=meta["help"])
+                               default=default, help=meta["help"])
             else:
-                g.add_argument(flag, dest=f.name, type=meta["type"], default=f.default,
+                g.add_argument(flag, dest=f.name, type=meta["type"], default=default,
                                choices=meta.get("choices"), help=meta["help"])
         return parser
 

@@ -13,8 +13,12 @@ from flash_dllm.entrypoints.args import EngineArgs
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     add_server_flags(s)
-    EngineArgs.add_cli_args(s)
+    EngineArgs.add_cli_args(s, defaults=SERVE_DEFAULTS)
     s.set_defaults(func=run)
+
+
+# serving turns prefix reuse on (multi-turn chat reuses its history's KV pages); elsewhere off
+SERVE_DEFAULTS = {"prefix_reuse": True}
 
 
 def add_server_flags(s: argparse.ArgumentParser) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
-from prometheus_client.core import CounterMetricFamily
+import time
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from flash_dllm.engine.async_engine import AsyncEngine
 from flash_dllm.engine.request import RequestOutput
@@ -38,7 +40,8 @@ class ServerMetrics:
 
         gauge("requests_running", "Requests in the running batch.", lambda: engine.num_running)
         gauge("requests_waiting", "Requests queued for KV pages.", lambda: engine.num_waiting)
-        gauge("kv_pages_used", "KV pages reserved by admitted requests.", lambda: pool.num_used)
+        gauge("kv_pages_used", "KV pages reserved by admitted requests (cached pages excluded).",
+              lambda: engine.engine.kv_manager.num_used)
         gauge("kv_pages_total", "KV pages in the pool.", lambda: pool.num_pages)
         self.forwards = Counter(PREFIX + "forwards", "Model forwards (denoising steps of the batch).",
                                 registry=r)
@@ -61,6 +64,7 @@ class ServerMetrics:
                                          "Submission to finish (any reason).",
                                          buckets=LATENCY_BUCKETS, registry=r)
         r.register(_SentinelCollector(engine.engine.stats))
+        r.register(_TierCollector(engine.engine))
         self.http_errors = Counter(PREFIX + "http_errors", "Error responses by HTTP status.",
                                    ["status"], registry=r)
 
@@ -107,3 +111,83 @@ class _SentinelCollector:
 
     def describe(self):
         return []
+
+
+TIERS = ("l0", "l1", "l2")
+
+
+class _TierCollector:
+    """Memory tiers and prefix reuse, read from the engine's KV manager and offloader at scrape
+    time (the engine thread only appends to these counters)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._evictions = (0, time.monotonic(), 0.0)     # (count, time, rate) for the EMA
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        kv = self.engine.kv_manager
+        st = kv.stats
+        cached = kv.cached_pages()
+        g = GaugeMetricFamily(PREFIX + "kv_pages_cached",
+                              "Cached KV pages (prefix reuse) per tier.", labels=["tier"])
+        gb = GaugeMetricFamily(PREFIX + "kv_cached_bytes", "Bytes of cached KV pages per tier.",
+                               labels=["tier"])
+        for t, n in zip(TIERS, cached):
+            g.add_metric([t], n)
+            gb.add_metric([t], n * kv.page_bytes)
+        yield g
+        yield gb
+        yield _counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+                       st["query_tokens"])
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens",
+                                   "Prompt tokens whose KV was reused, by the tier it came from.",
+                                   labels=["tier"])
+        for t, n in zip(TIERS, st["hit_tokens"]):
+            hits.add_metric([t], n)
+        yield hits
+        rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
+                                 "Reused prompt tokens / prompt tokens looked up.")
+        rate.add_metric([], sum(st["hit_tokens"]) / st["query_tokens"] if st["query_tokens"]
+                        else 0.0)
+        yield rate
+        moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
+                                    "KV bytes moved between tiers (down: towards disk).",
+                                    labels=["tier", "direction"])
+        for (tier, direction), n in sorted(dict(st["bytes_moved"]).items()):
+            moved.add_metric([tier, direction], n)
+        yield moved
+        yield _counter("kv_checksum_failures", "Cached pages that failed verification (a miss "
+                       "that recomputes; never served).", st["checksum_failures"])
+        yield _counter("kv_tier_slower_than_recompute", "Lower-tier hits whose load took longer "
+                       "than recomputing them would have.", kv.cost.slower_than_recompute)
+        yield _counter("l0_evictions", "Cached pages evicted from GPU memory.", st["l0_evictions"])
+        n, t, r = self._evictions
+        now = time.monotonic()
+        if now > t:
+            inst = (st["l0_evictions"] - n) / (now - t)
+            r = inst if t == 0 else 0.7 * r + 0.3 * inst
+            self._evictions = (st["l0_evictions"], now, r)
+        ev = GaugeMetricFamily(PREFIX + "l0_eviction_rate",
+                               "Cached pages evicted from GPU memory per second (smoothed over "
+                               "scrapes).")
+        ev.add_metric([], r)
+        yield ev
+        off = self.engine.runner.offload
+        for name in ("load", "store"):
+            if off is None:
+                continue
+            snap = off.latency[name].snapshot()
+            yield HistogramMetricFamily(
+                PREFIX + f"kv_{name}_seconds",
+                f"Seconds per page {name}ed between GPU and host memory.",
+                buckets=[("+Inf" if le == float("inf") else str(le), c)
+                         for le, c in snap["buckets"]], sum_value=snap["sum"])
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(PREFIX + name, doc)
+    c.add_metric([], value)
+    return c

@@ -1,0 +1,174 @@
+"""Tier bookkeeping of cached KV pages (no torch): where each copy lives, what to move, what pays.
+
+A cached **block** is one page of KV that a finished request left behind for prefix reuse (a node
+of ``cache/prefix_tree.py``). Copies of it may live in three tiers:
+
+- **L0** a page of the GPU pool (``block.l0``; the cache holds one pool reference on it);
+- **L1** a slot of the pinned host store (``block.l1``);
+- **L2** a slot of the disk store (``block.l2``).
+
+This module only decides and records; the runner's offloader (``engine/kv_offload.py``) moves
+the bytes. Every move is an op (``Store`` L0 -> L1, ``Load`` L1 -> L0, ``Spill`` L1 -> L2,
+``Fetch`` L2 -> L1, ``StoreDisk`` L0 -> L2 when no host slot is free) handed to the runner
+through the step plan.
+
+NOTE (publish-after-write): a copy becomes visible (``block.l1`` / ``block.l2`` set) only when
+the op that writes it has completed and verified; until then it is ``pending`` and no lookup can
+use it; a failed op never publishes and frees its slot. A block whose every copy is gone or
+corrupt is ``lost``: lookups stop there (a miss that recomputes), never serve it.
+
+Placement is a policy object (``PLACEMENT_POLICIES``): it only orders candidates for eviction
+from a tier; it never moves bytes. ``lru`` is the first; the access-graph policies plug in here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+L0, L1, L2 = 0, 1, 2
+TIER_NAMES = ("l0", "l1", "l2")
+
+
+@dataclass(eq=False)
+class Block:
+    """One cached page and its copies (``None``: no published copy in that tier)."""
+
+    key: bytes
+    l0: int | None = None
+    l1: int | None = None
+    l2: int | None = None
+    pending_l1: int | None = None     # a Store (or Fetch) writing this host slot is in flight
+    pending_l2: int | None = None     # a Spill writing this disk slot is in flight
+    loading: bool = False             # a Load into ``l0`` is in flight (this step)
+    lost: bool = False                # no usable copy is left (corrupt or dropped)
+    last_access: float = field(default_factory=time.monotonic)
+    node: object = field(default=None, repr=False)   # its prefix-tree node
+    tree: object = field(default=None, repr=False)   # and that node's tree
+
+    @property
+    def tier(self) -> int | None:
+        """The fastest tier holding a published copy (None: none)."""
+        if self.l0 is not None and not self.loading:
+            return L0
+        if self.l1 is not None:
+            return L1
+        if self.l2 is not None:
+            return L2
+        return None
+
+    @property
+    def busy(self) -> bool:
+        return self.loading or self.pending_l1 is not None or self.pending_l2 is not None
+
+
+@dataclass(frozen=True)
+class Store:
+    """Copy L0 page ``page`` into host slot ``slot`` (pack page-first, then device -> host)."""
+
+    block: Block
+    page: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class StoreDisk:
+    """Copy L0 page ``page`` straight to disk slot ``disk_slot`` (through a temporary host
+    buffer, when no host slot is free)."""
+
+    block: Block
+    page: int
+    disk_slot: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy host slot ``slot`` into L0 page ``page`` (host -> device, verify, unpack)."""
+
+    block: Block
+    slot: int
+    page: int
+
+
+@dataclass(frozen=True)
+class Spill:
+    """Write host slot ``slot`` to disk slot ``disk_slot``."""
+
+    block: Block
+    slot: int
+    disk_slot: int
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Read disk slot ``disk_slot`` into host slot ``slot`` (before a Load from it)."""
+
+    block: Block
+    disk_slot: int
+    slot: int
+
+
+# ---------------------------------------------------------------------------------- placement
+class LRUPolicy:
+    """Evict the least recently used first."""
+
+    name = "lru"
+
+    def touch(self, block: Block, now: float) -> None:
+        block.last_access = now
+
+    def order(self, candidates: list[Block]) -> list[Block]:
+        """``candidates`` in eviction order (first out first)."""
+        return sorted(candidates, key=lambda b: b.last_access)
+
+
+PLACEMENT_POLICIES = {"lru": LRUPolicy}
+
+
+def make_policy(name: str):
+    if name not in PLACEMENT_POLICIES:
+        raise ValueError(f"kv_placement must be one of {sorted(PLACEMENT_POLICIES)}, got {name!r}")
+    return PLACEMENT_POLICIES[name]()
+
+
+# ----------------------------------------------------------------------------------- cost model
+@dataclass
+class CostModel:
+    """Is loading a cached prefix from a lower tier faster than recomputing it?
+
+    ``load_seconds = bytes / rate[tier] + latency[tier]``, ``recompute_seconds = tokens /
+    prefill_tokens_per_s``. The rates start from conservative defaults and follow measurements
+    (an exponential moving average of every completed load and of the refresh steps' token rate),
+    so the model is the device's own. A lower-tier hit that measured slower than the recompute it
+    replaced is counted (``slower_than_recompute``)."""
+
+    page_bytes: int
+    page_size: int
+    rate: list = field(default_factory=lambda: [float("inf"), 8e9, 1e9])   # bytes/s per tier
+    latency: list = field(default_factory=lambda: [0.0, 50e-6, 200e-6])    # s per op
+    prefill_tokens_per_s: float = 5e3
+    alpha: float = 0.2
+    slower_than_recompute: int = 0
+
+    def load_seconds(self, pages: int, tier: int) -> float:
+        if tier == L0 or pages == 0:
+            return 0.0
+        return pages * self.page_bytes / self.rate[tier] + self.latency[tier]
+
+    def recompute_seconds(self, pages: int) -> float:
+        return pages * self.page_size / self.prefill_tokens_per_s
+
+    def worth_loading(self, pages: int, tier: int) -> bool:
+        return self.load_seconds(pages, tier) <= self.recompute_seconds(pages)
+
+    def observe_load(self, pages: int, tier: int, seconds: float) -> None:
+        if pages <= 0 or seconds <= 0 or tier == L0:
+            return
+        measured = pages * self.page_bytes / seconds
+        self.rate[tier] = (1 - self.alpha) * self.rate[tier] + self.alpha * measured
+        if seconds > self.recompute_seconds(pages):
+            self.slower_than_recompute += 1
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = ((1 - self.alpha) * self.prefill_tokens_per_s
+                                         + self.alpha * tokens / seconds)

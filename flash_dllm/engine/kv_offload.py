@@ -1,0 +1,281 @@
+"""The runner's offloader: moves KV pages between the GPU pool (L0), pinned host slots (L1) and
+disk (L2), as the KV manager's tier ops say (``cache/tiers.py``).
+
+A page leaves the GPU page-first (``kernels/kv_pages``: all layers of a page contiguous, one pack
+launch per group of pages), optionally as fp8 / int8 with one scale per (layer, k/v, head), and
+lands in one host slot as one record::
+
+    [ payload (packed page) | scales (quantised only) | key (16 B) | checksums (16 B) ]
+
+The key is the cached block's prefix-chain key: a load compares it with the key it expects, so a
+host slot still holding another block's (valid) record can never be served as this one.
+The checksums are ``cache.checksum.device_checksum`` values computed on the GPU at pack time and
+recomputed on the GPU when the record comes back up, so verification runs at memory bandwidth
+(xxh3 on the host would cap page moves at hashing speed); disk records additionally carry xxh3
+(``cache/disk_store``). A record that fails either check is a miss: never unpacked, never served.
+
+NOTE (streams and publishing): on CUDA, packing runs on the current stream (so it reads a page
+before any later step or load can overwrite it: the KV manager frees a demoted page at once), and
+the device -> host copies run on a side stream behind an event; a store is reported done (and
+only then published by the KV manager) once its event has completed. Loads are needed by the
+step that follows, so they run on the current stream and are verified with one host sync.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flash_dllm.cache.checksum import device_checksum_rows
+from flash_dllm.cache.disk_store import DiskStore, LatencyHistogram
+from flash_dllm.cache.host_store import HostStore
+from flash_dllm.cache.tiers import Fetch, Load, Spill, Store, StoreDisk
+from flash_dllm.kernels import kv_pages
+
+OFFLOAD_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+@dataclass
+class RecordLayout:
+    """Byte layout of one page record (see the module docstring)."""
+
+    shape: tuple                 # one packed page: [1, layers, 2, page_size, kv_heads, head_dim]
+    dtype: torch.dtype           # payload dtype (the pool's, or fp8 / int8)
+    payload: int
+    scales: int                  # bytes of [1, layers, 2, kv_heads] fp32, 0 when not quantised
+
+    @property
+    def key_at(self) -> int:
+        return self.payload + self.scales
+
+    @property
+    def sums_at(self) -> int:
+        return self.payload + self.scales + 16
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload + self.scales + 32
+
+    @classmethod
+    def for_pool(cls, kv: torch.Tensor, offload_dtype: torch.dtype | None) -> RecordLayout:
+        L, _, _, S, H, D = kv.shape
+        dtype = offload_dtype or kv.dtype
+        payload = L * 2 * S * H * D * torch.empty((), dtype=dtype).element_size()
+        scales = L * 2 * H * 4 if offload_dtype is not None else 0
+        return cls((1, L, 2, S, H, D), dtype, payload, scales)
+
+
+@dataclass
+class _Pending:
+    ops: list
+    event: object                # torch.cuda.Event (None on the CPU: done)
+    keep: tuple                  # tensors the side stream still reads
+    t0: float
+
+
+class KVOffloader:
+    def __init__(self, kv: torch.Tensor, l1_slots: int, offload_dtype: str = "bf16",
+                 disk_path: str | None = None, disk_bytes: int = 0, compat: bytes = b"") -> None:
+        if offload_dtype not in OFFLOAD_DTYPES:
+            raise ValueError(f"kv_offload_dtype must be one of {sorted(OFFLOAD_DTYPES)}, got "
+                             f"{offload_dtype!r}")
+        self.kv = kv
+        self.device = kv.device
+        self.qdtype = OFFLOAD_DTYPES[offload_dtype]
+        self.layout = RecordLayout.for_pool(kv, self.qdtype)
+        self.host = HostStore(max(l1_slots, 1), self.layout.nbytes)
+        self.disk = (DiskStore(disk_path, disk_bytes, self.layout.nbytes, compat)
+                     if disk_path is not None else None)
+        # NOTE: the KV manager hands out slot numbers (it knows which cached page each holds);
+        # the stores' own allocators are taken whole, so every slot is writable here
+        while self.host.alloc() is not None:
+            pass
+        while self.disk is not None and self.disk.alloc() is not None:
+            pass
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pending: list[_Pending] = []
+        self._spills: list = []                      # (op, future, t0)
+        self.stats = {"stores": 0, "loads": 0}
+        self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}  # s per page
+
+    @property
+    def l2_slots(self) -> int:
+        return 0 if self.disk is None else self.disk.layout.num_slots
+
+    # ---------------------------------------------------------------------------------- run
+    def run(self, ops: list) -> list:
+        """Carry out a step's tier ops in order (stores, spills, fetches, loads); returns the
+        results ``(op, ok, seconds)`` of every op that completed since the last call."""
+        done = self.poll()
+        stores = [op for op in ops if isinstance(op, Store)]
+        if stores:
+            self._store(stores)
+        stored = {op.slot for op in stores}
+        direct = [op for op in ops if isinstance(op, StoreDisk)]
+        if direct:                     # L0 -> a temporary host buffer -> disk
+            rec = self._pack([op.page for op in direct], [op.block.key for op in direct])
+            host = torch.empty(rec.shape, dtype=torch.uint8, pin_memory=self.cuda)
+            host.copy_(rec)            # synchronous: the disk writes read it next
+            for i, op in enumerate(direct):
+                self._spills.append((op, self.disk.write_async(op.disk_slot, op.block.key,
+                                                               host[i]), time.perf_counter()))
+        for op in ops:
+            if isinstance(op, Spill):
+                if op.slot in stored and self.cuda:
+                    self.stream.synchronize()       # the host record must be there to write
+                    stored = set()
+                payload = self.host.view(op.slot)
+                self._spills.append((op, self.disk.write_async(op.disk_slot, op.block.key,
+                                                               payload), time.perf_counter()))
+            elif isinstance(op, Fetch):
+                t0 = time.perf_counter()
+                got = self.disk.read(op.disk_slot, op.block.key, out=self.host.view(op.slot))
+                done.append((op, got is not None, time.perf_counter() - t0))
+        # NOTE: a load from a host slot whose fetch failed is never attempted (the slot holds
+        # whatever it held before, which may be another block's valid record)
+        fetched_bad = {op.slot for op, ok, _ in done if isinstance(op, Fetch) and not ok}
+        loads = [op for op in ops if isinstance(op, Load)]
+        run = [op for op in loads if op.slot not in fetched_bad]
+        done += [(op, False, 0.0) for op in loads if op.slot in fetched_bad]
+        if run:
+            ok = self.load([op.slot for op in run], [op.page for op in run],
+                           [op.block.key for op in run])
+            t = self._last_load / max(len(run), 1)
+            done += [(op, good, t) for op, good in zip(run, ok)]
+        return done + (self.poll() if stores else [])
+
+    def poll(self) -> list:
+        """Stores whose copies completed, and finished spills."""
+        done = []
+        still = []
+        for p in self._pending:
+            if p.event is None or p.event.query():
+                dt = (time.perf_counter() - p.t0) / max(len(p.ops), 1)
+                for _ in p.ops:
+                    self.latency["store"].observe(dt)
+                done += [(op, True, dt) for op in p.ops]
+            else:
+                still.append(p)
+        self._pending = still
+        spills = []
+        for op, fut, t0 in self._spills:
+            if fut.done():
+                done.append((op, fut.exception() is None, time.perf_counter() - t0))
+            else:
+                spills.append((op, fut, t0))
+        self._spills = spills
+        return done
+
+    def drain(self) -> list:
+        """Wait for every store and spill in flight (shutdown, tests)."""
+        if self.cuda:
+            self.stream.synchronize()
+        for _, fut, _ in self._spills:
+            fut.exception()
+        return self.poll()
+
+    # -------------------------------------------------------------------------------- stores
+    def _pack(self, pages: list[int], keys: list[bytes]) -> torch.Tensor:
+        """[n, record bytes] uint8 on the device: packed pages, scales, keys and checksums."""
+        n = len(pages)
+        lay = self.layout
+        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        buf, scales = kv_pages.pack_pages(self.kv, ids, out_dtype=self.qdtype)
+        rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
+        rec[:, :lay.payload] = buf.reshape(n, -1).view(torch.uint8)
+        if scales is not None:
+            rec[:, lay.payload:lay.payload + lay.scales] = scales.reshape(n, -1).view(torch.uint8)
+        sums = torch.stack([device_checksum_rows(rec[:, :lay.payload]),
+                            device_checksum_rows(rec[:, lay.payload:lay.payload + lay.scales])
+                            if lay.scales else torch.zeros(n, dtype=torch.int64,
+                                                           device=self.device)], dim=1)
+        rec[:, lay.key_at:lay.sums_at] = self._keys(keys)
+        rec[:, lay.sums_at:] = sums.view(torch.uint8).reshape(n, 16)
+        return rec
+
+    def _keys(self, keys: list[bytes]) -> torch.Tensor:
+        """[n, 16] uint8 on the device (one host->device copy)."""
+        raw = b"".join(k.ljust(16, b"\0")[:16] for k in keys)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 16).to(self.device)
+
+    def _store(self, ops: list) -> None:
+        t0 = time.perf_counter()
+        rec = self._pack([op.page for op in ops], [op.block.key for op in ops])
+        if not self.cuda:
+            for i, op in enumerate(ops):
+                self.host.view(op.slot).copy_(rec[i])
+            self._pending.append(_Pending(ops, None, (), t0))
+            self.stats["stores"] += len(ops)
+            return
+        # NOTE: the side stream waits for the pack; ``rec`` stays referenced until the copies
+        # completed (the caching allocator may not hand its memory to anyone else before)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for i, op in enumerate(ops):
+                self.host.view(op.slot).copy_(rec[i], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        rec.record_stream(self.stream)
+        self._pending.append(_Pending(ops, ev, (rec,), t0))
+        self.stats["stores"] += len(ops)
+
+    # --------------------------------------------------------------------------------- loads
+    def load(self, src_slots: list[int], pages: list[int], keys: list[bytes]) -> list[bool]:
+        """Host records ``src_slots`` -> L0 ``pages``: copy up, verify on the device (checksums,
+        and the key each record must carry), unpack the records that passed. One host sync;
+        returns ok per record."""
+        t0 = time.perf_counter()
+        n = len(pages)
+        lay = self.layout
+        rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
+        for i, slot in enumerate(src_slots):
+            rec[i].copy_(self.host.view(slot), non_blocking=True)
+        ok = self._verify(rec) & (rec[:, lay.key_at:lay.sums_at] == self._keys(keys)).all(1)
+        ok_host = ok.tolist()                        # the one sync: nothing bad gets unpacked
+        good = [i for i, g in enumerate(ok_host) if g]
+        if good:
+            self._unpack(rec[good] if len(good) < n else rec, [pages[i] for i in good])
+        self._last_load = time.perf_counter() - t0
+        for _ in range(n):
+            self.latency["load"].observe(self._last_load / n)
+        self.stats["loads"] += n
+        return [bool(g) for g in ok_host]
+
+    def _verify(self, rec: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        n = rec.shape[0]
+        want = rec[:, lay.sums_at:].contiguous().view(torch.int64)                  # [n, 2]
+        got0 = device_checksum_rows(rec[:, :lay.payload])
+        ok = got0 == want[:, 0]
+        if lay.scales:
+            got1 = device_checksum_rows(rec[:, lay.payload:lay.payload + lay.scales])
+            ok &= got1 == want[:, 1]
+        return ok.reshape(n)
+
+    def _unpack(self, rec: torch.Tensor, pages: list[int]) -> None:
+        lay = self.layout
+        n = rec.shape[0]
+        buf = rec[:, :lay.payload].contiguous().view(lay.dtype).view(n, *lay.shape[1:])
+        scales = None
+        if lay.scales:
+            scales = rec[:, lay.payload:lay.payload + lay.scales].contiguous().view(
+                torch.float32).view(n, lay.shape[1], 2, lay.shape[4])
+        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        kv_pages.unpack_pages(buf, ids, self.kv, scales)
+
+    # ------------------------------------------------------------------------------- stress
+    def roundtrip(self, pages: list[int]) -> bool:
+        """Every page of ``pages`` down to host memory and back (pack, copy, copy, verify,
+        unpack): the tiers' data path with nothing kept (``EngineConfig.kv_tier_stress``)."""
+        if not pages:
+            return True
+        rec = self._pack(pages, [b""] * len(pages))
+        host = torch.empty(rec.shape, dtype=torch.uint8, pin_memory=self.cuda)
+        host.copy_(rec)
+        back = host.to(self.device)
+        ok = bool(self._verify(back).all())
+        if ok:
+            self._unpack(back, pages)
+        return ok

@@ -1,0 +1,194 @@
+"""Tiered KV memory and prefix reuse, end to end on the CPU with real stores (pinned-or-plain host
+memory, a real file for the disk tier): reuse shares pages read-only, a page that went down to
+host memory or disk and came back serves exactly the bytes it left with, a corrupt copy is a miss
+that recomputes, and the page ledger never leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.engine import Engine
+from test_sampler import tiny
+
+PS = 4
+PROMPT = [(5 * i + 7) % 90 + 3 for i in range(30)]
+OTHERS = [[(3 * i + k) % 90 + 3 for i in range(40)] for k in range(3)]
+
+
+def _params(cache="dual", decode="threshold"):
+    return SamplingParams(max_tokens=16, block_length=8, cache=cache, decode=decode,
+                          threshold=0.5)
+
+
+def _run(eng, prompts, params):
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return reqs
+
+
+def check_ledger(eng):
+    """Every pool reference is held by a request's block table or a cached block's L0 copy."""
+    kv = eng.kv_manager
+    refs = [0] * kv.num_pages
+    for pages in kv._pages.values():
+        for p in pages:
+            refs[p] += 1
+    for b in kv._blocks:
+        if b.l0 is not None:
+            refs[b.l0] += 1
+    assert refs == [kv.pool.ref_count(p) for p in range(kv.num_pages)]
+    assert kv.pool.num_free == sum(r == 0 for r in refs)
+    l1 = [b.l1 for b in kv._blocks if b.l1 is not None]
+    l2 = [b.l2 for b in kv._blocks if b.l2 is not None]
+    assert len(set(l1)) == len(l1) and not set(l1) & set(kv._l1_free)
+    assert len(set(l2)) == len(l2) and not set(l2) & set(kv._l2_free)
+    assert len(l1) + len(kv._l1_free) == kv.l1_slots
+    assert len(l2) + len(kv._l2_free) == kv.l2_slots
+
+
+def _turn2(eng, params, first):
+    """A follow-up prompt: the first request's prompt and first answer block, then more."""
+    p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+    _run(eng, OTHERS, params)              # unrelated traffic between the turns
+    return _run(eng, [p2], params)[0]
+
+
+def test_reuse_shares_pages_read_only():
+    model = tiny("llada", seed=3)
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS))
+    first = _run(eng, [PROMPT], _params())[0]
+    p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+    r2 = eng.add_request(p2, _params())
+    eng.step()                                  # admitted: reuses the published pages
+    assert r2.reused_len == 36 and eng.kv_manager.stats["hit_tokens"][0] == 36
+    shared = eng.kv_manager.pages(r2.request_id)[:9]
+    before = eng.runner.kv[:, :, shared].clone()
+    while eng.has_unfinished():
+        eng.step()
+    assert torch.equal(eng.runner.kv[:, :, shared], before)     # never written
+    assert eng.kv_manager.num_used == 0
+    check_ledger(eng)
+
+
+def test_reuse_off_for_cache_none_and_aborts_publish_nothing():
+    model = tiny("llada", seed=3)
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS))
+    _run(eng, [PROMPT], _params(cache="none"))
+    assert eng.kv_manager.stats["published_pages"] == 0
+    r = eng.add_request(PROMPT, _params())
+    eng.step()
+    eng.abort(r.request_id)
+    assert eng.kv_manager.stats["published_pages"] == 0 and eng.kv_manager.num_used == 0
+    check_ledger(eng)
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix", "flash"])
+def test_pages_that_left_l0_come_back_exact(tmp_path, cache):
+    """The same follow-up turn reusing its prefix from L0, from host memory (L1) and from disk
+    (L2, a real file): the same tokens (bf16 / fp32 offload moves the bytes unchanged)."""
+    model = tiny("llada", seed=3)
+    outs, hits = [], []
+    for kw in (dict(), dict(num_kv_pages=24, kv_cpu_gb=0.0015),
+               dict(num_kv_pages=24, kv_cpu_gb=0.00005, kv_disk_path=str(tmp_path / "kv.bin"),
+                    kv_disk_gb=0.01)):
+        eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS, **kw))
+        first = _run(eng, [PROMPT], _params(cache))[0]
+        r2 = _turn2(eng, _params(cache), first)
+        eng.runner.offload and eng.kv_manager.ops_done(eng.runner.offload.drain())
+        outs.append(r2.tokens.tolist())
+        hits.append(eng.kv_manager.stats["hit_tokens"])
+        assert r2.reused_len == 36
+        check_ledger(eng)
+    assert outs[0] == outs[1] == outs[2]
+    assert hits[0][0] == 36 and hits[1][1] == 36 and hits[2][2] == 36
+
+
+@pytest.mark.parametrize("cache,decode", [("dual", "threshold"), ("prefix", "vanilla"),
+                                          ("flash", "threshold"), ("dual", "verify"),
+                                          ("none", "vanilla")])
+def test_stress_every_page_down_and_back_changes_nothing(cache, decode):
+    """kv_tier_stress: after every step every running page goes to host memory and back
+    (pack, copy, checksum, unpack): token for token the outputs without tiers."""
+    model = tiny("dream", seed=4)
+    params = _params(cache, decode)
+    prompts = [PROMPT, OTHERS[0], OTHERS[1][:13]]
+    ref = _run(Engine(model, model.cfg, EngineConfig(page_size=PS)), prompts, params)
+    got = _run(Engine(model, model.cfg, EngineConfig(page_size=PS, kv_tier_stress=True)),
+               prompts, params)
+    assert [r.tokens.tolist() for r in ref] == [r.tokens.tolist() for r in got]
+
+
+def _no_reuse_output(model, params):
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS))
+    first = _run(eng, [PROMPT], params)[0]
+    p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+    return _run(eng, [p2], params)[0].tokens.tolist()
+
+
+def test_corrupt_host_copy_is_a_miss_that_recomputes():
+    model = tiny("llada", seed=3)
+    params = _params()
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS, num_kv_pages=24,
+                                                kv_cpu_gb=0.0015))
+    first = _run(eng, [PROMPT], params)[0]
+    _run(eng, OTHERS, params)                       # pushes the first request's pages to L1
+    eng.kv_manager.ops_done(eng.runner.offload.drain())
+    host = eng.runner.offload.host.buffer
+    host[:, 100] ^= 0x10                            # one bit flipped in every host record
+    p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+    r2 = _run(eng, [p2], params)[0]
+    st = eng.kv_manager.stats
+    assert st["checksum_failures"] >= 1 and st["load_failures"] >= 1
+    assert r2.reused_len == 0                       # nothing corrupt was reused
+    assert r2.tokens.tolist() == _no_reuse_output(model, params)
+    assert eng.kv_manager.num_used == 0
+    check_ledger(eng)
+
+
+def test_corrupt_disk_copy_is_a_miss_that_recomputes(tmp_path):
+    model = tiny("llada", seed=3)
+    params = _params()
+    path = tmp_path / "kv.bin"
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS, num_kv_pages=24,
+                                                kv_cpu_gb=0.00002, kv_disk_path=str(path),
+                                                kv_disk_gb=0.01))
+    first = _run(eng, [PROMPT], params)[0]
+    _run(eng, OTHERS, params)
+    eng.kv_manager.ops_done(eng.runner.offload.drain())
+    data = bytearray(path.read_bytes())
+    for off in range(4096 + 300, len(data), 4096):  # flip a byte in every slot's payload
+        data[off] ^= 0xFF
+    path.write_bytes(bytes(data))
+    p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+    r2 = _run(eng, [p2], params)[0]
+    assert eng.runner.offload.disk.stats["checksum_failures"] >= 1
+    assert eng.kv_manager.stats["load_failures"] >= 1
+    assert r2.reused_len == 0                       # nothing corrupt was reused
+    assert r2.tokens.tolist() == _no_reuse_output(model, params)
+    assert eng.kv_manager.num_used == 0
+    check_ledger(eng)
+
+
+def test_a_stale_host_record_of_another_block_is_never_served():
+    """Two blocks' valid host records swapped (checksums fine): the key each record carries
+    refuses both, so the reuse stops before them."""
+    model = tiny("llada", seed=3)
+    params = _params()
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS, num_kv_pages=24,
+                                                kv_cpu_gb=0.0015))
+    first = _run(eng, [PROMPT], params)[0]
+    _run(eng, OTHERS, params)
+    eng.kv_manager.ops_done(eng.runner.offload.drain())
+    p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+    chain = eng.kv_manager.tree("dual").match(p2)
+    a, b = chain[2].block.l1, chain[3].block.l1
+    assert a is not None and b is not None
+    host = eng.runner.offload.host.buffer
+    host[a], host[b] = host[b].clone(), host[a].clone()
+    r2 = _run(eng, [p2], params)[0]
+    assert eng.kv_manager.stats["load_failures"] >= 1
+    assert r2.reused_len <= 2 * PS
+    assert eng.kv_manager.num_used == 0
+    check_ledger(eng)
