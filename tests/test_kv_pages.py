@@ -248,6 +248,117 @@ def test_fp8_every_code_dequantises_like_torch():
     assert torch.equal(dst[0, 0, 0].flatten(), buf[0, 0, 0].flatten().half())  # K: scale 1
 
 
+def test_reference_scale_is_a_true_division():
+    """scale = amax / QMAX correctly rounded (what the CPU, the interpreter and div_rn compute);
+    torch on CUDA turns `t / python_scalar` into `t * fl32(1 / scalar)`, which differs by an ulp
+    for ~1 head in 4: the reference divides by a tensor so it is the same on every device
+    (tests/gpu/test_kv_pages_gpu.py compares the CUDA reference with the CPU one)."""
+    kv = _pool("llada", 16, 8, torch.bfloat16, seed=11)
+    ids = torch.arange(16)
+    for qdtype in (FP8, torch.int8):
+        _, s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype)
+        amax = _expected(kv, ids).float().abs().amax(dim=(3, 5))
+        exact = (amax.double() / kv_pages.QMAX[qdtype]).float()   # fp32-correct: no double rounding
+        assert torch.equal(s, exact)
+        recip = amax * torch.tensor(1.0 / kv_pages.QMAX[qdtype], dtype=torch.float32)
+        assert not torch.equal(s, recip)                # the data tells the two apart
+
+
+def _guarded_pool(pages: int, dtype=torch.bfloat16, seed: int = 12):
+    """(kv [L, 2, pages, ...] as a view of a pool with one zero guard page either side, the whole
+    pool): ids -1 and `pages` address the guards, so an unmasked access stays in memory we own
+    and shows up in them."""
+    whole = torch.zeros(3, 2, pages + 2, 4, 4, 16, dtype=dtype)
+    whole[:, :, 1:-1] = _pool("llada", pages, 4, dtype, seed=seed)
+    return whole[:, :, 1:-1], whole
+
+
+@needs_interpreter
+@pytest.mark.parametrize("qdtype", [None, FP8, torch.int8])
+@pytest.mark.parametrize("block", [None, 64])
+def test_bad_page_ids_are_masked_and_counted(qdtype, block):
+    kv, whole = _guarded_pool(5)
+    whole[:, :, 0] = 1.0                                   # guards with data: a read would show
+    whole[:, :, -1] = -1.0
+    ids = torch.tensor([2, 5, -1, 0, 7])                   # 3 ids outside [0, 5)
+    ok = torch.tensor([True, False, False, True, False])
+    bad = torch.zeros(1, dtype=torch.int32)
+    q, s = kv_pages.pack_pages_triton(kv, ids, out_dtype=qdtype, block=block, bad=bad)
+    assert bad.tolist() == [3]
+    ref_bad = torch.zeros(1, dtype=torch.int32)
+    ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype, bad=ref_bad)
+    assert ref_bad.tolist() == [3] and torch.equal(_bits(q), _bits(ref_q))
+    assert not _bits(q[~ok]).any()                         # bad records: zeros ...
+    if qdtype is not None:
+        assert torch.equal(s, ref_s) and (s[~ok] == 1).all()   # ... with scale 1
+    good, _ = kv_pages.pack_pages_reference(kv, ids[ok], out_dtype=qdtype)
+    assert torch.equal(_bits(q[ok]), _bits(good))
+    # unpack: the bad records go nowhere (the guards and every other page stay as they were)
+    before = whole.clone()
+    src = _pool("llada", 5, 4, torch.bfloat16, seed=13)
+    buf, sc = kv_pages.pack_pages_reference(src, torch.arange(5), out_dtype=qdtype)
+    bad.zero_()
+    kv_pages.unpack_pages_triton(buf, ids, kv, sc, block=block, bad=bad)
+    assert bad.tolist() == [3]
+    want = before.clone()
+    ref_bad = torch.zeros(1, dtype=torch.int32)
+    kv_pages.unpack_pages_reference(buf, ids, want[:, :, 1:-1], sc, bad=ref_bad)
+    assert ref_bad.tolist() == [3] and torch.equal(_bits(whole), _bits(want))
+    assert torch.equal(_bits(whole[:, :, 0]), _bits(before[:, :, 0]))
+    assert torch.equal(_bits(whole[:, :, -1]), _bits(before[:, :, -1]))
+    changed = (_bits(whole) != _bits(before)).flatten(3).any(-1).any(0).any(0)   # [pages + 2]
+    assert changed.tolist() == [False, True, False, True, False, False, False]   # pages 0 and 2
+
+
+@needs_interpreter
+def test_bad_page_ids_without_a_counter_still_write_nothing():
+    kv, whole = _guarded_pool(4)
+    before = whole.clone()
+    buf = torch.ones(2, 3, 2, 4, 4, 16, dtype=torch.bfloat16)
+    kv_pages.unpack_pages_triton(buf, torch.tensor([4, -1], dtype=torch.int32), kv)
+    assert torch.equal(_bits(whole), _bits(before))
+    q, _ = kv_pages.pack_pages_triton(kv, torch.tensor([-1, 4]))
+    assert not _bits(q).any()
+
+
+def _same_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits where neither is NaN, NaN in the same places (a NaN's sign is unspecified)."""
+    fa, fb = a.float(), b.float()
+    nan = fa.isnan()
+    return torch.equal(nan, fb.isnan()) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # numpy: inf/inf
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_non_finite_values_quantise_like_the_reference(qdtype, dtype):
+    kv = _pool("llada", 3, 4, dtype, seed=14)
+    kv[0, 0, 1, 2, 1, 5] = float("nan")                   # head 1: NaN among finite values
+    kv[1, 1, 1, 0, 2, 3] = float("inf")                   # head 2: +inf
+    kv[1, 1, 1, 3, 3, 0] = float("-inf")                  # head 3: -inf
+    kv[2, 0, 1, 1, 0, 7] = float("nan")                   # head 0: NaN and inf together
+    kv[2, 0, 1, 2, 0, 8] = float("inf")
+    ids = torch.tensor([1, 0])
+    q, s = kv_pages.pack_pages_triton(kv, ids, out_dtype=qdtype, block=64)
+    ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype)
+    assert torch.equal(s, ref_s)                           # NaN heads: scale 1 on both
+    assert s[0, 0, 0, 1] == 1 and s[0, 2, 0, 0] == 1
+    assert s[0, 1, 1, 2] == float("inf") and s[0, 1, 1, 3] == float("inf")
+    if qdtype == FP8:
+        assert _same_with_nans(q, ref_q)
+        assert q[0, 0, 0, 2, 1, 5].float().isnan()        # NaN stays NaN (was: -448)
+    else:
+        assert torch.equal(q, ref_q) and q[0, 0, 0, 2, 1, 5] == 0   # no int8 NaN: code 0
+    dst, want = torch.zeros_like(kv), torch.zeros_like(kv)
+    kv_pages.unpack_pages_triton(q, ids, dst, s)
+    kv_pages.unpack_pages_reference(q, ids, want, s)
+    assert _same_with_nans(dst, want)
+    assert dst[1, 1, 1, :, 2].isnan().all() and dst[1, 1, 1, :, 3].isnan().all()  # inf heads
+    finite = dst[0, 0, 1, :, 1].flatten()                  # the NaN head's other values survive
+    assert finite.isnan().sum() == (1 if qdtype == FP8 else 0) and finite.isfinite().sum() >= 63
+
+
 # ---- layouts and errors --------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_bad_layouts_raise(impl):

@@ -23,8 +23,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from flash_dllm.cache.disk_store import (ALIGN, FREE, HEADER_BYTES, VALID, DiskLayout, DiskStore,
-                                         SlotStateError, StoreError, StoreIOError)
+from flash_dllm.cache.disk_store import (ALIGN, FREE, HEADER_BYTES, SUPER_MAGIC, VALID, WRITING,
+                                         DiskLayout, DiskStore, SlotStateError, StoreError,
+                                         StoreIOError)
 from flash_dllm.bench.disk import bench_disk, sequential_rate
 from flash_dllm.cache.host_store import HostStore
 
@@ -221,6 +222,54 @@ def test_one_live_store_per_file(make_store, tmp_path):
     DiskStore(tmp_path / "kv.bin", capacity(8), RB, COMPAT).close()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_refuses_to_overwrite_a_file_that_is_not_a_store(tmp_path, direct):
+    precious = tmp_path / "notes.txt"
+    data = b"someone else's data\n" * 1000
+    precious.write_bytes(data)
+    with pytest.raises(StoreError, match=r"notes.txt is not a flash-dllm disk store file .*"
+                                         r"pick another path or delete the file"):
+        DiskStore(precious, capacity(2), RB, COMPAT, direct=direct)
+    assert precious.read_bytes() == data                   # not a byte written or truncated
+    tiny = tmp_path / "tiny"
+    tiny.write_bytes(b"FDLLM")                             # shorter than the magic
+    with pytest.raises(StoreError, match="not a flash-dllm disk store file"):
+        DiskStore(tiny, capacity(2), RB, COMPAT, direct=direct)
+    assert tiny.read_bytes() == b"FDLLM"
+    with pytest.raises(StoreError, match="not a flash-dllm disk store file"):
+        sequential_rate(precious, 1 << 16, direct=direct)  # the benchmark refuses it too
+    assert precious.read_bytes() == data
+    empty = tmp_path / "empty.bin"                         # an empty file is fine ...
+    empty.touch()
+    store = DiskStore(empty, capacity(2), RB, COMPAT, direct=direct)
+    s = store.alloc()
+    store.write(s, key(1), payload_for(key(1)))
+    store.close()
+    assert empty.read_bytes()[:8] == SUPER_MAGIC
+    store = DiskStore(empty, capacity(3), RB, COMPAT, direct=direct)   # ... and so is a store's
+    try:
+        assert store.num_slots == 3 and store._read_record(s, key(1)) is None
+        assert store.stats["stale"] == 1                   # the earlier record: never served
+    finally:
+        store.close()
+
+
+def test_read_into_too_small_out_raises_and_counts_nothing(make_store):
+    store = make_store(slots=2)
+    s = store.alloc()
+    store.write(s, key(1), payload_for(key(1)))
+    with pytest.raises(ValueError, match=f"out must hold the record's {RB} B"):
+        store.read(s, key(1), out=bytearray(RB - 1))
+    with pytest.raises(ValueError, match="out must hold"):
+        store.read_async(s, key(1), out=bytearray(10))
+    stats = store.stats
+    assert stats["reads"] == stats["hits"] == stats["misses"] == 0
+    assert store.state(s) == VALID and store._readers[s] == 0
+    out = bytearray(RB)
+    assert bytes(store.read(s, key(1), out=out)) == payload_for(key(1)) == bytes(out)
+    assert store.stats["reads"] == store.stats["hits"] == 1
+
+
 def test_free_and_double_free(make_store):
     store = make_store(slots=2)
     s = store.alloc()
@@ -317,6 +366,96 @@ def test_short_writes(make_store):
     with pytest.raises(StoreIOError, match="short write"):
         store.write(s, key(2), payload_for(key(2)))
     assert store.state(s) == "empty" and store.read(s, key(2)) is None
+
+
+def test_close_waits_for_a_synchronous_write_on_another_thread(make_store, tmp_path):
+    """close() while a write runs on another thread: it waits, the fd stays the store's file
+    until the write ended (a closed fd number could be reused by any open, and the late pwrite
+    would land in that file), and no new I/O starts meanwhile."""
+    inodes = []
+
+    class Checked(FaultyStore):
+        def _pwrite(self, fd, buf, offset):
+            if self.gate is not None:
+                assert self.gate.wait(10)
+            inodes.append(os.fstat(fd).st_ino)              # EBADF if closed under us
+            return DiskStore._pwrite(self, fd, buf, offset)
+
+    store = make_store(slots=2, cls=Checked, direct=False)
+    ino = os.stat(tmp_path / "kv.bin").st_ino
+    fd = store._fd
+    slot, other = store.alloc(), store.alloc()
+    store.write(other, key(2), payload_for(key(2)))
+    store.gate = threading.Event()
+    errors = []
+
+    def run(fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:                             # pragma: no cover - reported below
+            errors.append(e)
+
+    writer = threading.Thread(target=run, args=(store.write, slot, key(1), payload_for(key(1))))
+    writer.start()
+    deadline = time.monotonic() + 10
+    while store.state(slot) != WRITING and time.monotonic() < deadline:
+        time.sleep(0.005)
+    closers = [threading.Thread(target=run, args=(store.close,)) for _ in range(2)]
+    for c in closers:
+        c.start()
+    for c in closers:
+        c.join(0.3)
+    assert all(c.is_alive() for c in closers), "close() returned with a write in flight"
+    assert os.fstat(fd).st_ino == ino                      # the fd is still the store's file
+    with pytest.raises(StoreError, match="closed"):
+        store.read(other, key(2))                          # no new I/O begins while closing
+    store.gate.set()
+    writer.join(10)
+    for c in closers:
+        c.join(10)
+    assert not errors and not writer.is_alive() and not any(c.is_alive() for c in closers)
+    assert inodes and set(inodes) == {ino} and store.state(slot) == VALID
+    assert store.stats["writes"] == 2
+    try:                                                   # closed (or reused by someone else)
+        assert os.fstat(fd).st_ino != ino
+    except OSError as e:
+        assert e.errno == errno.EBADF
+
+
+def test_concurrent_close_closes_the_fd_once(make_store, monkeypatch):
+    store = make_store(slots=2, cls=FaultyStore, direct=False)
+    fd, calls = store._fd, []
+    real_close = os.close
+
+    def counting_close(n):
+        if n == fd:
+            calls.append(n)
+        return real_close(n)
+
+    monkeypatch.setattr(os, "close", counting_close)
+    slot = store.alloc()
+    store.gate = threading.Event()
+    fut = store.write_async(slot, key(1), payload_for(key(1)))    # async: held on the pool
+    closers = [threading.Thread(target=store.close) for _ in range(3)]
+    for c in closers:
+        c.start()
+    time.sleep(0.2)
+    assert all(c.is_alive() for c in closers) and not calls
+    store.gate.set()
+    for c in closers:
+        c.join(10)
+    assert fut.result(10) is None and calls == [fd]
+    store.close()                                           # and later calls are no-ops
+    assert calls == [fd]
+
+
+def test_close_on_the_stores_own_io_thread_is_refused(make_store):
+    store = make_store(slots=2)
+    with pytest.raises(StoreError, match="own I/O threads .* would deadlock"):
+        store._pool.submit(store.close).result(10)
+    s = store.alloc()                                       # still open and working
+    store.write_async(s, key(1), payload_for(key(1))).result(10)
+    assert bytes(store.read(s, key(1))) == payload_for(key(1))
 
 
 def _in_child(fn, timeout: float = 20.0) -> dict:
@@ -601,3 +740,33 @@ def test_bench_disk_smoke(tmp_path):
     assert not (tmp_path / "bench.bin").exists()
     seq = sequential_rate(tmp_path / "seq.bin", 1 << 20, direct=False)
     assert seq["direct"] is False and seq["write_bytes_per_s"] > 0
+
+
+def test_bench_disk_counts_a_miss_as_not_verified(tmp_path, monkeypatch):
+    real = DiskStore._read_record
+
+    def first_slot_corrupt(self, slot, key, out_mv=None, n=None):
+        if slot == 0:
+            return self._miss("checksum_failures")
+        return real(self, slot, key, out_mv, n)
+
+    monkeypatch.setattr(DiskStore, "_read_record", first_slot_corrupt)
+    res = bench_disk(tmp_path / "bench.bin", record_bytes=64 << 10, nbytes=512 << 10,
+                     in_flight=2, direct=False)
+    assert res["records"] > 1 and res["verified"] == res["records"] - 1
+
+
+def test_sequential_rate_completes_short_writes(tmp_path, monkeypatch):
+    real, written = os.pwrite, []
+
+    def short_pwrite(fd, buf, offset):                     # a file system taking 1000 B a call
+        k = real(fd, memoryview(buf)[:1000], offset)
+        written.append(k)
+        return k
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    seq = sequential_rate(tmp_path / "seq.bin", 1 << 16, direct=False, block_bytes=1 << 15)
+    assert seq["bytes"] == 1 << 16 and sum(written) == 1 << 16
+    monkeypatch.setattr(os, "pwrite", lambda fd, buf, offset: 0)     # no progress: an error
+    with pytest.raises(OSError, match="short write"):
+        sequential_rate(tmp_path / "seq2.bin", 1 << 16, direct=False)

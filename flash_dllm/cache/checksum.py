@@ -2,13 +2,15 @@
 
 Two checksums, because the two places that verify a record have different budgets:
 
-- ``device_checksum`` runs where the bytes are, at memory bandwidth, with plain torch ops: a page
-  moved GPU -> pinned host -> GPU is checked on the GPU when it arrives, with no host sync. Hashing
-  on the host instead would cap every L0 <-> L1 move at CPU hashing speed. It is a weighted sum of
-  the record's 32-bit words (wrapping int64 arithmetic), so the result is the same on the CPU and
-  on CUDA whatever order the reduction runs in, and provably catches the corruptions a copy makes:
-  a flipped bit, a changed word, two swapped words (see the proof in its docstring). It is not a
-  cryptographic hash and is not meant to stop an adversary.
+- ``device_checksum`` runs where the bytes are, at memory bandwidth (a Triton reduction kernel on
+  CUDA, ``kernels/checksum.py``; wrapping torch ops on the CPU): a page moved GPU -> pinned host
+  -> GPU is checked on the GPU when it arrives, with no host sync. Hashing on the host instead
+  would cap every L0 <-> L1 move at CPU hashing speed. It is 128 bits, two int64 lanes of
+  wrapping sums over the record's 32-bit words, so the result is the same on the CPU and on CUDA
+  whatever order the reduction runs in: a weighted sum that provably catches the corruptions a
+  copy makes (a flipped bit, a changed word, two swapped words: see the proof in its docstring),
+  and a sum of nonlinearly mixed words that catches structured multi-word errors the weighted sum
+  lets cancel. It is not a cryptographic hash and is not meant to stop an adversary.
 - ``xxh3_64`` is the disk record's checksum: the disk tier (L2) reads and writes through the host
   anyway, and xxh3 hashes at many GB/s per core. ``HASH_NAME`` says whether the ``xxhash`` package
   is active or the ``zlib.crc32`` fallback (32 bits, slower, only if ``xxhash`` cannot be imported);
@@ -24,33 +26,29 @@ import zlib
 import numpy as np
 import torch
 
+# The definition's constants and the implementations live with the kernel (kernels/checksum.py);
+# re-exported here for the proofs below and for tests.
+from flash_dllm.kernels.checksum import (  # noqa: F401
+    _C1,
+    _C2,
+    _C3,
+    _C4,
+    _C5,
+    _C_LEN,
+    _C_LEN2,
+    _M1,
+    _M2,
+    MAX_CHECKSUM_BYTES,
+    checksum_rows,
+    mix64,
+)
+
 try:
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - the package is a declared dependency
     _xxhash = None
 
 HASH_NAME = "xxh3_64" if _xxhash is not None else "crc32"
-
-# 2M int32 words per chunk: each int64 temporary of a chunk (words, index, weights, product) is
-# 16 MiB, so all of them together stay within 64 MiB whatever the record size.
-CHUNK_WORDS = 1 << 21
-# The swap proof below needs fewer than 2^31 words (8 GiB); records are pages of a few MiB.
-MAX_CHECKSUM_BYTES = 1 << 33
-
-
-def _i64(v: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits (torch scalars are signed)."""
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-# Odd 64-bit mixing constants (golden ratio, splitmix64, murmur3 finalizer): any odd values work.
-_C1 = _i64(0x9E3779B97F4A7C15)
-_C2 = _i64(0xBF58476D1CE4E5B9)
-_C3 = _i64(0x94D049BB133111EB)
-_C4 = _i64(0xFF51AFD7ED558CCD)
-_C_LEN = _i64(0xC4CEB9FE1A85EC53)
-_SHIFT = 1 << 33                      # the second term lives above bit 32 of every weight
 
 
 def byte_view(data, writable: bool = False) -> memoryview:
@@ -106,79 +104,82 @@ def xxh3_64_multi(*parts) -> int:
 
 
 # ------------------------------------------------------------------------------ device checksum
-def _weights(start: int, n: int, device: torch.device) -> torch.Tensor:
-    """int64 [n]: w_i = (2i + 1) + 2^33 * r_i for word indices i in [start, start + n)."""
-    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    # r_i: a position hash (xor of two multiplies, then a multiply): nonlinear in i, so error
-    # patterns that cancel in the linear term (Δ at word 0 and -Δ/3 at word 1) do not cancel here.
-    r = torch.bitwise_xor(i * _C1, i * _C2 + _C3) * _C4
-    return i * 2 + 1 + r * _SHIFT
-
-
-def _device_bytes(t: torch.Tensor) -> torch.Tensor:
-    """t (any dtype, any shape, any device) -> uint8 [nbytes] in logical order, on t's device."""
-    flat = t.detach().contiguous().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t [R, ...] (any dtype, any device) -> uint8 [R, nbytes per row] in logical order, a view
+    whenever each row's bytes are contiguous (rows may be strided, e.g. a column range of a
+    batch of records); else a copy."""
+    rows = t.shape[0]
+    t = t.detach()
+    flat = t.reshape(rows, -1)                      # a view when possible
+    if flat.shape[1] > 1 and flat.stride(1) != 1:
+        flat = flat.contiguous()
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.shape[1] == 1 and flat.stride(1) != 1:
+        flat = flat.as_strided(flat.shape, (flat.stride(0), 1))
+    return flat.view(torch.uint8)
 
 
 def device_checksum(t: torch.Tensor) -> torch.Tensor:
-    """0-dim int64 checksum of ``t``'s bytes, computed on ``t``'s device with no host sync.
+    """int64 [2] checksum ``(S1, S2)`` of ``t``'s bytes, computed on ``t``'s device with no host
+    sync (a Triton kernel on CUDA, wrapping torch ops on the CPU: bit-identical).
 
     Definition. Read the bytes (logical order) as little-endian signed int32 words x_0..x_{N-1},
-    the last one zero-padded when the length is not a multiple of 4. With all arithmetic mod 2^64
-    (int64 wrapping), ``S = sum_i x_i * w_i + nbytes * C``, where ``w_i = (2i + 1) + 2^33 * r_i``:
-    the first term is the position sum ``sum_i x_i (2i + 1)``, the second ``2^33 * sum_i x_i r_i``
-    adds a pseudo-random position hash ``r_i`` (any int64 sequence), and ``C`` folds in the length.
-    Wrapping addition is associative and commutative, so chunking and reduction order (CPU loop,
-    CUDA tree reduction) cannot change the value: CPU and CUDA agree bit for bit.
+    the last one zero-padded when the length is not a multiple of 4, and let u_i = x_i mod 2^32.
+    With all arithmetic mod 2^64 (int64 wrapping) and n = nbytes:
 
-    Proof that the corruptions of a copy are caught (inputs of the same length, N < 2^31 words,
+    - ``S1 = sum_i x_i * w_i + n * C_LEN``, ``w_i = (2i + 1) + 2^33 * r_i``: the first term is the
+      position sum ``sum_i x_i (2i + 1)``, the second ``2^33 * sum_i x_i r_i`` adds a
+      pseudo-random position hash ``r_i = ((i C1) ^ (i C2 + C3)) C4``, and ``C_LEN`` folds in
+      the length;
+    - ``S2 = sum_i mix64(u_i ^ (i * C5)) + n * C_LEN2``, with ``mix64`` splitmix64's finaliser
+      (xor-shift-multiply, a bijection of 64-bit values).
+
+    Wrapping addition is associative and commutative, so chunking and reduction order (CPU loop,
+    CUDA partial sums) cannot change the value: CPU and CUDA agree bit for bit.
+
+    Why two lanes. S1 is linear in the words, and its proofs (below) cover the corruptions a copy
+    makes. But a linear sum lets structured multi-word errors cancel: flipping bit 31 of words
+    i, i+1, j, j+1 in the pattern +,-,-,+ changes S1 by 2^31 (w_i - w_{i+1} - w_j + w_{j+1}),
+    which is 0 mod 2^64 because the 2^33 r terms vanish when multiplied by 2^31 and the 2i + 1
+    terms cancel: four bf16 sign flips went undetected. S2 runs every word through a nonlinear
+    mixer, so such patterns change it except with probability ~2^-64 (a heuristic, not a proof).
+    (Until S2 was added the checksum was S1 alone, one int64.)
+
+    Proof that S1 catches the corruptions of a copy (inputs of the same length, N < 2^31 words,
     i.e. below ``MAX_CHECKSUM_BYTES``; write v(a) for the number of trailing zero bits of a != 0,
     so a is nonzero mod 2^64 iff v(a) < 64):
 
     - Every weight is odd: 2i + 1 is odd and 2^33 r_i is even.
-    - Any change of one word x_i -> x_i + d (d != 0) changes S by d * w_i. As |d| < 2^32,
-      v(d) <= 31, and w_i is odd, so v(d * w_i) = v(d) <= 31 < 64: S changes. A single-bit flip is
-      the case d = ±2^b (b <= 31, the sign bit included).
-    - A swap of words i != j with x_i != x_j changes S by (x_j - x_i) * (w_i - w_j). Here
+    - Any change of one word x_i -> x_i + d (d != 0) changes S1 by d * w_i. As |d| < 2^32,
+      v(d) <= 31, and w_i is odd, so v(d * w_i) = v(d) <= 31 < 64: S1 changes. A single-bit flip
+      is the case d = ±2^b (b <= 31, the sign bit included).
+    - A swap of words i != j with x_i != x_j changes S1 by (x_j - x_i) * (w_i - w_j). Here
       v(x_j - x_i) <= 31 as above, and w_i - w_j = 2(i - j) + 2^33 (r_i - r_j) with
       v(2(i - j)) = 1 + v(i - j) <= 31 because 0 < |i - j| < 2^31; the second part is a multiple of
       2^33, so it cannot cancel those low bits: v(w_i - w_j) <= 31. Hence v(product) <= 62 < 64.
 
-    Chunked so that the int64 temporaries stay within 64 MiB (``CHUNK_WORDS``).
+    It is not a cryptographic hash and is not meant to stop an adversary.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
-    return device_checksum_rows(_device_bytes(t).reshape(1, -1))[0]
+    flat = t.detach().reshape(-1)
+    if flat.numel() > 1 and flat.stride(0) != 1:
+        flat = flat.contiguous()
+    return device_checksum_rows(flat.reshape(1, -1) if flat.numel() else
+                                flat.new_empty((1, 0)))[0]
 
 
 def device_checksum_rows(t: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: ``device_checksum(t[r])`` for every row r of ``t`` (shape [R, ...]) in one pass,
-    e.g. a group of packed page records moved by one copy. No host sync."""
+    """int64 [R, 2]: ``device_checksum(t[r])`` for every row r of ``t`` (shape [R, ...]) in one
+    pass, e.g. a group of packed page records moved by one copy. Rows are read in place when
+    each row's bytes are contiguous (any row stride, e.g. ``rec[:, a:b]`` of a batch of
+    records). No host sync."""
     if not isinstance(t, torch.Tensor) or t.dim() < 1:
         raise ValueError(f"t must be a tensor of shape [rows, ...], got {t!r:.60}")
     rows = t.shape[0]
-    b = _device_bytes(t).reshape(rows, -1) if rows else t.new_empty((0, 0), dtype=torch.uint8)
-    nbytes = b.shape[1]                                    # b: [R, nbytes] uint8
-    if nbytes >= MAX_CHECKSUM_BYTES:
+    b = _row_bytes(t) if rows else t.new_empty((0, 0), dtype=torch.uint8)
+    if b.shape[1] >= MAX_CHECKSUM_BYTES:
         raise ValueError(f"each row must be smaller than {MAX_CHECKSUM_BYTES} bytes for the "
-                         f"checksum's guarantees, got {nbytes}")
-    if nbytes % 4:                                         # zero-pad rows to whole words (copies)
-        b = torch.cat([b, b.new_zeros((rows, 4 - nbytes % 4))], dim=1)
-    if b.numel() == 0:
-        words = torch.empty((rows, 0), dtype=torch.int32, device=b.device)
-    else:
-        try:
-            words = b.view(torch.int32)                    # [R, N] int32
-        except RuntimeError:                               # storage offset not 4-byte aligned
-            words = b.clone().view(torch.int32)
-    n = words.shape[1]
-    acc = torch.zeros(rows, dtype=torch.int64, device=b.device)
-    row_chunk = max(1, min(rows, CHUNK_WORDS))
-    col_chunk = max(1, CHUNK_WORDS // row_chunk)
-    for c0 in range(0, n, col_chunk):
-        w = _weights(c0, min(col_chunk, n - c0), b.device)                 # [cols] int64
-        for r0 in range(0, rows, row_chunk):
-            x = words[r0:r0 + row_chunk, c0:c0 + col_chunk].to(torch.int64)  # [r, cols]
-            acc[r0:r0 + row_chunk] += (x * w).sum(dim=1)
-    return acc + _i64(nbytes * _C_LEN)
+                         f"checksum's guarantees, got {b.shape[1]}")
+    return checksum_rows(b)

@@ -16,6 +16,12 @@ What other engines' disk caches got wrong, and what makes each impossible here:
   restart treats the whole file as empty. Stale files are detected, never used, and need no
   cleanup; nothing is fsync'ed, because nothing is meant to survive the process. An advisory
   ``flock`` keeps two live stores off one file (the kernel drops it when a process dies).
+- **Someone else's file overwritten.** A store opens only an empty (or new) file or a store file
+  (first 8 bytes ``SUPER_MAGIC``, which the very first write puts there); any other non-empty
+  file at ``path`` is refused before a byte of it is written.
+- **I/O on a closed descriptor.** ``close()`` waits until no read or write is between its begin
+  and its end (synchronous calls on other threads included), so a late ``pwrite`` can never land
+  in whatever file reused the descriptor number.
 
 File layout (one file at ``path``): a 4 KiB superblock (format, nonce, compat, geometry; only for
 people with a hex dump, never trusted) then ``num_slots`` slots of ``slot_bytes`` = 256-byte header
@@ -55,6 +61,7 @@ HEADER_BYTES = 256
 KEY_BYTES = 16
 MAX_COMPAT_BYTES = 64
 MAGIC = b"FDLLM-KV"
+SUPER_MAGIC = b"FDLLM-SB"        # the file's first 8 bytes: how a store recognises its own file
 FORMAT_VERSION = 1
 # magic | version | compat_len | reserved | nonce | key | slot | payload_len | compat, then the
 # checksum: xxh3 of the whole 256-byte header (checksum field zeroed) and the payload, so every
@@ -161,10 +168,29 @@ class LatencyHistogram:
                 "p50": self.quantile(0.5), "p99": self.quantile(0.99)}
 
 
-def _open_file(path: str, direct: bool, lock: bool = False) -> tuple[int, bool]:
+def _refuse_foreign(path: str) -> None:
+    """Raise StoreError if ``path`` holds a non-empty file that is not a store file (its first 8
+    bytes are not ``SUPER_MAGIC``): opening it would overwrite someone else's data. An empty file
+    and a store file (even one a killed process left) are fine."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SUPER_MAGIC))
+    except FileNotFoundError:
+        return
+    if head and head != SUPER_MAGIC:
+        raise StoreError(f"{path} is not a flash-dllm disk store file (it is not empty and does "
+                         f"not start with the store's superblock magic {SUPER_MAGIC!r}); refusing "
+                         f"to overwrite it: pick another path or delete the file")
+
+
+def _open_file(path: str, direct: bool, lock: bool = False,
+               first_block: mmap.mmap | None = None) -> tuple[int, bool]:
     """Open (create) ``path`` read-write; with O_DIRECT when ``direct`` and the file system takes
     it: open and an aligned probe write at offset 0 must both succeed. ``lock``: take an exclusive
-    ``flock`` first (StoreError if another store holds it). -> (fd, direct_active)."""
+    ``flock`` first (StoreError if another store holds it). A non-empty file that is not a store
+    file is refused (StoreError) before anything is written. ``first_block``: the ALIGN bytes the
+    probe writes at offset 0 (default zeros; the store passes its superblock, so its file starts
+    with ``SUPER_MAGIC`` from the first write on). -> (fd, direct_active)."""
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
     use_direct = direct and hasattr(os, "O_DIRECT")
     try:
@@ -173,24 +199,28 @@ def _open_file(path: str, direct: bool, lock: bool = False) -> tuple[int, bool]:
         if not use_direct or e.errno != errno.EINVAL:    # tmpfs refuses O_DIRECT at open
             raise
         fd, use_direct = os.open(path, flags, 0o600), False
-    if lock:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreError(f"{path} is in use by another DiskStore") from None
-    if use_direct:
-        probe = mmap.mmap(-1, ALIGN)
-        try:
-            os.pwrite(fd, probe, 0)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                os.close(fd)
-                raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            use_direct = False
-        finally:
-            probe.close()
+    try:
+        if lock:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(f"{path} is in use by another DiskStore") from None
+        _refuse_foreign(path)                  # after the lock: no live store is writing it
+        if use_direct:
+            probe = first_block if first_block is not None else mmap.mmap(-1, ALIGN)
+            try:
+                os.pwrite(fd, probe, 0)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                use_direct = False
+            finally:
+                if probe is not first_block:
+                    probe.close()
+    except BaseException:
+        os.close(fd)
+        raise
     return fd, use_direct
 
 
@@ -214,13 +244,22 @@ class DiskStore:
         self.num_slots = self.layout.num_slots
         self.compat = bytes(compat)
         self.nonce = os.urandom(16)
-        self._fd, self.direct = _open_file(self.path, direct, lock=True)
+        sb = self._superblock()
         try:
-            self._preallocate()
-        except BaseException:
-            os.close(self._fd)
-            raise
+            self._fd, self.direct = _open_file(self.path, direct, lock=True, first_block=sb)
+            try:
+                self._preallocate(sb)
+            except BaseException:
+                os.close(self._fd)
+                raise
+        finally:
+            sb.close()
         self._lock = threading.Lock()
+        # NOTE: `_ops` counts reads/writes between their `_begin_*` and `_end_*` (sync or on the
+        # pool); close() waits on `_idle` until it is 0, so no I/O ever runs on a closed (and
+        # possibly reused) fd number.
+        self._idle = threading.Condition(self._lock)
+        self._ops = 0
         self._state = [FREE] * self.num_slots
         self._readers = [0] * self.num_slots
         self._key: list[bytes | None] = [None] * self.num_slots
@@ -230,10 +269,23 @@ class DiskStore:
         self._read_lat, self._write_lat = LatencyHistogram(), LatencyHistogram()
         self._buffers: list[mmap.mmap] = []             # idle staging buffers (page aligned)
         self._zeros = bytes(ALIGN)      # header padding and the tail up to the next 4 KiB
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="flash-dllm-disk")
-        self._closed = False
+        self._pool_threads: set[int] = set()            # idents of the pool's workers
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="flash-dllm-disk",
+                                        initializer=self._pool_thread_started)
+        self._closed = False        # no new I/O may begin (set once, under the lock)
+        self._shut = False          # the fd is closed (close() finished)
 
-    def _preallocate(self) -> None:
+    def _pool_thread_started(self) -> None:
+        self._pool_threads.add(threading.get_ident())
+
+    def _superblock(self) -> mmap.mmap:
+        """The 4 KiB superblock (page aligned for O_DIRECT); starts with ``SUPER_MAGIC``."""
+        sb = mmap.mmap(-1, ALIGN)
+        _SUPER.pack_into(sb, 0, SUPER_MAGIC, FORMAT_VERSION, self.nonce, self.layout.slot_bytes,
+                         self.num_slots, self.record_bytes, len(self.compat), self.compat)
+        return sb
+
+    def _preallocate(self, sb: mmap.mmap) -> None:
         size = self.layout.file_bytes
         if os.fstat(self._fd).st_size > size:
             os.ftruncate(self._fd, size)
@@ -244,11 +296,7 @@ class DiskStore:
                 raise StoreIOError(e.errno, f"cannot preallocate {size} B for capacity_bytes="
                                    f"{self.layout.capacity_bytes}: {e.strerror}", self.path) from e
             os.ftruncate(self._fd, size)
-        sb = mmap.mmap(-1, ALIGN)
-        _SUPER.pack_into(sb, 0, b"FDLLM-SB", FORMAT_VERSION, self.nonce, self.layout.slot_bytes,
-                         self.num_slots, self.record_bytes, len(self.compat), self.compat)
         os.pwrite(self._fd, sb, 0)
-        sb.close()
 
     # ------------------------------------------------------------------------------ fault seam
     def _pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
@@ -324,6 +372,7 @@ class DiskStore:
                 raise SlotStateError(f"disk slot {slot} is busy ({st}, {self._readers[slot]} "
                                      f"reader(s))")
             self._state[slot], self._key[slot] = WRITING, None
+            self._ops += 1
         return bytes(key), mv, time.perf_counter()
 
     def _finish_write(self, slot: int, key: bytes, payload: memoryview, t0: float) -> None:
@@ -349,6 +398,7 @@ class DiskStore:
             if ok:
                 c["bytes_written"] += n
                 self._write_lat.observe(time.perf_counter() - t0)
+            self._op_done()
 
     def _write_record(self, slot: int, key: bytes, payload: memoryview) -> None:
         n = len(payload)
@@ -398,19 +448,19 @@ class DiskStore:
         with self._lock:
             self._check_open()
             c = self._counters
-            c["reads"] += 1
-            if self._state[slot] != VALID:
-                c["not_valid"] += 1
-                c["misses"] += 1
-                return None
-            if self._key[slot] != key:
-                c["wrong_key"] += 1
-                c["misses"] += 1
-                return None
+            miss = ("not_valid" if self._state[slot] != VALID
+                    else "wrong_key" if self._key[slot] != key else None)
             n = self._len[slot]
-            if out_mv is not None and len(out_mv) < n:
+            if miss is None and out_mv is not None and len(out_mv) < n:
+                # a caller error, not a read: raised before anything is counted
                 raise ValueError(f"out must hold the record's {n} B, got {len(out_mv)} B")
+            c["reads"] += 1
+            if miss is not None:
+                c[miss] += 1
+                c["misses"] += 1
+                return None
             self._readers[slot] += 1
+            self._ops += 1
         return n, out_mv, time.perf_counter()
 
     def _finish_read(self, slot: int, key: bytes, n: int, out_mv, t0: float):
@@ -429,6 +479,13 @@ class DiskStore:
     def _end_read(self, slot: int) -> None:
         with self._lock:
             self._readers[slot] -= 1
+            self._op_done()
+
+    def _op_done(self) -> None:
+        """An operation counted by ``_begin_*`` ended (called under ``_lock``)."""
+        self._ops -= 1
+        if self._ops == 0:
+            self._idle.notify_all()
 
     def _read_record(self, slot: int, key: bytes, out_mv=None, n: int | None = None):
         """Read and verify the record in ``slot`` on disk, whatever the slot's state (the state
@@ -519,19 +576,36 @@ class DiskStore:
         return s
 
     def close(self) -> None:
-        """Wait for in-flight I/O, then close the file (its records die with the store)."""
-        if self._closed:
-            return
+        """Wait for in-flight I/O (synchronous calls on other threads and the async pool's), then
+        close the file (its records die with the store). From the moment it is called, new reads,
+        writes and allocs raise StoreError. Idempotent and thread-safe: a concurrent second
+        close() waits for the first.
+        Refused (StoreError) on one of the store's own I/O threads (e.g. in a future's done
+        callback): it would wait for itself."""
+        if threading.get_ident() in self._pool_threads:
+            raise StoreError(f"{self.path}: close() called on one of the store's own I/O threads "
+                             f"(e.g. from a future's done callback) would deadlock; close the "
+                             f"store from another thread")
         with self._lock:
-            self._closed = True
-        self._pool.shutdown(wait=True)
-        os.close(self._fd)                                     # also drops the flock
-        for b in self._buffers:
-            try:
-                b.close()
-            except BufferError:      # a view is still alive (e.g. in a traceback): GC frees it
-                pass
-        self._buffers.clear()
+            if self._closed:                  # closing or closed: wait for the one closer
+                self._idle.wait_for(lambda: self._shut)
+                return
+            self._closed = True               # no new I/O begins from here on
+            self._idle.wait_for(lambda: self._ops == 0)
+        try:
+            self._pool.shutdown(wait=True)    # idle: every submitted op has ended
+            self._pool_threads.clear()        # joined: their idents may be reused
+            os.close(self._fd)                # also drops the flock
+            for b in self._buffers:
+                try:
+                    b.close()
+                except BufferError:  # a view is still alive (e.g. in a traceback): GC frees it
+                    pass
+            self._buffers.clear()
+        finally:
+            with self._lock:
+                self._shut = True
+                self._idle.notify_all()
 
     def __enter__(self) -> DiskStore:
         return self

@@ -43,6 +43,10 @@ def _stats() -> dict:
 
 
 class KVCacheManager:
+    # short requests (a canvas of at most this many pages) skip the prefix tree and the tiers:
+    # nothing of theirs is worth a lookup or a cached page
+    SHORT_PAGES = 2
+
     def __init__(self, num_pages: int, page_size: int, *, prefix_reuse: bool = False,
                  namespace: bytes = b"", l1_slots: int = 0, l2_slots: int = 0,
                  placement: str = "lru", page_bytes: int = 0, clock=time.monotonic) -> None:
@@ -114,7 +118,8 @@ class KVCacheManager:
         if request_id in self._pages:
             raise ValueError(f"request {request_id!r} already holds KV pages")
         n_total = self.pool.pages_for(n_tokens)
-        reuse = reuse and self.prefix_reuse and bool(prompt_ids)
+        reuse = (reuse and self.prefix_reuse and bool(prompt_ids)
+                 and n_total > self.SHORT_PAGES)
         tree = self.tree(mode) if reuse else None
         nodes = self._match(tree, prompt_ids) if reuse else []
         protect = {nd.block for nd in nodes}
@@ -252,7 +257,7 @@ class KVCacheManager:
         if pages is None:
             return False
         tree, nodes = self._locked.pop(request_id, (None, []))
-        if tree is not None:
+        if tree is not None:                       # (None: reuse off, or a short request)
             tree.unlock(nodes)
             now = self.clock()
             for nd in nodes:

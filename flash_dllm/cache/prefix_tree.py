@@ -333,7 +333,8 @@ class PrefixTree:
     def _check_attached(self, node: Node, op: str) -> None:
         if (not isinstance(node, Node) or node.parent is None
                 or node.parent.children.get(node.tokens) is not node):
-            raise ValueError(f"cannot {op} {node!r}: not a node of this tree (the root, or removed)")
+            raise ValueError(f"cannot {op} {node!r}: not a node of this tree "
+                             "(the root, or removed)")
 
     def _stamp(self, nodes: list[Node], now: float) -> None:
         for n in nodes:

@@ -5,11 +5,12 @@ A page leaves the GPU page-first (``kernels/kv_pages``: all layers of a page con
 launch per group of pages), optionally as fp8 / int8 with one scale per (layer, k/v, head), and
 lands in one host slot as one record::
 
-    [ payload (packed page) | scales (quantised only) | key (16 B) | checksums (16 B) ]
+    [ payload (packed page) | scales (quantised only) | key (16 B) | checksum (16 B) ]
 
 The key is the cached block's prefix-chain key: a load compares it with the key it expects, so a
 host slot still holding another block's (valid) record can never be served as this one.
-The checksums are ``cache.checksum.device_checksum`` values computed on the GPU at pack time and
+The checksum is the 128-bit ``cache.checksum.device_checksum`` of payload + scales, computed on
+the GPU at pack time (``kernels/checksum``) and
 recomputed on the GPU when the record comes back up, so verification runs at memory bandwidth
 (xxh3 on the host would cap page moves at hashing speed); disk records additionally carry xxh3
 (``cache/disk_store``). A record that fails either check is a miss: never unpacked, never served.
@@ -187,11 +188,8 @@ class KVOffloader:
         rec[:, :lay.payload] = buf.reshape(n, -1).view(torch.uint8)
         if scales is not None:
             rec[:, lay.payload:lay.payload + lay.scales] = scales.reshape(n, -1).view(torch.uint8)
-        sums = torch.stack([device_checksum_rows(rec[:, :lay.payload]),
-                            device_checksum_rows(rec[:, lay.payload:lay.payload + lay.scales])
-                            if lay.scales else torch.zeros(n, dtype=torch.int64,
-                                                           device=self.device)], dim=1)
         rec[:, lay.key_at:lay.sums_at] = self._keys(keys)
+        sums = device_checksum_rows(rec[:, :lay.key_at])        # [n, 2] int64: payload + scales
         rec[:, lay.sums_at:] = sums.view(torch.uint8).reshape(n, 16)
         return rec
 
@@ -247,12 +245,8 @@ class KVOffloader:
         lay = self.layout
         n = rec.shape[0]
         want = rec[:, lay.sums_at:].contiguous().view(torch.int64)                  # [n, 2]
-        got0 = device_checksum_rows(rec[:, :lay.payload])
-        ok = got0 == want[:, 0]
-        if lay.scales:
-            got1 = device_checksum_rows(rec[:, lay.payload:lay.payload + lay.scales])
-            ok &= got1 == want[:, 1]
-        return ok.reshape(n)
+        got = device_checksum_rows(rec[:, :lay.key_at])                            # [n, 2]
+        return (got == want).all(dim=1).reshape(n)
 
     def _unpack(self, rec: torch.Tensor, pages: list[int]) -> None:
         lay = self.layout

@@ -213,6 +213,9 @@ def _add_multiturn_parser(bsub) -> None:
     g.add_argument("--cache", default=None)
     g.add_argument("--threshold", type=float, default=None)
     g.add_argument("--temperature", type=float, default=0.0)
+    m.add_argument("--model-shape", default=None,
+                   help="in-process only: serve a random-init model of this shape (llada-8b, "
+                        "dream-7b) with the demo tokenizer, instead of --model (timing only)")
     EngineArgs.add_cli_args(m, defaults=SERVE_DEFAULTS)
     m.set_defaults(func=cmd_bench_multiturn)
 

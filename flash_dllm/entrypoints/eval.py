@@ -18,9 +18,9 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=100, help="held-out problems (default 100)")
     e.add_argument("--problem-seed", dest="eval_seed", type=int, default=0, help="test-set seed")
     e.add_argument("--chat", action="store_true", help="wrap questions in the chat template")
-    e.add_argument("--history", action="store_true",
-                   help="two turns: each question follows another question and the model's "
-                        "answer to it (with --prefix-reuse the second turn reuses its pages)")
+    e.add_argument("--repeat", action="store_true",
+                   help="ask every question twice and score the second answers (with "
+                        "--prefix-reuse the second run reuses the first one's KV pages)")
     e.add_argument("--json", default=None, help="write the report here")
     e.add_argument("--matrix", action="store_true",
                    help="run every (cache x decode) pair; prints a table, writes JSON and a PNG")
@@ -50,7 +50,7 @@ def run(a: argparse.Namespace) -> int:
         only_verify = {} if decode == "verify" else {"entropy_max": None, "perturb_sigma": None}
         params = sampling_from_args(a, cache=cache, decode=decode, **only_verify)
         r = run_eval(llm, a.suite, a.n, params, seed=a.eval_seed, chat=a.chat,
-                     progress=not a.no_progress, history=a.history)
+                     progress=not a.no_progress, repeat=a.repeat)
         reports.append(r)
         print(summary_line(r), file=sys.stderr if a.matrix else sys.stdout)
     if a.matrix:

@@ -27,3 +27,18 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     tok = Tokenizer(folder)
     cfg = tok.resolve_ids(cfg)
     return LoadedEngine(Engine(net, cfg, args.engine_config(**config_override)), tok, folder)
+
+
+def load_random_engine(shape: str, args: EngineArgs | None = None,
+                       **config_override) -> LoadedEngine:
+    """An engine over a random-init model of a real shape (``llada-8b``, ``dream-7b``, ``demo``)
+    with the demo model's tokenizer and chat template: what serving benchmarks time where no
+    checkpoint of that size can be shipped (its answers are noise; its costs are real)."""
+    from flash_dllm.bench.step import shape_config
+    from flash_dllm.models.loader import DEMO_MODEL, build_model
+
+    args = args or EngineArgs()
+    model = build_model(shape_config(shape), device=resolve_device(args.device),
+                        dtype=args.dtype, seed=0)
+    return LoadedEngine(Engine(model, model.cfg, args.engine_config(**config_override)),
+                        Tokenizer(DEMO_MODEL), Path(shape))

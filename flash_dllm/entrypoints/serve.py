@@ -55,7 +55,14 @@ def build_server_app(a: argparse.Namespace):
     """(app, async engine, served model name) from parsed ``serve`` flags."""
     from flash_dllm.server.app import build_app
 
-    aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
+    shape = getattr(a, "model_shape", None)
+    if shape:                        # benchmarks: a random-init model of a real shape
+        from flash_dllm.engine.async_engine import AsyncEngine
+        from flash_dllm.entrypoints.loader import load_random_engine
+        loaded = load_random_engine(shape, EngineArgs.from_cli_args(a))
+        aeng, tok, folder = AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
+    else:
+        aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
     name = getattr(a, "served_model_name", None) or folder.name
     app = build_app(aeng, tok, name, api_key=a.api_key,
                     max_body_bytes=getattr(a, "max_body_bytes", 1 << 20))

@@ -10,7 +10,7 @@ from flash_dllm.evals.tasks import get_suite
 
 def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0,
              chat: bool = False, progress: bool = True, keep_samples: bool = True,
-             history: bool = False) -> dict:
+             repeat: bool = False) -> dict:
     """Decode ``n`` held-out problems in one continuous batch and score them.
 
     ``forwards_per_sample`` is the mean number of model forwards a problem took part in;
@@ -19,16 +19,12 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
     """
     suite = get_suite(suite_name)
     problems = suite.test_problems(n, seed)
+    # NOTE: repeat: every question is asked twice and the second answers are scored (and
+    # timed); with prefix reuse the second run reuses the first's pages: the accuracy cost of
+    # the reuse approximation
+    first = _decode(llm, problems, params, chat, progress) if repeat else None
     t0 = time.perf_counter()
-    turns = _with_history(llm, problems, params, chat, progress) if history else None
-    if chat:
-        outs = llm.chat([(turns[i] if turns else []) + [{"role": "user", "content": p.prompt}]
-                         for i, p in enumerate(problems)], params, use_tqdm=progress)
-    elif turns:
-        outs = llm.generate([turns[i] + p.prompt for i, p in enumerate(problems)], params,
-                            use_tqdm=progress)
-    else:
-        outs = llm.generate([p.prompt for p in problems], params, use_tqdm=progress)
+    outs = _decode(llm, problems, params, chat, progress)
     decode_s = time.perf_counter() - t0
     completions = [o.text for o in outs]
     ok = suite.score_batch(problems, completions)
@@ -37,7 +33,7 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
     slots = sum(o.metrics["committed_slots"] for o in outs)
     answer_tokens = sum(len(o.token_ids) for o in outs)
     report = {
-        "suite": suite_name, "n": len(problems), "seed": seed, "chat": chat, "history": history,
+        "suite": suite_name, "n": len(problems), "seed": seed, "chat": chat, "repeat": repeat,
         "accuracy": sum(ok) / len(ok) if ok else 0.0,
         "forwards_per_sample": forwards / max(len(outs), 1),
         "tokens_per_forward": slots / max(forwards, 1),
@@ -61,6 +57,9 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
         report["prefix_cache"] = {"query_tokens": st["query_tokens"],
                                   "hit_tokens": dict(zip(("l0", "l1", "l2"), st["hit_tokens"])),
                                   "checksum_failures": st["checksum_failures"]}
+    if first is not None:
+        report["first_run_accuracy"] = (sum(suite.score_batch(problems, [o.text for o in first]))
+                                        / max(len(first), 1))
     if keep_samples:
         report["samples"] = [
             {"id": p.id, "prompt": p.prompt, "answer": p.answer, "completion": c, "correct": k,
@@ -69,22 +68,11 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
     return report
 
 
-def _with_history(llm, problems, params: SamplingParams, chat: bool, progress: bool) -> list:
-    """Two-turn evaluation: problem i is asked after problem i+1 (mod n) and the model's own
-    answer to it, as a follow-up turn would be; the first turns run first, so with prefix reuse
-    the second turns reuse their pages. Returns the history to prepend to each problem: chat
-    messages, or text for plain prompts."""
-    n = len(problems)
-    first = [problems[(i + 1) % n] for i in range(n)]
+def _decode(llm, problems, params: SamplingParams, chat: bool, progress: bool) -> list:
     if chat:
-        outs = llm.chat([[{"role": "user", "content": p.prompt}] for p in first], params,
+        return llm.chat([[{"role": "user", "content": p.prompt}] for p in problems], params,
                         use_tqdm=progress)
-        return [[{"role": "user", "content": p.prompt}, {"role": "assistant", "content": o.text}]
-                for p, o in zip(first, outs)]
-    outs = llm.generate([p.prompt for p in first], params, use_tqdm=progress)
-    # NOTE: the first turn's canvas (prompt + answer) is the second prompt's prefix, token for
-    # token, so its pages can be reused
-    return [p.prompt + o.text + "\n" for p, o in zip(first, outs)]
+    return llm.generate([p.prompt for p in problems], params, use_tqdm=progress)
 
 
 def summary_line(r: dict) -> str:

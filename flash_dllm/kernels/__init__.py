@@ -12,6 +12,8 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | `paged_attention` | paged bidirectional varlen attention (+ key mass, split-KV) | paged_attention.py |
 | `argmax_confidence` | greedy proposal from logits: argmax + its softmax prob | argmax_confidence.py |
 | `silu_mul`        | SwiGLU's silu(gate) * up in one pass                  | silu_mul.py        |
+| `kv_pages`        | pack / unpack KV pages page-first (tiers, transfers; fp8 / int8) | kv_pages.py |
+| `checksum`        | 128-bit checksum of byte rows at memory bandwidth (page records) | checksum.py |
 
 Study kernels the engine does not use (a fused LM head + confidence, a skinny GEMM) live in
 ``benchmarks/studies/``.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from flash_dllm.kernels import (
     argmax_confidence,
+    checksum,
+    kv_pages,
     paged_attention,
     qkv_rope_cache,
     rmsnorm,
@@ -35,6 +39,8 @@ OPS = {
     "qkv_rope_cache": qkv_rope_cache.op,
     "argmax_confidence": argmax_confidence.op,
     "silu_mul": silu_mul.op,
+    "kv_pages": kv_pages.op,
+    "checksum": checksum.op,
 }
 REFERENCES = {
     "rmsnorm": rmsnorm.rmsnorm_reference,
@@ -43,6 +49,8 @@ REFERENCES = {
     "qkv_rope_cache": qkv_rope_cache.qkv_rope_cache_reference,
     "argmax_confidence": argmax_confidence.argmax_confidence_reference,
     "silu_mul": silu_mul.silu_mul_reference,
+    "kv_pages": kv_pages.pack_pages_reference,
+    "checksum": checksum.checksum_rows_reference,
 }
 
 fused_add_rmsnorm = rmsnorm.op

@@ -18,7 +18,13 @@ prompt: launch-bound, what made other engines' offload 4-10x slower than the byt
   kv_heads]``: ``amax`` over that head's ``page_size x head_dim`` values, ``scale = amax / QMAX``
   (448 for e4m3, 127 for int8; 1 when ``amax`` is 0), ``q = round(clamp(x / scale, -QMAX, QMAX))``
   with round-to-nearest, **ties to even** (torch's ``.round()`` and fp8 cast). Unpack writes
-  ``q * scale`` rounded (to nearest even) to the pool dtype. Values are assumed finite.
+  ``q * scale`` rounded (to nearest even) to the pool dtype. ``scale`` is ``amax / QMAX`` correctly
+  rounded (a true fp32 division, on every device: see ``pack_pages_reference``).
+- Non-finite values (kernel == reference): ``amax`` propagates NaN, and ``amax > 0`` is false for
+  NaN, so a head holding a NaN gets scale 1: its NaNs stay NaN (fp8 NaN; int8 has none, so code 0)
+  and its other values are quantised with scale 1 (clamped to +-QMAX). A head holding +-inf (and
+  no NaN) gets scale inf: finite values quantise to +-0 and the infinities to NaN, so the whole
+  head unpacks as NaN (0 * inf). The sign bit of a NaN code is unspecified.
 
 NOTE: exact agreement with the reference, on the GPU and under the interpreter:
 - ``x / scale`` uses ``tl.math.div_rn`` (Triton's ``/`` on fp32 is the approximate ``div.full``);
@@ -33,16 +39,24 @@ fastest, so neighbouring programs stream one fragment; each moves ``BLOCK`` cont
 elements at 512 pages). Quantising needs a reduction per head, whose ``page_size x head_dim``
 values are strided by ``kv_heads * head_dim`` between tokens: one program per (page, layer, k/v,
 group of ``BLOCK_H`` heads) streams ``[BLOCK_S, BLOCK_H, head_dim]`` tiles of its page twice:
-amax per head, then the scaled values (the second read hits L1/L2). Dequantising is the chunked copy over ``[BLOCK_R, head_dim]`` row tiles, each row (one
-token's head) scaled by its head's scale.
+amax per head, then the scaled values (the second read hits L1/L2). Dequantising is the chunked
+copy over ``[BLOCK_R, head_dim]`` row tiles, each row (one token's head) scaled by its head's
+scale. fp8 codes are written and read as uint8 bits (``_fp8_bits`` / ``_fp8_value``), so NaN
+codes are exactly torch's on every back end (the interpreter's fp8 casts have no NaN).
 
 Layouts: the pool may be any view whose pages are contiguous ``[page_size, kv_heads, head_dim]``;
 ``out`` (pack) must be contiguous (it is what travels), e.g. a slice of a pinned or staging
 buffer; ``buf`` (unpack) may be strided over its (page, layer, k/v) dims, e.g. a view of a larger
 staging buffer; scales are contiguous. The kernel runs when every tensor is on the GPU; an ``out``
 in host memory takes the reference path (a gather, then a copy): tiers should pack into a device
-staging buffer and copy that to pinned memory in one ``copy_``. The kernel path does not
-range-check ``page_ids`` (that would be a host sync); the reference does.
+staging buffer and copy that to pinned memory in one ``copy_``.
+
+Page ids out of range: raising on them would be a host sync, so the kernels mask them instead
+(each program compares its id with the pool's page count P): an id outside [0, P) is never read
+or written (pack writes that record as zeros with scale 1; unpack writes it nowhere), and, when the
+caller passes ``bad`` (an int32 [1] device counter), is counted into it once per occurrence, to
+be checked later off the hot path. The reference raises ValueError on them, or mirrors the
+kernels when ``bad`` is given.
 
 NOTE (size): one file over ~400 lines because pack and unpack are one op pair sharing the layout
 checks, the quantisation math (fp8 / int8 with their exact roundings) and the references that
@@ -96,10 +110,31 @@ if HAS_TRITON:
         return (out | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fragment(pid, ids_ptr, stride_id, layer0, n_layers, s_l, s_kv, s_p, b_n, b_l, b_kv,
-                  CHUNKS: tl.constexpr):
-        """Program id -> (pool offset, buffer offset, chunk, scales row) of its (page, layer,
-        k/v) fragment; ``CHUNKS`` programs share a fragment."""
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _fp8_bits(y):
+        """fp32 ``y`` (already an e4m3 value, or NaN) -> its e4m3fn code as uint8. NaN gets the
+        NaN code 0x7F with y's sign, as torch's cast (the interpreter's own cast has no NaN)."""
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+        return tl.where(y != y, (sign | 0x7F).to(tl.uint8), code)
+
+    @triton.jit
+    def _fp8_value(code):
+        """uint8 e4m3fn ``code`` -> fp32; the NaN codes 0x7F / 0xFF give a NaN of that sign."""
+        x = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        nan = (((code.to(tl.int32) & 0x80) << 24) | 0x7FC00000).to(tl.float32, bitcast=True)
+        return tl.where((code & 0x7F) == 0x7F, nan, x)
+
+    @triton.jit
+    def _fragment(pid, ids_ptr, stride_id, num_pages, bad_ptr, layer0, n_layers, s_l, s_kv, s_p,
+                  b_n, b_l, b_kv, CHUNKS: tl.constexpr, HAS_BAD: tl.constexpr):
+        """Program id -> (pool offset, buffer offset, chunk, scales row, page id in range) of its
+        (page, layer, k/v) fragment; ``CHUNKS`` programs share a fragment. An id outside
+        [0, num_pages) is counted once into ``bad_ptr[0]`` (when ``HAS_BAD``): by the first
+        program of its page record."""
         frag = pid // CHUNKS
         chunk = pid - frag * CHUNKS
         i = frag // (2 * n_layers)
@@ -107,40 +142,57 @@ if HAS_TRITON:
         layer = r // 2
         half = r - layer * 2
         page = tl.load(ids_ptr + i * stride_id).to(tl.int64)
-        src = (layer0 + layer) * s_l + half * s_kv + page * s_p
+        ok = (page >= 0) & (page < num_pages)
+        if HAS_BAD:
+            tl.atomic_add(bad_ptr, 1, mask=(ok == 0) & (r == 0) & (chunk == 0))
+        src = (layer0 + layer) * s_l + half * s_kv + tl.where(ok, page, 0) * s_p
         dst = i * b_n + layer * b_l + half * b_kv
-        return src, dst, chunk, ((i * n_layers + layer) * 2 + half)
+        return src, dst, chunk, ((i * n_layers + layer) * 2 + half), ok
 
     @triton.jit
-    def _copy_kernel(kv_ptr, buf_ptr, ids_ptr, stride_id, layer0, n_layers, s_l, s_kv, s_p, b_n,
-                     b_l, b_kv, FRAG: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                     PACK: tl.constexpr):
+    def _copy_kernel(kv_ptr, buf_ptr, ids_ptr, stride_id, num_pages, bad_ptr, layer0, n_layers,
+                     s_l, s_kv, s_p, b_n, b_l, b_kv, FRAG: tl.constexpr, BLOCK: tl.constexpr,
+                     CHUNKS: tl.constexpr, PACK: tl.constexpr, HAS_BAD: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        src, dst, chunk, _ = _fragment(pid, ids_ptr, stride_id, layer0, n_layers, s_l, s_kv,
-                                       s_p, b_n, b_l, b_kv, CHUNKS)
+        src, dst, chunk, _, ok = _fragment(pid, ids_ptr, stride_id, num_pages, bad_ptr, layer0,
+                                           n_layers, s_l, s_kv, s_p, b_n, b_l, b_kv, CHUNKS,
+                                           HAS_BAD)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        # NOTE: a page id outside [0, num_pages) reads nothing from the pool (pack writes zeros)
+        # and writes nothing into it (unpack): never an out-of-bounds access. `ok` is one scalar
+        # per program, so a branch (uniform) keeps the in-range path's accesses as they were.
         if FRAG % BLOCK == 0:
             if PACK:
-                tl.store(buf_ptr + dst + offs, tl.load(kv_ptr + src + offs))
-            else:
+                if ok:
+                    tl.store(buf_ptr + dst + offs, tl.load(kv_ptr + src + offs))
+                else:
+                    tl.store(buf_ptr + dst + offs, tl.zeros((BLOCK,), buf_ptr.dtype.element_ty))
+            elif ok:
                 tl.store(kv_ptr + src + offs, tl.load(buf_ptr + dst + offs))
         else:
             mask = offs < FRAG
             if PACK:
-                tl.store(buf_ptr + dst + offs, tl.load(kv_ptr + src + offs, mask=mask), mask=mask)
-            else:
-                tl.store(kv_ptr + src + offs, tl.load(buf_ptr + dst + offs, mask=mask), mask=mask)
+                if ok:
+                    tl.store(buf_ptr + dst + offs, tl.load(kv_ptr + src + offs, mask=mask),
+                             mask=mask)
+                else:
+                    tl.store(buf_ptr + dst + offs, tl.zeros((BLOCK,), buf_ptr.dtype.element_ty),
+                             mask=mask)
+            elif ok:
+                tl.store(kv_ptr + src + offs, tl.load(buf_ptr + dst + offs, mask=mask),
+                         mask=mask)
 
     @triton.jit
-    def _quant_kernel(kv_ptr, buf_ptr, scale_ptr, ids_ptr, stride_id, layer0, n_layers, s_l,
-                      s_kv, s_p, b_n, b_l, b_kv, S: tl.constexpr, H: tl.constexpr,
-                      D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_D: tl.constexpr, HGROUPS: tl.constexpr, QMAX: tl.constexpr,
-                      INT8: tl.constexpr, DROP: tl.constexpr, MAGIC: tl.constexpr,
-                      TINY: tl.constexpr):
+    def _quant_kernel(kv_ptr, buf_ptr, scale_ptr, ids_ptr, stride_id, num_pages, bad_ptr,
+                      layer0, n_layers, s_l, s_kv, s_p, b_n, b_l, b_kv, S: tl.constexpr,
+                      H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HGROUPS: tl.constexpr,
+                      QMAX: tl.constexpr, INT8: tl.constexpr, DROP: tl.constexpr,
+                      MAGIC: tl.constexpr, TINY: tl.constexpr, HAS_BAD: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        src, dst, hg, row = _fragment(pid, ids_ptr, stride_id, layer0, n_layers, s_l, s_kv, s_p,
-                                      b_n, b_l, b_kv, HGROUPS)
+        src, dst, hg, row, ok = _fragment(pid, ids_ptr, stride_id, num_pages, bad_ptr, layer0,
+                                          n_layers, s_l, s_kv, s_p, b_n, b_l, b_kv, HGROUPS,
+                                          HAS_BAD)
         heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -148,45 +200,59 @@ if HAS_TRITON:
         inner = (offs_s[:, None, None] * (H * D) + heads[None, :, None] * D
                  + offs_d[None, None, :])
         hd_mask = (heads[None, :, None] < H) & (offs_d[None, None, :] < D)
+        # a bad page id reads as zeros (no token is below s_lim): amax 0, scale 1, codes 0
+        # (written, like the copy's zeros)
+        s_lim = tl.where(ok, S, 0)
         amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for s0 in range(0, S, BLOCK_S):
-            mask = hd_mask & (offs_s[:, None, None] < S - s0)
-            x = tl.load(kv_ptr + src + s0 * (H * D) + inner, mask=mask, other=0.0)
+            x = tl.load(kv_ptr + src + s0 * (H * D) + inner,
+                        mask=hd_mask & (offs_s[:, None, None] < s_lim - s0), other=0.0)
             x = tl.abs(x.to(tl.float32))
-            amax = tl.maximum(amax, tl.max(tl.max(x, axis=2), axis=0))
+            # NaN-propagating max (tl.max / tl.maximum drop NaN), as torch's amax
+            tile = tl.reduce(tl.reduce(x, 2, _max_nan), 0, _max_nan)
+            amax = tl.maximum(amax, tile, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.where(amax > 0.0, tl.math.div_rn(amax, QMAX), 1.0)        # [BLOCK_H]
         tl.store(scale_ptr + row * H + heads, scale, mask=heads < H)
         for s0 in range(0, S, BLOCK_S):   # a second read of a page that fits a tile hits L1/L2
             mask = hd_mask & (offs_s[:, None, None] < S - s0)
-            x = tl.load(kv_ptr + src + s0 * (H * D) + inner, mask=mask, other=0.0)
+            x = tl.load(kv_ptr + src + s0 * (H * D) + inner,
+                        mask=hd_mask & (offs_s[:, None, None] < s_lim - s0), other=0.0)
             y = tl.math.div_rn(x.to(tl.float32), scale[None, :, None])
-            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)      # NaN stays NaN
+            y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
             if INT8:
                 y = (y + 12582912.0) - 12582912.0         # 1.5 * 2^23: round half to even
+                y = tl.where(y != y, 0.0, y)              # no int8 NaN: code 0 (the reference's)
             else:
-                y = _round_fp32(y, DROP, MAGIC, TINY)
+                y = _fp8_bits(_round_fp32(y, DROP, MAGIC, TINY))   # buf viewed as uint8
             tl.store(buf_ptr + dst + s0 * (H * D) + inner,
                      y.to(buf_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _dequant_kernel(kv_ptr, buf_ptr, scale_ptr, ids_ptr, stride_id, layer0, n_layers, s_l,
-                        s_kv, s_p, b_n, b_l, b_kv, H: tl.constexpr, D: tl.constexpr,
-                        ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        CHUNKS: tl.constexpr, ROUND: tl.constexpr, DROP: tl.constexpr,
-                        MAGIC: tl.constexpr, TINY: tl.constexpr):
+    def _dequant_kernel(kv_ptr, buf_ptr, scale_ptr, ids_ptr, stride_id, num_pages, bad_ptr,
+                        layer0, n_layers, s_l, s_kv, s_p, b_n, b_l, b_kv, H: tl.constexpr,
+                        D: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_D: tl.constexpr, CHUNKS: tl.constexpr, FP8_BITS: tl.constexpr,
+                        ROUND: tl.constexpr,
+                        DROP: tl.constexpr, MAGIC: tl.constexpr, TINY: tl.constexpr,
+                        HAS_BAD: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        src, dst, chunk, row = _fragment(pid, ids_ptr, stride_id, layer0, n_layers, s_l, s_kv,
-                                         s_p, b_n, b_l, b_kv, CHUNKS)
+        src, dst, chunk, row, ok = _fragment(pid, ids_ptr, stride_id, num_pages, bad_ptr, layer0,
+                                             n_layers, s_l, s_kv, s_p, b_n, b_l, b_kv, CHUNKS,
+                                             HAS_BAD)
         # a fragment is ROWS = page_size * kv_heads rows of D values; row r belongs to head r % H
         rows = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_D)
         offs = rows[:, None] * D + cols[None, :]                          # [BLOCK_R, BLOCK_D]
         mask = (rows[:, None] < ROWS) & (cols[None, :] < D)
         scale = tl.load(scale_ptr + row * H + rows % H, mask=rows < ROWS, other=1.0)
-        x = tl.load(buf_ptr + dst + offs, mask=mask).to(tl.float32) * scale[:, None]
+        x = tl.load(buf_ptr + dst + offs, mask=mask)
+        x = (_fp8_value(x) if FP8_BITS else x.to(tl.float32)) * scale[:, None]
         if ROUND:
             x = _round_fp32(x, DROP, MAGIC, TINY)
-        tl.store(kv_ptr + src + offs, x.to(kv_ptr.dtype.element_ty), mask=mask)
+        # a bad page id writes nothing (no row is below 0)
+        store = (rows[:, None] < tl.where(ok, ROWS, 0)) & (cols[None, :] < D)
+        tl.store(kv_ptr + src + offs, x.to(kv_ptr.dtype.element_ty), mask=store)
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -305,22 +371,31 @@ def _check_unpack(fn, buf, page_ids, kv, scales, layers):
 def pack_pages_reference(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None,
                          out_dtype: torch.dtype | None = None,
                          layers: tuple[int, int] | None = None,
-                         out_scales: torch.Tensor | None = None
+                         out_scales: torch.Tensor | None = None,
+                         bad: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """PyTorch reference: same contract as ``pack_pages`` (``out`` may be on another device)."""
     l0, l1, dtype, _ = _check_pack("pack_pages", kv, page_ids, out, out_dtype, layers,
                                    out_scales)
-    _check_ids_in_range("pack_pages", page_ids, kv.shape[2])
-    idx = page_ids.to(device=kv.device, dtype=torch.long)
+    _check_bad("pack_pages", bad)
+    idx, ok = _ids_or_count_bad("pack_pages", page_ids, kv, bad)
     pages = kv[l0:l1].index_select(2, idx).permute(2, 0, 1, 3, 4, 5)  # [n, Lr, 2, S, Hkv, D]
+    if ok is not None:                                   # bad ids: zeros (select: bits kept)
+        pages = pages.masked_fill(~ok.view(-1, 1, 1, 1, 1, 1), 0)
     scales = None
     if dtype != kv.dtype:
         qmax = QMAX[dtype]
         x = pages.float()
         amax = x.abs().amax(dim=(3, 5))                                  # [n, Lr, 2, Hkv]
-        scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        # NOTE: divide by a tensor, not the Python scalar: on CUDA, torch computes `t / scalar`
+        # as `t * fl32(1 / scalar)` (not correctly rounded: about 1 scale in 4 differs by an
+        # ulp), while the CPU and the kernel's div_rn divide. A tensor divisor divides on both.
+        scales = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
         y = (x / scales[:, :, :, None, :, None]).clamp(-qmax, qmax)
-        pages = y.round().to(dtype) if dtype == torch.int8 else y.to(dtype)
+        if dtype == torch.int8:                          # no int8 NaN: a NaN's code is 0
+            pages = torch.where(y.isnan(), 0.0, y.round()).to(dtype)
+        else:
+            pages = y.to(dtype)
         if out_scales is not None:
             scales = out_scales.copy_(scales)
     if out is None:
@@ -330,16 +405,32 @@ def pack_pages_reference(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Te
 
 def unpack_pages_reference(buf: torch.Tensor, page_ids: torch.Tensor, kv: torch.Tensor,
                            scales: torch.Tensor | None = None,
-                           layers: tuple[int, int] | None = None) -> torch.Tensor:
+                           layers: tuple[int, int] | None = None,
+                           bad: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference: same contract as ``unpack_pages``."""
     l0, l1 = _check_unpack("unpack_pages", buf, page_ids, kv, scales, layers)
-    _check_ids_in_range("unpack_pages", page_ids, kv.shape[2])
+    _check_bad("unpack_pages", bad)
+    idx, ok = _ids_or_count_bad("unpack_pages", page_ids, kv, bad)
     vals = buf.to(kv.device)
     if scales is not None:
         vals = (vals.float() * scales.to(kv.device)[:, :, :, None, :, None]).to(kv.dtype)
-    idx = page_ids.to(device=kv.device, dtype=torch.long)
+    if ok is not None:                                   # bad ids: written nowhere (a sync)
+        idx, vals = idx[ok], vals[ok]
     kv[l0:l1, :, idx] = vals.permute(1, 2, 0, 3, 4, 5)              # [Lr, 2, n, S, Hkv, D]
     return kv
+
+
+def _ids_or_count_bad(fn: str, page_ids: torch.Tensor, kv: torch.Tensor,
+                      bad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (long ids on kv's device, in-range mask or None). Without ``bad``, ids out of range
+    raise; with it they are counted into ``bad`` and mapped to page 0 (masked by the caller)."""
+    idx = page_ids.to(device=kv.device, dtype=torch.long)
+    if bad is None:
+        _check_ids_in_range(fn, page_ids, kv.shape[2])
+        return idx, None
+    ok = (idx >= 0) & (idx < kv.shape[2])
+    bad += (~ok).sum().to(device=bad.device, dtype=torch.int32)
+    return torch.where(ok, idx, 0), ok
 
 
 # ---- Triton ------------------------------------------------------------------------------------
@@ -361,79 +452,100 @@ def _copy_grid(frag: int, itemsize: int, block: int | None, programs: int) -> tu
     return block, chunks
 
 
-def _strides(kv, buf, l0, page_ids):
-    return (page_ids.stride(0), l0, buf.shape[1], kv.stride(0), kv.stride(1), kv.stride(2),
-            buf.stride(0), buf.stride(1), buf.stride(2))
+def _check_bad(fn: str, bad: torch.Tensor | None) -> None:
+    if bad is not None:
+        check(isinstance(bad, torch.Tensor) and bad.dtype == torch.int32 and bad.numel() == 1,
+              f"{fn}: bad must be a one-element int32 tensor (a counter), got {bad!r:.60}")
+
+
+def _args(kv, buf, l0, page_ids, bad):
+    """The kernels' shared arguments: ids (stride, number of pages, the ``bad`` counter or a
+    stand-in pointer), layer range and the pool's / buffer's strides; then HAS_BAD."""
+    return (page_ids.stride(0), kv.shape[2], bad if bad is not None else page_ids, l0,
+            buf.shape[1], kv.stride(0), kv.stride(1), kv.stride(2), buf.stride(0), buf.stride(1),
+            buf.stride(2)), bad is not None
 
 
 def pack_pages_triton(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None,
                       out_dtype: torch.dtype | None = None,
                       layers: tuple[int, int] | None = None,
-                      out_scales: torch.Tensor | None = None, block: int | None = None
+                      out_scales: torch.Tensor | None = None, block: int | None = None,
+                      bad: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kv [L, 2, P, S, Hkv, D], page_ids [n] int -> (buf [n, Lr, 2, S, Hkv, D], scales
-    [n, Lr, 2, Hkv] fp32 or None). ``block``: values per program (copy) or per tile (quantise)."""
+    [n, Lr, 2, Hkv] fp32 or None). ``block``: values per program (copy) or per tile (quantise).
+    ``bad``: int32 [1] counter on the device, incremented once per id outside [0, P) (whose
+    record is written as zeros, scale 1); no host sync."""
     check(HAS_TRITON, "pack_pages_triton: triton is not importable")
     l0, _, dtype, shape = _check_pack("pack_pages", kv, page_ids, out, out_dtype, layers,
                                       out_scales)
+    _check_bad("pack_pages", bad)
     buf = out if out is not None else torch.empty(shape, dtype=dtype, device=kv.device)
     scales = None
     if dtype in QUANT_DTYPES:
         scales = out_scales if out_scales is not None else torch.empty(
             (*shape[:3], shape[4]), dtype=torch.float32, device=kv.device)
-    check_device("pack_pages", INTERPRET, kv, page_ids, buf, *(() if scales is None else (scales,)))
+    check_device("pack_pages", INTERPRET, kv, page_ids, buf,
+                 *(t for t in (scales, bad) if t is not None))
     n, Lr, _, S, H, D = shape
     if n == 0:
         return buf, scales
-    args = _strides(kv, buf, l0, page_ids)
+    args, has_bad = _args(kv, buf, l0, page_ids, bad)
     if scales is None:
         bits = _BITS[kv.element_size()]                    # raw bits: bit-exact for any value
         blk, chunks = _copy_grid(S * H * D, kv.element_size(), block, n * Lr * 2)
         _copy_kernel[(n * Lr * 2 * chunks,)](
             kv.view(bits), buf.view(bits), page_ids, *args, FRAG=S * H * D, BLOCK=blk,
-            CHUNKS=chunks, PACK=True, num_warps=4 if blk * kv.element_size() <= 8192 else 8)
+            CHUNKS=chunks, PACK=True, HAS_BAD=has_bad,
+            num_warps=4 if blk * kv.element_size() <= 8192 else 8)
         return buf, scales
     tile = block if block is not None else _TILE
     block_d = next_pow2(D)
     block_s = min(next_pow2(S), max(1, tile // block_d))
     block_h = min(next_pow2(H), max(1, tile // (block_s * block_d)))
     hgroups = -(-H // block_h)
-    _quant_kernel[(n * Lr * 2 * hgroups,)](
-        kv, buf, scales, page_ids, *args, S=S, H=H, D=D, BLOCK_S=block_s, BLOCK_H=block_h,
+    _quant_kernel[(n * Lr * 2 * hgroups,)](   # fp8 written as its codes: see _fp8_bits
+        kv, buf.view(torch.uint8) if dtype == FP8 else buf, scales, page_ids, *args, S=S, H=H,
+        D=D, BLOCK_S=block_s, BLOCK_H=block_h,
         BLOCK_D=block_d, HGROUPS=hgroups, QMAX=QMAX[dtype], INT8=dtype == torch.int8,
-        num_warps=4, **_round_args(dtype))
+        HAS_BAD=has_bad, num_warps=4, **_round_args(dtype))
     return buf, scales
 
 
 def unpack_pages_triton(buf: torch.Tensor, page_ids: torch.Tensor, kv: torch.Tensor,
                         scales: torch.Tensor | None = None,
-                        layers: tuple[int, int] | None = None, block: int | None = None
-                        ) -> torch.Tensor:
+                        layers: tuple[int, int] | None = None, block: int | None = None,
+                        bad: torch.Tensor | None = None) -> torch.Tensor:
     """buf [n, Lr, 2, S, Hkv, D] (+ scales [n, Lr, 2, Hkv] fp32 when fp8/int8) -> pages
-    ``page_ids`` of kv's layers ``layers`` (written in place; returns kv)."""
+    ``page_ids`` of kv's layers ``layers`` (written in place; returns kv). ``bad``: int32 [1]
+    counter on the device, incremented once per id outside [0, P) (whose record is not written
+    anywhere); no host sync."""
     check(HAS_TRITON, "unpack_pages_triton: triton is not importable")
     l0, _ = _check_unpack("unpack_pages", buf, page_ids, kv, scales, layers)
+    _check_bad("unpack_pages", bad)
     check_device("unpack_pages", INTERPRET, kv, page_ids, buf,
-                 *(() if scales is None else (scales,)))
+                 *(t for t in (scales, bad) if t is not None))
     n, Lr, _, S, H, D = buf.shape
     if n == 0:
         return kv
-    args = _strides(kv, buf, l0, page_ids)
+    args, has_bad = _args(kv, buf, l0, page_ids, bad)
     frag = S * H * D
     if scales is None:
         bits = _BITS[kv.element_size()]
         blk, chunks = _copy_grid(frag, kv.element_size(), block, n * Lr * 2)
         _copy_kernel[(n * Lr * 2 * chunks,)](
             kv.view(bits), buf.view(bits), page_ids, *args, FRAG=frag, BLOCK=blk, CHUNKS=chunks,
-            PACK=False, num_warps=4 if blk * kv.element_size() <= 8192 else 8)
+            PACK=False, HAS_BAD=has_bad, num_warps=4 if blk * kv.element_size() <= 8192 else 8)
         return kv
     block_d = next_pow2(D)                                  # one program: BLOCK_R rows of D
     per = (block if block is not None else _COPY_BYTES // kv.element_size()) // block_d
     block_r, chunks = _copy_grid(S * H, 1, min(next_pow2(S * H), next_pow2(max(1, per))),
                                  n * Lr * 2)
+    fp8 = buf.dtype == FP8                                  # read as codes: see _fp8_value
     _dequant_kernel[(n * Lr * 2 * chunks,)](
-        kv, buf, scales, page_ids, *args, H=H, D=D, ROWS=S * H, BLOCK_R=block_r,
-        BLOCK_D=block_d, CHUNKS=chunks, ROUND=kv.dtype in _NARROW,
+        kv, buf.view(torch.uint8) if fp8 else buf, scales, page_ids, *args, H=H, D=D,
+        ROWS=S * H, BLOCK_R=block_r, BLOCK_D=block_d, CHUNKS=chunks, FP8_BITS=fp8,
+        ROUND=kv.dtype in _NARROW, HAS_BAD=has_bad,
         num_warps=4 if block_r * block_d * kv.element_size() <= 8192 else 8,
         **_round_args(kv.dtype))
     return kv
@@ -442,29 +554,35 @@ def unpack_pages_triton(buf: torch.Tensor, page_ids: torch.Tensor, kv: torch.Ten
 # ---- dispatch ----------------------------------------------------------------------------------
 def pack_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, layers: tuple[int, int] | None = None,
-               out_scales: torch.Tensor | None = None
+               out_scales: torch.Tensor | None = None, bad: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pages ``page_ids`` of ``kv [L, 2, P, S, Hkv, D]`` (layers ``l0:l1`` when ``layers``) ->
     ``(buf [n, l1 - l0, 2, S, Hkv, D], scales)``: a bit-exact copy (``scales`` None) when
     ``out_dtype`` is None or kv's dtype; fp8 e4m3 / int8 with fp32 ``scales [n, l1 - l0, 2, Hkv]``
     otherwise. ``out`` / ``out_scales``: preallocated contiguous destinations (e.g. a slice of a
-    staging buffer). Triton when every tensor is on CUDA, the reference otherwise."""
-    tensors = [t for t in (kv, page_ids, out, out_scales) if t is not None]
+    staging buffer). Triton when every tensor is on CUDA, the reference otherwise.
+
+    Page ids outside [0, P): the kernel never reads or writes out of bounds (that record is
+    written as zeros, scale 1) and does not sync to say so; pass ``bad`` (int32 [1] on the
+    device, e.g. zeros) to have them counted into it and check it whenever convenient. The
+    reference raises ValueError on them unless ``bad`` is given (then it behaves as the kernel)."""
+    tensors = [t for t in (kv, page_ids, out, out_scales, bad) if t is not None]
     if use_triton(*tensors):
-        return pack_pages_triton(kv, page_ids, out, out_dtype, layers, out_scales)
-    return pack_pages_reference(kv, page_ids, out, out_dtype, layers, out_scales)
+        return pack_pages_triton(kv, page_ids, out, out_dtype, layers, out_scales, bad=bad)
+    return pack_pages_reference(kv, page_ids, out, out_dtype, layers, out_scales, bad=bad)
 
 
 def unpack_pages(buf: torch.Tensor, page_ids: torch.Tensor, kv: torch.Tensor,
-                 scales: torch.Tensor | None = None, layers: tuple[int, int] | None = None
-                 ) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, layers: tuple[int, int] | None = None,
+                 bad: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of ``pack_pages``: writes ``buf [n, l1 - l0, 2, S, Hkv, D]`` into pages
     ``page_ids`` of kv (dequantised with ``scales`` when ``buf`` is fp8/int8); returns kv.
-    Triton when every tensor is on CUDA, the reference otherwise."""
-    tensors = [t for t in (buf, page_ids, kv, scales) if t is not None]
+    Triton when every tensor is on CUDA, the reference otherwise. Page ids outside [0, P) are
+    written nowhere; ``bad`` counts them, as in ``pack_pages``."""
+    tensors = [t for t in (buf, page_ids, kv, scales, bad) if t is not None]
     if use_triton(*tensors):
-        return unpack_pages_triton(buf, page_ids, kv, scales, layers)
-    return unpack_pages_reference(buf, page_ids, kv, scales, layers)
+        return unpack_pages_triton(buf, page_ids, kv, scales, layers, bad=bad)
+    return unpack_pages_reference(buf, page_ids, kv, scales, layers, bad=bad)
 
 
 op = pack_pages   # the one-op-per-file registry name; its inverse is unpack_pages

@@ -3,8 +3,9 @@
 Run on the GPU box: ``python -m pytest -m gpu tests/gpu/test_kv_pages_gpu.py -q``. Pools of a few
 hundred 16-token pages of LLaDA-8B (32 layers, 32 kv heads, head_dim 128: 8 MiB a page in bf16)
 and Dream-7B (28 layers, 4 kv heads: 896 KiB a page). Acceptance: copies bit-exact; quantised
-bytes, scales and dequantised pools identical to the reference (same rounding, ties to even); a
-pool past 2^31 elements (int64 offsets). Peak memory ~12 GB.
+bytes, scales and dequantised pools identical to the reference (same rounding, ties to even), and
+to the reference run on the CPU; a pool past 2^31 elements (int64 offsets); page ids out of range
+masked and counted; NaN / inf quantised as the reference does. Peak memory ~12 GB.
 """
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def _pool(model, pages, page_size=16, dtype=torch.bfloat16, seed=0):
 def _ids(pages, n, seed=0, dtype=torch.int64):
     g = torch.Generator().manual_seed(seed)
     return torch.randperm(pages, generator=g)[:n].to(device=DEV, dtype=dtype)
+
+
+def _equal_cpu_reference(kv, ids, q, s, qdtype, layers=None, k=16):
+    """The first ``k`` records (codes and scales) equal the CPU reference's: the CUDA reference
+    once divided by a Python scalar (``amax * fl32(1 / qmax)`` on CUDA, a true division on the
+    CPU), so comparing kernel and CUDA reference alone could hide a wrong reference."""
+    pages = kv[:, :, ids[:k].long()].cpu()                 # only those pages leave the GPU
+    cq, cs = kv_pages.pack_pages_reference(pages, torch.arange(pages.shape[2]), out_dtype=qdtype,
+                                           layers=layers)
+    return torch.equal(s[:k].cpu(), cs) and torch.equal(_bits(q[:k].cpu()), _bits(cq))
 
 
 def test_dispatch_picks_triton_on_cuda():
@@ -93,6 +104,7 @@ def test_quantised_equal_reference(model, qdtype):
     q, s = kv_pages.pack_pages(kv, ids, out_dtype=qdtype)
     ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype)
     assert torch.equal(s, ref_s) and torch.equal(_bits(q), _bits(ref_q))
+    assert _equal_cpu_reference(kv, ids, q, s, qdtype)
     assert s[0, 3, 1, 2] == 1.0
     dst, want = torch.zeros_like(kv), torch.zeros_like(kv)
     kv_pages.unpack_pages(q, ids, dst, s)
@@ -120,6 +132,7 @@ def test_other_dtypes_and_page_sizes(dtype, page_size):
         q, s = kv_pages.pack_pages(kv, ids, out_dtype=qdtype, layers=(5, 9))
         ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype, layers=(5, 9))
         assert torch.equal(s, ref_s) and torch.equal(_bits(q), _bits(ref_q))
+        assert _equal_cpu_reference(kv, ids, q, s, qdtype, layers=(5, 9))
         dst, want = torch.zeros_like(kv), torch.zeros_like(kv)
         kv_pages.unpack_pages(q, ids, dst, s, layers=(5, 9))
         kv_pages.unpack_pages_reference(q, ids, want, s, layers=(5, 9))
@@ -141,6 +154,7 @@ def test_round_half_to_even_on_gpu(qdtype):
     q, s = kv_pages.pack_pages(kv, ids, out_dtype=qdtype)
     ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype)
     assert torch.equal(_bits(q), _bits(ref_q)) and torch.equal(s, ref_s)
+    assert _equal_cpu_reference(kv, ids, q, s, qdtype)
     assert q[0, 0, 0, 0, 0].float().tolist() == [float(w) for w in want]
     # every finite fp8 code dequantises like torch, into every pool dtype
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -170,9 +184,61 @@ def test_pool_past_2_pow_31_elements():
     q, s = kv_pages.pack_pages(kv, ids, out_dtype=FP8)
     ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=FP8)
     assert torch.equal(_bits(q), _bits(ref_q)) and torch.equal(s, ref_s)
+    cq, cs = kv_pages.pack_pages_reference(kv[:, :, ids].cpu(), torch.arange(5), out_dtype=FP8)
+    assert torch.equal(_bits(q.cpu()), _bits(cq)) and torch.equal(s.cpu(), cs)
     back = torch.tensor([555, 540, 520, 514, 512], device=DEV)   # write to other high pages
     kv_pages.unpack_pages(got, back, kv)
     assert torch.equal(_bits(kv[:, :, back]), _bits(kv[:, :, ids]))
     kv_pages.unpack_pages(q, back, kv, s)
     deq = (q.float() * s[:, :, :, None, :, None]).to(torch.bfloat16).permute(1, 2, 0, 3, 4, 5)
     assert torch.equal(_bits(kv[:, :, back]), _bits(deq))
+
+
+@pytest.mark.parametrize("qdtype", [None, FP8, torch.int8])
+def test_bad_page_ids_masked_and_counted_on_gpu(qdtype):
+    """Ids outside [0, P) are never read or written (one guard page either side of the pool
+    view catches a stray access) and are counted into `bad` with no host sync."""
+    L, H, D = MODELS["dream"]
+    whole = torch.zeros(L, 2, 34, 16, H, D, dtype=torch.bfloat16, device=DEV)
+    kv = whole[:, :, 1:-1]                                   # 32 pages
+    kv.normal_()
+    ids = torch.tensor([5, 32, -1, 0, 1000, 31], device=DEV)
+    ok = torch.tensor([True, False, False, True, False, True], device=DEV)
+    bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+    q, s = kv_pages.pack_pages(kv, ids, out_dtype=qdtype, bad=bad)
+    ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids[ok], out_dtype=qdtype)
+    assert int(bad) == 3 and not _bits(q[~ok]).any()
+    assert torch.equal(_bits(q[ok]), _bits(ref_q))
+    if qdtype is not None:
+        assert torch.equal(s[ok], ref_s) and (s[~ok] == 1).all()
+    before = whole.clone()
+    bad.zero_()
+    kv_pages.unpack_pages(torch.ones_like(q) if qdtype is None else q, ids, kv,
+                          None if qdtype is None else s, bad=bad)
+    assert int(bad) == 3
+    assert torch.equal(_bits(whole[:, :, 0]), _bits(before[:, :, 0]))       # guards untouched
+    assert torch.equal(_bits(whole[:, :, -1]), _bits(before[:, :, -1]))
+    kv_pages.unpack_pages(q, ids, kv, s)                     # no counter: still masked
+    assert torch.equal(_bits(whole[:, :, 0]), _bits(before[:, :, 0]))
+
+
+@pytest.mark.parametrize("qdtype", [FP8, torch.int8])
+def test_non_finite_values_like_the_reference_on_gpu(qdtype):
+    kv = _pool("dream", 8, seed=9)
+    kv[0, 0, 1, 2, 1, 5] = float("nan")
+    kv[1, 1, 1, 0, 2, 3] = float("inf")
+    kv[2, 0, 3, 1, 0, 7] = float("-inf")
+    ids = torch.tensor([1, 3, 0], device=DEV)
+    q, s = kv_pages.pack_pages(kv, ids, out_dtype=qdtype)
+    ref_q, ref_s = kv_pages.pack_pages_reference(kv, ids, out_dtype=qdtype)
+    assert torch.equal(s, ref_s) and s[0, 0, 0, 1] == 1 and s[0, 1, 1, 2] == float("inf")
+    nan = q.float().isnan()
+    assert torch.equal(nan, ref_q.float().isnan())
+    assert torch.equal(_bits(q)[~nan], _bits(ref_q)[~nan])
+    if qdtype == FP8:
+        assert nan[0, 0, 0, 2, 1, 5]                          # was -448 before the fix
+    dst, want = torch.zeros_like(kv), torch.zeros_like(kv)
+    kv_pages.unpack_pages(q, ids, dst, s)
+    kv_pages.unpack_pages_reference(q, ids, want, s)
+    assert torch.equal(dst.isnan(), want.isnan())
+    assert torch.equal(_bits(dst)[~dst.isnan()], _bits(want)[~want.isnan()])
