@@ -64,6 +64,7 @@ class KVCacheManager:
         self._l2_free = list(range(l2_slots - 1, -1, -1))
         self.l1_slots, self.l2_slots = l1_slots, l2_slots
         self._blocks: set[Block] = set()            # every cached block with a live node
+        self._l1_orphans: set[int] = set()          # host slots of failed stores still spilling
         self._ops: list = []                        # tier ops for the runner's next step
         self.page_bytes = page_bytes
         self.clock = clock
@@ -133,6 +134,7 @@ class KVCacheManager:
                     nodes = nodes[:i]
                     break
                 fetch[nd.block] = slot
+        protect = {nd.block for nd in nodes}           # (a cut chain protects only what it uses)
         # every reused page not in L0 needs a fresh page to be loaded into
         fresh = n_total - len(nodes) + sum(1 for nd in nodes if nd.block.tier != L0)
         if self.pool.num_free < fresh:
@@ -208,14 +210,17 @@ class KVCacheManager:
                 # pack reads the page before any step or load can write the freed page
                 b.pending_l1 = slot
                 self._ops.append(Store(b, page, slot))
-                if self._l2_free:          # write-through: a copy on disk too, so the host slot
-                    b.pending_l2 = self._l2_free.pop()      # can be reused at once later
-                    self._ops.append(Spill(b, slot, b.pending_l2))
-            elif self._l2_free:            # host slots all busy: straight to disk
-                b.pending_l2 = self._l2_free.pop()
-                self._ops.append(StoreDisk(b, page, b.pending_l2))
+                disk = self._l2_slot(protect | {b})
+                if disk is not None:       # write-through: a copy on disk too, so the host slot
+                    b.pending_l2 = disk    # can be reused at once later
+                    self._ops.append(Spill(b, slot, disk))
             else:
-                self._drop(b)
+                disk = self._l2_slot(protect | {b})
+                if disk is not None:       # host slots all busy: straight to disk
+                    b.pending_l2 = disk
+                    self._ops.append(StoreDisk(b, page, disk))
+                else:
+                    self._drop(b)
         self.pool.free([page])
 
     def _l1_slot(self, protect: set) -> int | None:
@@ -231,6 +236,18 @@ class KVCacheManager:
                     self._drop(b)
                 break
         return self._l1_free.pop() if self._l1_free else None
+
+    def _l2_slot(self, protect: set) -> int | None:
+        """A free disk slot, evicting the policy's choice of the disk copies not in use."""
+        if not self._l2_free and self.l2_slots:
+            cands = [b for b in self._blocks if b.l2 is not None and not b.busy
+                     and b not in protect]
+            for b in self.policy.order(cands)[:1]:
+                self._l2_free.append(b.l2)
+                b.l2 = None
+                if b.l0 is None and b.l1 is None:
+                    self._drop(b)
+        return self._l2_free.pop() if self._l2_free else None
 
     def _drop(self, b: Block) -> None:
         """No copy of ``b`` is left: lookups stop there; its node goes once it is a leaf."""
@@ -275,7 +292,12 @@ class KVCacheManager:
         fresh = [None] * reused + [Block(b"", l0=pages[i]) for i in range(reused, n)]
         for i, (node, adopted) in enumerate(tree.insert(tokens[:n * self.page_size], fresh)):
             if not adopted:
-                continue
+                old = node.block
+                if i < reused or old is None or not old.lost:
+                    continue
+                # a lost block (every copy gone) under live children: this page replaces it
+                self._blocks.discard(old)
+                node.block = fresh[i]
             b = node.block
             b.key, b.node, b.tree = node.key, node, tree
             self.policy.touch(b, now)
@@ -302,17 +324,25 @@ class KVCacheManager:
                     b.l1 = op.slot
                     self._count_bytes(L1, "down", moved)
                 else:
-                    self._l1_free.append(op.slot)
-                    if b.l0 is None and b.l2 is None:
+                    # a write-through spill may still read the slot: free it when it reports
+                    if b.pending_l2 is not None:
+                        self._l1_orphans.add(op.slot)
+                    else:
+                        self._l1_free.append(op.slot)
+                    if b.l0 is None and b.l2 is None and b.pending_l2 is None:
                         self._drop(b)
             elif isinstance(op, (Spill, StoreDisk)):
                 b.pending_l2 = None
-                if ok:
+                if isinstance(op, Spill) and op.slot in self._l1_orphans:
+                    self._l1_orphans.discard(op.slot)     # its store failed: nothing to keep
+                    self._l1_free.append(op.slot)
+                    ok = False
+                if ok and not b.lost:
                     b.l2 = op.disk_slot
                     self._count_bytes(L2, "down", moved)
                 else:
                     self._l2_free.append(op.disk_slot)
-                    if isinstance(op, StoreDisk) and b.l0 is None and b.l1 is None:
+                    if b.l0 is None and b.l1 is None and not b.busy and not b.lost:
                         self._drop(b)
             elif isinstance(op, Fetch):
                 b.pending_l1 = None
@@ -337,6 +367,10 @@ class KVCacheManager:
                         self._l1_free.append(b.l1)
                         b.l1 = None
                     b.l0 = None      # the request's allocation is undone by load_failed
+                    if not any(op.page in pages for pages in self._pages.values()):
+                        self.pool.free([op.page])      # its request already left: the cache's
+                        if b.l2 is None and not b.busy:    # reference goes here
+                            self._drop(b)
         return []
 
     def load_failed(self, request_id: str) -> None:

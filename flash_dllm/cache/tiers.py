@@ -118,7 +118,7 @@ class LRUPolicy:
 
     def order(self, candidates: list[Block]) -> list[Block]:
         """``candidates`` in eviction order (first out first)."""
-        return sorted(candidates, key=lambda b: b.last_access)
+        return sorted(candidates, key=lambda b: (b.last_access, b.key))   # ties: deterministic
 
 
 PLACEMENT_POLICIES = {"lru": LRUPolicy}
