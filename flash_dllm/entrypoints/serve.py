@@ -31,10 +31,25 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help="the model id clients send (default: the checkpoint folder's name)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies get 413")
-    s.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds to let in-flight requests finish after SIGTERM (default: no limit)")
+    s.add_argument("--drain-timeout", type=_seconds, default=30.0,
+                   help="after SIGTERM/SIGINT: seconds in-flight requests get to finish while "
+                        "/ready, /health and new requests answer 503 with Retry-After; at the "
+                        "limit the rest end with an error (an OpenAI error body; streams an error "
+                        "event, then [DONE]) and the server exits; a second signal exits at "
+                        "once (default: 30)")
+    s.add_argument("--strict-params", action="store_true",
+                   help="refuse (400) every OpenAI parameter the engine does not use, instead "
+                        "of ignoring the harmless ones (user, store, metadata, ...) and "
+                        "accepting the others at their neutral value (presence_penalty 0, ...)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return v
 
 
 def load_async_engine(model=None, device: str = "cpu", dtype: str = "float32",
@@ -65,7 +80,9 @@ def build_server_app(a: argparse.Namespace):
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
     name = getattr(a, "served_model_name", None) or folder.name
     app = build_app(aeng, tok, name, api_key=a.api_key,
-                    max_body_bytes=getattr(a, "max_body_bytes", 1 << 20))
+                    max_body_bytes=getattr(a, "max_body_bytes", 1 << 20),
+                    strict_params=getattr(a, "strict_params", False),
+                    drain_timeout=getattr(a, "drain_timeout", 30.0))
     return app, aeng, name
 
 
@@ -79,5 +96,5 @@ def run(a: argparse.Namespace) -> int:
     print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} "
           f"({pool.num_pages} KV pages of {pool.page_size} tokens, "
           f"max_num_seqs={aeng.engine.config.max_num_seqs})", file=sys.stderr, flush=True)
-    make_uvicorn_server(app, aeng, a.host, a.port, a.log_level, a.drain_timeout).run()
+    make_uvicorn_server(app, aeng, a.host, a.port, a.log_level).run()
     return 0

@@ -5,9 +5,10 @@ strings cut each choice's text right before the first occurrence and abort its e
 soon as its decoded committed prefix holds one (``flash_dllm.server.stops``).
 
 NOTE: every engine request a response submitted is aborted however the response ends (finished,
-cut at a stop string, client disconnected, another choice failed, the task cancelled): aborting
-frees its KV pages before the next engine step, and aborting a finished request is a no-op. A
-request nobody reads would otherwise decode to the end of its canvas, holding its pages.
+cut at a stop string, client disconnected, another choice failed, the drain limit passed, the task
+cancelled): aborting frees its KV pages before the next engine step, and aborting a finished
+request is a no-op. A request nobody reads would otherwise decode to the end of its canvas,
+holding its pages.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from flash_dllm.engine.async_engine import EngineUnavailableError, RequestStream
 from flash_dllm.engine.request import RequestOutput
 from flash_dllm.server.context import ServerContext, make_params, new_request_id
 from flash_dllm.server.detokenize import IncrementalDetokenizer
+from flash_dllm.server.drain import RETRY_AFTER, Drain
 from flash_dllm.server.errors import APIError
 from flash_dllm.server.protocol import Usage, error_body
 from flash_dllm.server.stops import StopBuffer, tokens_covering
@@ -120,9 +122,10 @@ def submit_choices(ctx: ServerContext, prompt_ids: list[int], body, max_tokens: 
     return rid, choices
 
 
-async def run_choices(choices: list[Choice], receive: Receive) -> None:
+async def run_choices(choices: list[Choice], receive: Receive, drain: Drain) -> None:
     """Drive every choice to its end (finished, or cut at a stop string); aborts them all if the
-    client disconnects first (an ``http.disconnect`` on ``receive``) or one fails."""
+    client disconnects first (an ``http.disconnect`` on ``receive``), one fails, or the drain
+    limit passes (a 503)."""
     async def consume(ch: Choice) -> None:
         async for out in ch.stream:
             ch.feed(out)
@@ -135,12 +138,17 @@ async def run_choices(choices: list[Choice], receive: Receive) -> None:
 
     tasks = [asyncio.ensure_future(consume(ch)) for ch in choices]
     watcher = asyncio.ensure_future(disconnected())
+    cut = drain.cutoff()
     pending = set(tasks)
     try:
         while pending:
-            done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(pending | {watcher, cut},
+                                         return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:
                 raise APIError(499, "client disconnected", code="client_closed_request")
+            if cut in done:
+                raise APIError(503, drain.message(), "server_error", code="drain_timeout",
+                               headers={"Retry-After": RETRY_AFTER})
             for e in [t.exception() for t in done]:
                 if e is not None:
                     raise e
@@ -151,17 +159,20 @@ async def run_choices(choices: list[Choice], receive: Receive) -> None:
         raise APIError(503, str(e), "server_error", code="unavailable") from None
     finally:
         watcher.cancel()
+        cut.cancel()
         for t in tasks:
             t.cancel()
         for ch in choices:
             ch.stream.abort()
 
 
-async def final_output(stream: RequestStream, decode: Decode, receive: Receive) -> RequestOutput:
+async def final_output(stream: RequestStream, decode: Decode, receive: Receive,
+                       drain: Drain) -> RequestOutput:
     """The finished output of one engine request (``/generate``): ``run_choices`` on a single lazy
-    choice with no stop strings, so a disconnect or an engine failure is handled alike."""
+    choice with no stop strings, so a disconnect, an engine failure or the drain limit is handled
+    alike."""
     ch = Choice.of(0, stream, decode, (), 0, lazy=True)
-    await run_choices([ch], receive)
+    await run_choices([ch], receive, drain)
     return ch.last
 
 
@@ -186,11 +197,11 @@ def _data(ev: dict | str) -> str:
 
 def sse_choices(choices: list[Choice], opening: list[dict],
                 events: Callable[[Choice, str], list[dict]],
-                closing: Callable[[], list[dict]]) -> StreamingResponse:
+                closing: Callable[[], list[dict]], drain: Drain) -> StreamingResponse:
     """SSE over all choices: ``opening``, then ``events(choice, delta)`` whenever a choice's
     releasable text grew or it ended (``choice.done``), then ``closing()`` once every choice
-    ended, then ``data: [DONE]``. Outputs are interleaved in arrival order; an engine failure
-    becomes one error event before ``[DONE]``."""
+    ended, then ``data: [DONE]``. Outputs are interleaved in arrival order; an engine failure, or
+    the drain limit passing, becomes one error event before ``[DONE]``."""
     async def gen() -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -203,6 +214,8 @@ def sse_choices(choices: list[Choice], opening: list[dict],
                 queue.put_nowait((ch, e))
 
         tasks: list[asyncio.Future] = []
+        cut = drain.cutoff()
+        cut.add_done_callback(lambda f: f.cancelled() or queue.put_nowait((None, None)))
         try:
             for ev in opening:
                 yield _data(ev)
@@ -210,6 +223,8 @@ def sse_choices(choices: list[Choice], opening: list[dict],
             left = len(choices)
             while left:
                 ch, item = await queue.get()
+                if ch is None:
+                    raise APIError(503, drain.message(), "server_error", code="drain_timeout")
                 if ch.done:
                     continue                     # outputs after a stop string: ignored
                 if isinstance(item, EngineUnavailableError):
@@ -224,7 +239,10 @@ def sse_choices(choices: list[Choice], opening: list[dict],
                 yield _data(ev)
         except EngineUnavailableError as e:
             yield _data(error_body(str(e), "server_error"))
+        except APIError as e:
+            yield _data(error_body(e.message, e.type, e.param, e.code))
         finally:
+            cut.cancel()
             for t in tasks:
                 t.cancel()
             for ch in choices:                   # every engine request ends with the response
@@ -232,28 +250,6 @@ def sse_choices(choices: list[Choice], opening: list[dict],
         yield _data("[DONE]")
 
     return SSEResponse(gen(), [ch.stream for ch in choices])
-
-
-def sse(stream: RequestStream, decode: Decode,
-        events: Callable[[str, RequestOutput | None], list[dict]]) -> StreamingResponse:
-    """One engine request as SSE (``/generate``): ``events(delta_text, output)`` as ``data:``
-    lines, then ``data: [DONE]``; ``events("", None)`` gives the opening events."""
-    detok = IncrementalDetokenizer(decode)
-
-    async def gen() -> AsyncIterator[str]:
-        try:
-            for ev in events("", None):
-                yield _data(ev)
-            async for out in stream:
-                delta = detok.step(out.token_ids, final=out.finished)
-                if delta or out.finished:
-                    for ev in events(delta, out):
-                        yield _data(ev)
-        except EngineUnavailableError as e:
-            yield _data(error_body(str(e), "server_error"))
-        yield _data("[DONE]")
-
-    return SSEResponse(gen(), [stream])
 
 
 class SSEResponse(StreamingResponse):

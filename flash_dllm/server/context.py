@@ -16,9 +16,10 @@ from fastapi import Request
 from flash_dllm.config import SamplingParams
 from flash_dllm.engine.async_engine import (AsyncEngine, EngineUnavailableError, QueueFullError,
                                             RequestStream)
+from flash_dllm.server.drain import RETRY_AFTER, Drain, log
 from flash_dllm.server.errors import APIError, param_of
 from flash_dllm.server.metrics import ServerMetrics
-from flash_dllm.server.protocol import DLLMKnobs
+from flash_dllm.server.protocol import IGNORED_PARAMS, NEUTRAL_PARAMS, DLLMKnobs
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,7 +32,10 @@ class ServerContext:
     served_model_name: str
     metrics: ServerMetrics
     max_model_len: int                                   # the engine's max_position
+    drain: Drain
+    strict_params: bool = False                          # every policy parameter is a 400
     created: int = field(default_factory=lambda: int(time.time()))   # /v1/models "created"
+    _logged: set = field(default_factory=set, repr=False)     # ignored parameters logged once
 
     def count_error(self, status: int) -> None:
         self.metrics.http_errors.labels(status=str(status)).inc()
@@ -43,6 +47,35 @@ class ServerContext:
                                 f"'{self.served_model_name}'", param="model",
                            code="model_not_found")
 
+    def check_request(self, body, request: Request) -> None:
+        """The model (404) and the parameter policy of ``protocol``: a parameter sent at a value
+        the engine cannot honour is a 400 naming it and why; ignored ones are listed in
+        ``request.state.ignored_params`` (the ``X-Flash-DLLM-Ignored`` header) and logged once.
+        With ``strict_params`` every policy parameter but ``user`` is a 400."""
+        self.check_model(body.model)
+        sent = body.policy_params()
+        if self.strict_params:
+            refused = [n for n in sent if n != "user"]
+            if refused:
+                raise APIError(400, "unknown or unsupported parameter(s): "
+                               f"{', '.join(repr(n) for n in refused)} (this server runs with "
+                               "--strict-params)", param=refused[0])
+        ignored = []
+        for name, value in sent.items():
+            rule = NEUTRAL_PARAMS.get(name)
+            if rule is None:
+                ignored.append(name)
+            elif not rule.ok(value):
+                raise APIError(400, f"{name}: {rule.why} (accepted: {rule.accepts})", param=name)
+        if ignored:
+            request.state.ignored_params = ignored
+            for name in ignored:
+                if name not in self._logged:
+                    self._logged.add(name)
+                    log.warning("ignoring the parameter '%s' (%s); the response header "
+                                "X-Flash-DLLM-Ignored names it (logged once)",
+                                name, IGNORED_PARAMS[name])
+
     def encode_prompt(self, prompt) -> tuple[list[int], str | None]:
         """(prompt ids, prompt text or None) of a string, an id list, or a one-element list of
         either (more than one prompt per request is a 400)."""
@@ -52,6 +85,7 @@ class ServerContext:
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt), prompt
         return list(prompt), None
 
@@ -63,17 +97,43 @@ class ServerContext:
             return self.async_engine.submit(prompt_ids, params, request_id=request_id,
                                             prompt=prompt)
         except QueueFullError as e:
-            raise APIError(429, str(e), "rate_limit_error", code="queue_full",
+            raise APIError(429, self.queue_full_message(), "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
         except EngineUnavailableError as e:
             raise APIError(503, str(e), "server_error", code="unavailable",
-                           headers={"Retry-After": "5"}) from None
+                           headers={"Retry-After": RETRY_AFTER}) from None
         except ValueError as e:
             msg = str(e)
             if "maximum length" in msg or "KV pages" in msg:
                 param = "prompt" if len(prompt_ids) >= self.max_model_len else "max_tokens"
                 raise APIError(400, msg, param=param, code="context_length_exceeded") from None
             raise APIError(400, msg, param="prompt") from None
+
+    def queue_full_message(self) -> str:
+        """Why a request was refused with 429: the limit hit (``--max-waiting``), and the state of
+        the limits the waiting requests wait on (running slots, KV pages), with their flags."""
+        aeng = self.async_engine
+        cfg = aeng.engine.config
+        running, used, total = aeng.num_running, aeng.engine.kv_manager.num_used, \
+            aeng.engine.pool.num_pages
+        full = lambda cond: " (full)" if cond else ""          # noqa: E731
+        return (f"server busy: the waiting queue is full ({aeng.num_waiting} request(s) wait for "
+                f"admission; the limit is --max-waiting {cfg.max_waiting}). Running: {running} "
+                f"of --max-num-seqs {cfg.max_num_seqs}{full(running >= cfg.max_num_seqs)}; KV "
+                f"pages reserved: {used} of {total} (--kv-cache-gb / --num-kv-pages)"
+                f"{full(used >= total)}. Retry later.")
+
+
+def check_text(text: str, param: str) -> None:
+    """A 400 naming ``param`` for text that is not valid Unicode: a lone UTF-16 surrogate (the
+    JSON escape ``\\udc80`` of half a pair) cannot be encoded or tokenised."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: it holds the lone surrogate "
+                            f"{text[e.start]!r} at character {e.start} (half of a UTF-16 pair "
+                            f"escaped as \\uXXXX in JSON); send whole characters",
+                       param=param) from None
 
 
 def make_params(knobs: DLLMKnobs, max_tokens: int | None) -> SamplingParams:

@@ -3,14 +3,19 @@
 Requests are strict: wrong JSON types are errors (no ``"16"`` -> 16 coercion) and unknown fields
 are rejected by name. Besides the OpenAI fields, the dLLM knobs ``block_length``, ``steps``,
 ``decode``, ``cache``, ``threshold``, ``gamma`` (and ``top_k``) are accepted as extra body fields.
+
+The OpenAI parameters this engine does not use follow one policy (``IGNORED_PARAMS`` and
+``NEUTRAL_PARAMS`` below; ``ServerContext.check_request`` applies it): the harmless ones are
+accepted and ignored, the others are accepted only at the value that means "off" and are a 400
+naming the parameter and why otherwise. With ``strict_params`` every one of them is a 400.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import fields
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from flash_dllm.config import DEFAULT_BLOCK_LENGTH, SamplingParams
 from flash_dllm.server.stops import stop_strings
@@ -18,6 +23,91 @@ from flash_dllm.server.stops import stop_strings
 MAX_N = 16                                       # choices per request (OpenAI ``n``)
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+# ------------------------------------------------------------------------- the parameter policy
+# Parameters popular OpenAI clients send that change nothing this engine produces: accepted with
+# any value, ignored, named in the response header ``X-Flash-DLLM-Ignored`` and logged once per
+# name. (``user`` is also accepted in strict mode, as it always was.)
+IGNORED_PARAMS: dict[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring",
+    "store": "OpenAI-side storage of the completion",
+    "metadata": "tags for stored completions",
+    "service_tier": "OpenAI's processing tier",
+    "prompt_cache_key": "OpenAI's prompt-cache routing (prefix reuse here is automatic)",
+    "prompt_cache_retention": "OpenAI's prompt-cache lifetime",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+    "parallel_tool_calls": "no tools are called",
+    "prediction": "a latency hint (predicted output); the answer is the same without it",
+    "stream_options.include_obfuscation": "OpenAI's stream padding",
+}
+
+
+def _is_zero(v) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _is_off(v) -> bool:
+    return v is None or v is False
+
+
+@dataclass(frozen=True)
+class Neutral:
+    """A parameter accepted only at the value that means "off" (what this engine does anyway)."""
+
+    accepts: str                              # the accepted values, as the 400 message says
+    why: str                                  # why any other value is refused
+    ok: Callable[[Any], bool] = lambda v: v is None
+
+
+_NO_TOOLS = "tool calling is not supported by this engine"
+_NO_LOGPROBS = ("not supported by this engine (a diffusion LLM unmasks tokens in any order and "
+                "computes no per-token log-probabilities)")
+
+# Parameters accepted at their neutral value only; any other value is a 400 "<name>: <why>".
+NEUTRAL_PARAMS: dict[str, Neutral] = {
+    "presence_penalty": Neutral("0", "penalties change sampling in a way this engine does not "
+                                     "implement", _is_zero),
+    "frequency_penalty": Neutral("0", "penalties change sampling in a way this engine does not "
+                                      "implement", _is_zero),
+    "logprobs": Neutral("null or false", _NO_LOGPROBS, _is_off),
+    "top_logprobs": Neutral("null or 0", _NO_LOGPROBS, _is_zero),
+    "logit_bias": Neutral("null or {}", "biasing token logits is not supported by this engine",
+                          lambda v: v is None or v == {}),
+    "response_format": Neutral('{"type": "text"}', "structured output (json_object, json_schema) "
+                               "is not supported by this engine",
+                               lambda v: v is None or v == {"type": "text"}),
+    "tools": Neutral("null or []", _NO_TOOLS, lambda v: v is None or v == []),
+    "tool_choice": Neutral('null, "none" or "auto"', _NO_TOOLS,
+                           lambda v: v is None or v in ("none", "auto")),
+    "functions": Neutral("null or []", _NO_TOOLS, lambda v: v is None or v == []),
+    "function_call": Neutral('null, "none" or "auto"', _NO_TOOLS,
+                             lambda v: v is None or v in ("none", "auto")),
+    "modalities": Neutral('["text"]', "this engine only produces text",
+                          lambda v: v is None or v == ["text"]),
+    "audio": Neutral("null", "this engine only produces text"),
+    "web_search_options": Neutral("null", "web search is not supported by this engine"),
+    "echo": Neutral("null or false", "echoing the prompt is not supported by this engine",
+                    _is_off),
+    "best_of": Neutral("null or 1", "ranking samples needs log-probabilities, which this engine "
+                       "does not compute; use n",
+                       lambda v: v is None or (type(v) is int and v == 1)),
+    "suffix": Neutral('null or ""', "insertion (suffix) is not supported by this engine",
+                      lambda v: v is None or v == ""),
+}
+
+_COMMON_POLICY = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
+                  "prompt_cache_retention", "safety_identifier", "presence_penalty",
+                  "frequency_penalty", "logprobs", "logit_bias")
+COMPLETION_POLICY = _COMMON_POLICY + ("echo", "best_of", "suffix")
+CHAT_POLICY = _COMMON_POLICY + ("top_logprobs", "response_format", "tools", "tool_choice",
+                                "functions", "function_call", "parallel_tool_calls", "prediction",
+                                "modalities", "audio", "web_search_options")
+
+
+def _policy_fields(name: str, base: type, names: tuple[str, ...]) -> type:
+    """``base`` plus one field per policy parameter: any JSON value, checked by the policy."""
+    return create_model(name, __base__=base, **{n: (Any, None) for n in names})
 
 
 class _Strict(BaseModel):
@@ -57,6 +147,7 @@ def default_block_length(max_tokens: int) -> int:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: Any = None              # ignored (IGNORED_PARAMS)
 
 
 class _OpenAICommon(DLLMKnobs):
@@ -67,7 +158,7 @@ class _OpenAICommon(DLLMKnobs):
     n: int = Field(1, ge=1, le=MAX_N)
     # the answer ends right before the first stop string (finish_reason "stop"); up to 4
     stop: str | list[str] | None = None
-    user: str | None = None                      # accepted, unused
+    POLICY: ClassVar[tuple[str, ...]] = ()       # the policy parameters this endpoint accepts
 
     @field_validator("stop")
     @classmethod
@@ -78,8 +169,17 @@ class _OpenAICommon(DLLMKnobs):
     def stop_strings(self) -> tuple[str, ...]:
         return stop_strings(self.stop)
 
+    def policy_params(self) -> dict[str, Any]:
+        """The policy parameters the client sent (``IGNORED_PARAMS``, ``NEUTRAL_PARAMS``)."""
+        sent = {n: getattr(self, n) for n in self.POLICY if n in self.model_fields_set}
+        if self.stream_options is not None and \
+                "include_obfuscation" in self.stream_options.model_fields_set:
+            sent["stream_options.include_obfuscation"] = self.stream_options.include_obfuscation
+        return sent
 
-class CompletionRequest(_OpenAICommon):
+
+class CompletionRequest(_policy_fields("_CompletionPolicy", _OpenAICommon, COMPLETION_POLICY)):
+    POLICY: ClassVar[tuple[str, ...]] = COMPLETION_POLICY
     # a string, a list of token ids, or a one-element list of either
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
@@ -91,7 +191,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "developer"]    # developer: a system message
     content: str | list[TextPart]
     name: str | None = None
 
@@ -99,7 +199,8 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_OpenAICommon):
+class ChatCompletionRequest(_policy_fields("_ChatPolicy", _OpenAICommon, CHAT_POLICY)):
+    POLICY: ClassVar[tuple[str, ...]] = CHAT_POLICY
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

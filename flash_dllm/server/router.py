@@ -14,9 +14,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flash_dllm.engine.request import RequestOutput
-from flash_dllm.server.choices import (Choice, final_output, run_choices, sse, sse_choices,
+from flash_dllm.server.choices import (Choice, final_output, run_choices, sse_choices,
                                        submit_choices, total_usage, usage)
-from flash_dllm.server.context import ServerContext, make_params, new_request_id, server_context
+from flash_dllm.server.context import (ServerContext, check_text, make_params, new_request_id,
+                                       server_context)
+from flash_dllm.server.drain import RETRY_AFTER, Drain
 from flash_dllm.server.errors import APIError
 from flash_dllm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                         ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -34,6 +36,8 @@ async def health(ctx: Ctx):
     eng = ctx.async_engine
     if not eng.alive:
         return JSONResponse({"status": "error", "error": repr(eng.error)}, 503)
+    if eng.draining:
+        return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": RETRY_AFTER})
     return {"status": "ok"}
 
 
@@ -42,7 +46,7 @@ async def ready(ctx: Ctx):
     eng = ctx.async_engine
     if not eng.ready:
         return JSONResponse({"status": "draining" if eng.draining else "error"}, 503,
-                            headers={"Retry-After": "5"})
+                            headers={"Retry-After": RETRY_AFTER})
     return {"status": "ready", "running": eng.num_running, "waiting": eng.num_waiting}
 
 
@@ -61,12 +65,13 @@ async def models(ctx: Ctx):
 # --------------------------------------------------------------------------------------- OpenAI
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
-    ctx.check_model(body.model)
+    ctx.check_request(body, request)
     ids, text = ctx.encode_prompt(body.prompt)
     rid, choices = submit_choices(ctx, ids, body, body.max_tokens, "cmpl", text)
     if body.stream:
-        return completion_stream(rid, ctx.served_model_name, choices, _include_usage(body))
-    await run_choices(choices, request.receive)
+        return completion_stream(rid, ctx.served_model_name, choices, _include_usage(body),
+                                 ctx.drain)
+    await run_choices(choices, request.receive, ctx.drain)
     return CompletionResponse(id=rid, model=ctx.served_model_name, usage=total_usage(choices),
                               choices=[CompletionChoice(index=ch.index, text=ch.text,
                                                         finish_reason=ch.finish_reason)
@@ -75,8 +80,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, ctx: Ctx):
-    ctx.check_model(body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ctx.check_request(body, request)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in body.messages]
+    for i, m in enumerate(messages):
+        check_text(m["content"], f"messages[{i}].content")
     try:
         text = ctx.tokenizer.apply_chat_template(messages)
     except ValueError as e:
@@ -85,8 +93,8 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Ctx):
     rid, choices = submit_choices(ctx, ctx.tokenizer.encode(text), body, max_tokens, "chatcmpl",
                                   text)
     if body.stream:
-        return chat_stream(rid, ctx.served_model_name, choices, _include_usage(body))
-    await run_choices(choices, request.receive)
+        return chat_stream(rid, ctx.served_model_name, choices, _include_usage(body), ctx.drain)
+    await run_choices(choices, request.receive, ctx.drain)
     return ChatCompletionResponse(id=rid, model=ctx.served_model_name, usage=total_usage(choices),
                                   choices=[ChatChoice(index=ch.index,
                                                       message=ChatMessageOut(content=ch.text),
@@ -98,8 +106,8 @@ def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def completion_stream(rid: str, model: str, choices: list[Choice],
-                      include_usage: bool) -> StreamingResponse:
+def completion_stream(rid: str, model: str, choices: list[Choice], include_usage: bool,
+                      drain: Drain) -> StreamingResponse:
     """``text_completion`` chunks: one per text delta of a choice (its last carries the
     finish_reason), then the usage chunk if asked for."""
     t0 = int(time.time())
@@ -115,11 +123,11 @@ def completion_stream(rid: str, model: str, choices: list[Choice],
         return [{"id": rid, "object": "text_completion", "created": t0, "model": model,
                  "choices": [], "usage": total_usage(choices).model_dump()}]
 
-    return sse_choices(choices, [], events, closing)
+    return sse_choices(choices, [], events, closing, drain)
 
 
-def chat_stream(rid: str, model: str, choices: list[Choice],
-                include_usage: bool) -> StreamingResponse:
+def chat_stream(rid: str, model: str, choices: list[Choice], include_usage: bool,
+                drain: Drain) -> StreamingResponse:
     """``chat.completion.chunk``s as OpenAI sends them: a role chunk per choice, content deltas,
     an empty delta with the finish_reason, then the usage chunk if asked for."""
     t0 = int(time.time())
@@ -144,7 +152,7 @@ def chat_stream(rid: str, model: str, choices: list[Choice],
                  "choices": [], "usage": total_usage(choices).model_dump()}]
 
     opening = [chunk(ch.index, ChatDelta(role="assistant", content=""), None) for ch in choices]
-    return sse_choices(choices, opening, events, closing)
+    return sse_choices(choices, opening, events, closing, drain)
 
 
 # ------------------------------------------------------------------------------------ /generate
@@ -156,8 +164,10 @@ async def generate(body: GenerateRequest, request: Request, ctx: Ctx):
     stream = ctx.submit(ids, make_params(knobs, body.max_new_tokens), new_request_id("gen"), text)
     decode, rid = ctx.tokenizer.decode, stream.request_id
     if body.stream:
-        return sse(stream, decode, lambda delta, out: generate_events(rid, delta, out))
-    out = await final_output(stream, decode, request.receive)
+        return sse_choices([Choice.of(0, stream, decode, (), len(ids))], [],
+                           lambda ch, delta: generate_events(rid, delta, ch.last), lambda: [],
+                           ctx.drain)
+    out = await final_output(stream, decode, request.receive, ctx.drain)
     return GenerateResponse(id=rid, text=decode(out.token_ids),
                             token_ids=out.token_ids, finish_reason=out.finish_reason,
                             num_forwards=out.num_forwards,
@@ -166,7 +176,7 @@ async def generate(body: GenerateRequest, request: Request, ctx: Ctx):
 
 def generate_events(rid: str, delta: str, out: RequestOutput | None) -> list[dict]:
     """One event per text delta; the last adds finish_reason, forwards, ids and usage."""
-    if out is None:
+    if out is None or not (delta or out.finished):
         return []
     ev = {"id": rid, "text": delta, "finished": out.finished}
     if out.finished:
