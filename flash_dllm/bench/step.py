@@ -174,10 +174,21 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               prompt: int, gen: int, block: int, steps: int, warmup: int, progress=print,
               cuda_graphs: bool = True,
               flash_budget: int | None = None, decode: str = "vanilla",
-              fused_step: bool = True, fused_max_rows: int | None = None) -> dict:
-    dev = torch.device(device)
+              fused_step: bool = True, fused_max_rows: int | None = None,
+              tensor_parallel_size: int = 1, tp=None) -> dict:
+    """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
+    worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
+    forward includes the collectives. ``tp``: this rank's group (set by the launcher)."""
+    if tensor_parallel_size > 1 and tp is None:
+        return _launch_tp(tensor_parallel_size, dict(
+            shape=shape, batches=batches, caches=caches, device=device, dtype=dtype,
+            prompt=prompt, gen=gen, block=block, steps=steps, warmup=warmup,
+            cuda_graphs=cuda_graphs, flash_budget=flash_budget, decode=decode,
+            fused_step=fused_step, fused_max_rows=fused_max_rows), progress)
+    world = 1 if tp is None else tp.world
+    dev = torch.device(device) if tp is None else _tp_device(device, tp.rank, world)
     cfg_dict = shape_config(shape)
-    model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0)
+    model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0, tp=tp)
     cfg = model.cfg
     tdtype = next(model.parameters()).dtype
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -194,7 +205,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             r["flash_budget"] = (flash_budget if flash_budget is not None
                                  else SamplingParams.flash_budget)
         r["ratio_to_floor"] = r["ms"] / floor_ms
-        r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
+        r["mfu"] = r["flops_per_s"] / (rate * world) if r["flops_per_s"] else None
         # the forward alone at the same FLOPs (what the step would reach with no host work)
         r["mfu_forward"] = (r["mfu"] * r["ms"] / r["ms_forward"]
                             if r["mfu"] and r["ms_forward"] else None)
@@ -212,12 +223,51 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                                    if r["peak_bytes"] is not None else None)
         rows.append(r)
         progress(row_line(r))
-    return {"model_shape": shape, "device": str(dev),
+    return {"model_shape": shape, "device": str(dev), "tensor_parallel_size": world,
+            # per rank under tensor parallelism (what one GPU reads: the floor's numerator)
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(tdtype).replace("torch.", ""), "torch": torch.__version__,
             "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
             "copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
             "floor_ms": floor_ms, "rows": rows}
+
+
+def _tp_device(device: str, rank: int, world: int) -> torch.device:
+    from flash_dllm.distributed.launch import rank_device
+    return rank_device(device, rank, world)
+
+
+def run_tp_rank(rank: int, world: int, init_method: str, kw: dict) -> dict:
+    """One rank of a tensor-parallel ``run_bench`` (rank 0 returns the report)."""
+    import torch.distributed as dist
+
+    from flash_dllm.distributed.launch import init_groups
+    tp, _ = init_groups(rank, world, init_method, _tp_device(kw["device"], rank, world))
+    try:
+        progress = kw.pop("progress", None) or (lambda *_: None)
+        return run_bench(**kw, progress=progress, tensor_parallel_size=world, tp=tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch_tp(world: int, kw: dict, progress) -> dict:
+    from flash_dllm.distributed.tp import check_divisible
+    from flash_dllm.distributed.launch import spawn_ranks
+    from flash_dllm.models import registry
+
+    raw = shape_config(kw["shape"])
+    check_divisible(registry.resolve(raw).parse_config(raw), world)
+    _tp_device(kw["device"], 0, world)                    # enough GPUs, before spawning
+    procs, init_method = spawn_ranks(world, run_tp_rank, kw)
+    try:
+        report = run_tp_rank(0, world, init_method, dict(kw, progress=progress))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    for p in procs:
+        p.wait(timeout=60)
+    return report
 
 
 def row_line(r: dict) -> str:

@@ -148,6 +148,7 @@ class CostModel:
     prefill_tokens_per_s: float = 5e3
     alpha: float = 0.2
     slower_than_recompute: int = 0
+    adaptive: bool = True        # False: fixed rates (tensor-parallel replicas must agree)
 
     def load_seconds(self, pages: int, tier: int) -> float:
         if tier == L0 or pages == 0:
@@ -163,12 +164,13 @@ class CostModel:
     def observe_load(self, pages: int, tier: int, seconds: float) -> None:
         if pages <= 0 or seconds <= 0 or tier == L0:
             return
-        measured = pages * self.page_bytes / seconds
-        self.rate[tier] = (1 - self.alpha) * self.rate[tier] + self.alpha * measured
         if seconds > self.recompute_seconds(pages):
             self.slower_than_recompute += 1
+        if self.adaptive:
+            measured = pages * self.page_bytes / seconds
+            self.rate[tier] = (1 - self.alpha) * self.rate[tier] + self.alpha * measured
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+        if tokens > 0 and seconds > 0 and self.adaptive:
             self.prefill_tokens_per_s = ((1 - self.alpha) * self.prefill_tokens_per_s
                                          + self.alpha * tokens / seconds)

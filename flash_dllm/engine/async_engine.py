@@ -170,13 +170,17 @@ class AsyncEngine:
         return True
 
     async def shutdown(self, timeout: float | None = None) -> None:
-        """Drain, then stop the step thread."""
+        """Drain, stop the step thread, then close the engine (a tensor-parallel engine stops
+        its other ranks)."""
         await self.drain(timeout)
         with self._cv:
             self._stop = True
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
+        close = getattr(self.engine, "close", None)
+        if close is not None and (self._thread is None or not self._thread.is_alive()):
+            await asyncio.to_thread(close)
 
     # --------------------------------------------------------------------------------- requests
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -76,13 +76,20 @@ class ModelRunner:
         self.arena = torch.full((config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
                                 dtype=torch.long, device=self.device)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
-        self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype), self._kv_budget())
+        # tensor parallelism: this rank's pool holds its KV heads only (the ledger is replicated)
+        self.tp = getattr(model, "tp", None)
+        world = 1 if self.tp is None else self.tp.world
+        self.kv_heads = cfg.num_kv_heads // world
+        self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
+                                          self._kv_budget())
+        if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
+            self.num_pages = self.tp.group.min_int(self.num_pages, self.device)
         self.page_size = config.page_size
         self.table_width = -(-cfg.max_position // self.page_size)
-        layout = PagedKVLayout(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads,
+        layout = PagedKVLayout(cfg.num_layers, self.num_pages, self.page_size, self.kv_heads,
                                cfg.head_dim, self.dtype)
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
-                                             cfg.head_dim, cfg.rope_theta)
+                                             cfg.head_dim, cfg.rope_theta, tp=self.tp)
         self.graph_cache = GraphCache(config.max_cuda_graphs)
         self.forward_graphs: ForwardGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -98,7 +105,7 @@ class ModelRunner:
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
         # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
-        self.page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype)
+        self.page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype) // world
         self.compat = self._compat(config)
         self.offload: KVOffloader | None = None
         if config.kv_cpu_gb or config.kv_tier_stress:
@@ -130,9 +137,10 @@ class ModelRunner:
         """What a cached page's bytes depend on besides its tokens (prefix-tree namespace and
         disk-record compatibility): model shape, dtype, page layout and size, offload dtype."""
         c = self.cfg
+        tp = "" if self.tp is None else f"/tp{self.tp.group.rank}of{self.tp.world}"
         desc = (f"{c.num_layers}/{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{c.head_dim}/"
                 f"{c.vocab_size}/{c.rope_theta}/{self.dtype}/page{self.page_size}/"
-                f"layer-major-v1/{config.kv_offload_dtype}")
+                f"layer-major-v1/{config.kv_offload_dtype}{tp}")
         return hashlib.blake2b(desc.encode(), digest_size=16).digest()
 
     @property

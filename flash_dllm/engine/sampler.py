@@ -22,12 +22,18 @@ def sample_and_commit(model, arena: torch.Tensor, mask_id: int, step: StepInputs
     ``arena`` (kept slots take their token, the others stay MASK; no host sync). Returns
     (tokens, confidence, keep) [n_slot] and the per-request verify/sentinel counters."""
     n = step.n_slot
-    rows = torch.cat([step.slot_rows] + [p.mask_rows for p in step.plans if p is not None])
-    logits = model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
-    tokens, conf = propose(logits[:n], step.groups, forbid=mask_id)
+    verify = any(r.params.decode == "verify" for r in batch)
+    if not verify and all(g.temperature <= 0 for g in step.groups):
+        # greedy: the argmax and its probability in one pass, no logits kept (under tensor
+        # parallelism not even gathered)
+        tokens, conf = model.greedy(hidden[step.slot_rows], mask_id)
+    else:
+        rows = torch.cat([step.slot_rows] + [p.mask_rows for p in step.plans if p is not None])
+        logits = model.logits(hidden[rows])     # [slots + mask views, V], masked slots only
+        tokens, conf = propose(logits[:n], step.groups, forbid=mask_id)
     keep = select(batch, conf, step.slot_pos, step.bounds)
     counters: list = [None] * len(batch)
-    if any(r.params.decode == "verify" for r in batch):
+    if verify:
         select_verify(batch, states, counters, step.plans, logits, n, tokens, conf,
                       step.slot_pos, step.bounds, keep, mask_id)
     new = torch.where(keep, tokens, torch.full_like(tokens, mask_id))

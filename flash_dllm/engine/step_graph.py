@@ -45,7 +45,6 @@ from flash_dllm.cache.modes import query_range
 from flash_dllm.decoding.policies import threshold_rows, top_k_rows
 from flash_dllm.engine import inputs
 from flash_dllm.engine.graphs import GraphCache, GraphKey
-from flash_dllm.kernels import argmax_confidence
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
 from flash_dllm.transfer import h2d_into
@@ -299,7 +298,7 @@ class StepGraphs:
         masked = blocks == mask_id
         rows = inp[sl["rows"]]                                   # [B * bl] hidden row per slot
         if lm_rows >= lay.R:
-            tok, conf = argmax_confidence.op(model.logits(hidden[rows]), mask_id)
+            tok, conf = model.greedy(hidden[rows], mask_id)
         else:
             tok, conf = StepGraphs._masked_proposal(model, hidden, rows, masked.view(-1),
                                                     lm_rows, mask_id)
@@ -327,7 +326,7 @@ class StepGraphs:
         src.scatter_(0, lm, torch.arange(R, device=dev))
         src = src[:lm_rows]                                      # R = no slot (padding)
         h = hidden[rows[src.clamp(max=R - 1)]]
-        tok_m, conf_m = argmax_confidence.op(model.logits(h), mask_id)
+        tok_m, conf_m = model.greedy(h, mask_id)
         tok = torch.zeros(R + 1, dtype=tok_m.dtype, device=dev).scatter_(0, src, tok_m)
         conf = torch.zeros(R + 1, dtype=conf_m.dtype, device=dev).scatter_(0, src, conf_m)
         return tok[:R], conf[:R]

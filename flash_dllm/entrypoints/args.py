@@ -70,6 +70,10 @@ class EngineArgs:
     kv_placement: str = _knob("kv_placement", str,
                               "which cached pages leave a tier first (default: %(default)s)",
                               choices=["lru"])
+    tensor_parallel_size: int = field(default=1, metadata={
+        "type": int, "help": "GPUs (or CPU processes) that split the model's weights, heads and "
+                             "KV pages; one worker process per extra rank, or the ranks "
+                             "torchrun started (default: %(default)s)"})
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,
@@ -145,3 +149,4 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
               kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k, flash_budget=a.flash_budget)
     kw.update(override)
     return SamplingParams(**kw)
+

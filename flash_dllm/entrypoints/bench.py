@@ -77,6 +77,9 @@ def add_parser(sub) -> None:
     t.add_argument("--fused-step-max-rows", type=int, default=None,
                    help="EngineConfig.fused_step_max_rows (batch x block rows a fused step may "
                         "have; default 2048)")
+    t.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many GPUs (rank r on cuda:r; worker "
+                        "processes are started here); figures are rank 0's (default: 1)")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
     _add_multiturn_parser(bsub)
@@ -108,13 +111,16 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if any(b < 1 for b in a.batch):
         raise ValueError("--batch values must be >= 1")
+    if a.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
     resolve_device(a.device)
     report = run_bench(a.model_shape, a.batch, a.cache, a.device, a.dtype, a.prompt_len,
                        a.gen_len, a.block_length, a.steps, a.warmup,
                        progress=lambda line: print(line, file=sys.stderr),
                        cuda_graphs=not a.no_cuda_graphs,
                        flash_budget=a.flash_budget, decode=a.decode,
-                       fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows)
+                       fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows,
+                       tensor_parallel_size=a.tensor_parallel_size)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

@@ -41,7 +41,8 @@ def run(a: argparse.Namespace) -> int:
     base = sampling_from_args(a)
     args = EngineArgs.from_cli_args(a)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
-              engine_config=args.engine_config())
+              engine_config=args.engine_config(),
+              tensor_parallel_size=args.tensor_parallel_size)
     combos = ([(c, d) for c in CACHE_MODES for d in DECODE_POLICIES] if a.matrix
               else [(base.cache, base.decode)])
     reports = []

@@ -29,7 +29,8 @@ def run(a: argparse.Namespace) -> int:
     params = sampling_from_args(a)
     args = EngineArgs.from_cli_args(a)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
-              engine_config=args.engine_config())
+              engine_config=args.engine_config(),
+              tensor_parallel_size=args.tensor_parallel_size)
     t0 = time.perf_counter()
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], params)[0]

@@ -9,7 +9,7 @@ from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import run_to_completion
 from flash_dllm.engine.request import RequestOutput
 from flash_dllm.entrypoints.args import EngineArgs
-from flash_dllm.entrypoints.loader import load_engine
+from flash_dllm.entrypoints.loader import close_engine, load_engine
 
 
 class LLM:
@@ -17,22 +17,38 @@ class LLM:
 
     >>> llm = LLM("path/to/checkpoint", device="cpu", dtype="float32")
     >>> outs = llm.generate(["prompt a", "prompt b"], SamplingParams(max_tokens=64))
+
+    ``tensor_parallel_size=N`` splits the model over N GPUs (``device="cuda"``; rank r on cuda:r)
+    or N CPU processes: the other ranks are worker processes started here and stopped by
+    ``close()`` (or ``with LLM(...) as llm:``, or at exit).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "cpu",
                  dtype: str = "float32", max_num_seqs: int | None = None,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
         if max_num_seqs is not None:
             override["max_num_seqs"] = max_num_seqs
         loaded = load_engine(EngineArgs(model=None if model is None else str(model),
-                                        device=device, dtype=dtype), **override)
+                                        device=device, dtype=dtype,
+                                        tensor_parallel_size=tensor_parallel_size), **override)
         self.engine, self.tokenizer, self.model_path = (loaded.engine, loaded.tokenizer,
                                                         loaded.folder)
         self.device = self.engine.device
         self.cfg = self.engine.cfg
 
     # ------------------------------------------------------------------------------------ public
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (idempotent; also at interpreter exit)."""
+        close_engine(self.engine)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

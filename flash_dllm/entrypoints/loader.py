@@ -2,6 +2,7 @@
 turns a checkpoint folder and ``EngineArgs`` into a ready engine and its tokenizer."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +23,41 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     """Load ``args.model`` (default: the shipped demo model) on ``args.device`` and build its
     engine; ``config_override`` replaces ``EngineConfig`` fields."""
     args = args or EngineArgs()
+    world = tensor_parallel_world(args)
+    if world > 1:
+        from flash_dllm.entrypoints import tp_launch
+        if "WORLD_SIZE" in os.environ:
+            return LoadedEngine(*tp_launch.from_environment(args, **config_override))
+        return LoadedEngine(*tp_launch.launch(args, world, **config_override))
     folder = Path(args.model) if args.model is not None else default_model_path()
     net, cfg = load_model(folder, device=resolve_device(args.device), dtype=args.dtype)
     tok = Tokenizer(folder)
     cfg = tok.resolve_ids(cfg)
     return LoadedEngine(Engine(net, cfg, args.engine_config(**config_override)), tok, folder)
+
+
+def tensor_parallel_world(args: EngineArgs) -> int:
+    """The tensor-parallel size: ``args.tensor_parallel_size``, or torchrun's ``WORLD_SIZE``
+    (which must then agree with it unless it was left at 1)."""
+    n = args.tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    env = os.environ.get("WORLD_SIZE")
+    if env is None:
+        return n
+    world = int(env)
+    if n not in (1, world):
+        raise ValueError(f"tensor_parallel_size {n} but torchrun started WORLD_SIZE={world} "
+                         "ranks: give the same number (or leave --tensor-parallel-size out)")
+    return world
+
+
+def close_engine(engine) -> None:
+    """Release what an engine holds beyond memory: a tensor-parallel engine's other ranks
+    (idempotent; nothing to do for a single-device engine)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def load_random_engine(shape: str, args: EngineArgs | None = None,
@@ -38,6 +69,10 @@ def load_random_engine(shape: str, args: EngineArgs | None = None,
     from flash_dllm.models.loader import DEMO_MODEL, build_model
 
     args = args or EngineArgs()
+    if tensor_parallel_world(args) > 1:
+        raise ValueError("a random-init model (--model-shape) runs on one device: tensor "
+                         "parallelism needs a checkpoint folder (--model); for timings of a "
+                         "split model use `flash-dllm bench step --tensor-parallel-size N`")
     model = build_model(shape_config(shape), device=resolve_device(args.device),
                         dtype=args.dtype, seed=0)
     return LoadedEngine(Engine(model, model.cfg, args.engine_config(**config_override)),

@@ -100,6 +100,10 @@ class PagedAttentionMetadata:
     probe_layer: int | None = None
     mass_layer: int | None = None  # the layer whose per-key mass is kept in ``mass``
     mass: torch.Tensor | None = None   # out: [B, max_pages * page_size]
+    # tensor parallelism (``distributed/tp.TPState``: ``reduce_heads``, ``world``): per-head
+    # statistics are summed over the ranks (each holds some heads), so every rank ranks keys by
+    # the whole model's attention; None on one device
+    tp: object = None
 
     def __post_init__(self) -> None:
         self.special = [s for s in self.segments if s.verify is not None or s.probe is not None]
@@ -166,6 +170,8 @@ class PagedAttentionMetadata:
                                     self.max_q, return_mass=track, max_seqlen_k=self.max_k or None)
         if track:
             out, self.mass = out
+            if self.tp is not None:
+                self.tp.reduce_heads(self.mass)
         return out.flatten(1)                                      # [T, H * D]
 
     def _special_rows(self, seg: Segment, layer: int, out: torch.Tensor, qr: torch.Tensor,
@@ -185,16 +191,20 @@ class PagedAttentionMetadata:
             out[vr.start:vr.end] = masked_attention(qr[vr.start:vr.end], ks, vs, kd, v[d0:d1],
                                                     vr.allow)
         if seg.probe is not None and layer == self.probe_layer:
-            seg.probe_weights = attention_weights(qr[seg.start:seg.end][seg.probe], ks)
+            w = attention_weights(qr[seg.start:seg.end][seg.probe], ks)   # mean, local heads
+            if self.tp is not None:
+                w = self.tp.reduce_heads(w) / self.tp.world              # mean over all heads
+            seg.probe_weights = w
 
 
 class PagedAttentionBackend:
     """Owns the KV page pool of one model and builds each step's ``PagedAttentionMetadata``."""
 
-    def __init__(self, kv: torch.Tensor, head_dim: int, rope_theta: float) -> None:
+    def __init__(self, kv: torch.Tensor, head_dim: int, rope_theta: float, tp=None) -> None:
         self.kv = kv                        # [layers, 2, pages, page_size, kv_heads, head_dim]
         self.page_size = kv.shape[3]
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, kv.device)
+        self.tp = tp                        # tensor parallelism (see PagedAttentionMetadata)
 
     def release(self, request_id: str) -> None:
         """A request left (its pages are the KV manager's to reuse): nothing to drop here."""
@@ -235,7 +245,8 @@ class PagedAttentionBackend:
                 slots[a:b] = -1
         return PagedAttentionMetadata(self.kv, slots, cu_t, lens_t, table_t, max(counts),
                                       self.inv_freq, seqlen_bound(max(canvas_lens)),
-                                      segments or [], probe_layer, mass_layer)
+                                      segments or [], probe_layer, mass_layer,
+                                      tp=self.tp)
 
 
 def page_slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int

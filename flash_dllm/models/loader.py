@@ -96,13 +96,17 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = torch.float32, init: bool = True,
-                seed: int | None = None) -> DiffusionTransformer:
-    """A model of this config; random weights when ``init`` (else uninitialised memory)."""
+                seed: int | None = None, tp=None) -> DiffusionTransformer:
+    """A model of this config; random weights when ``init`` (else uninitialised memory).
+    ``tp`` (``distributed.tp.TPGroup``): only this rank's shard is ever allocated."""
     if isinstance(cfg, dict):
         cfg = registry.resolve(cfg).parse_config(cfg)
     dtype = parse_dtype(dtype)
     with _default_dtype(dtype), torch.device("meta"):
         model = DiffusionTransformer(cfg)
+    if tp is not None and tp.world > 1:
+        from flash_dllm.distributed.tp import shard_model
+        shard_model(model, tp)
     model = model.to_empty(device=device)
     if init:
         model.init_weights(seed=seed)
@@ -110,12 +114,17 @@ def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
 
 
 def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = torch.float32) -> tuple[DiffusionTransformer, ModelConfig]:
-    """Load a checkpoint folder strictly: every tensor must map, fit and be present."""
+               dtype: str | torch.dtype = torch.float32,
+               tp=None) -> tuple[DiffusionTransformer, ModelConfig]:
+    """Load a checkpoint folder strictly: every tensor must map, fit and be present. ``tp``
+    (``distributed.tp.TPGroup``): read only this rank's slice of each sharded tensor."""
     folder = Path(folder)
     family, cfg, _ = read_config(folder)
     files = weight_files(folder)
-    model = build_model(cfg, device=device, dtype=dtype, init=False)
+    model = build_model(cfg, device=device, dtype=dtype, init=False, tp=tp)
+    sharded = tp is not None and tp.world > 1
+    if sharded:
+        from flash_dllm.distributed.tp import shard_slices
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -126,7 +135,11 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
                 if ours is None or ours not in params:
                     unexpected.append(name)
                     continue
-                t = f.get_tensor(name)
+                sl = None
+                if sharded:
+                    full = tuple(f.get_slice(name).get_shape())
+                    sl = shard_slices(ours, full, cfg, tp)
+                t = f.get_tensor(name) if sl is None else f.get_slice(name)[sl]
                 p = params[ours]
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"shape mismatch for {name} in {path.name}: checkpoint "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flash_dllm.kernels import argmax_confidence
 from flash_dllm.layers.attention import Attention, DenseContext
 from flash_dllm.layers.mlp import SwiGLU
 from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
@@ -42,6 +43,9 @@ class DiffusionTransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
+        # tensor parallelism (``distributed/tp.shard_model``): the group and the LM head's
+        # vocabulary shard; None on one device
+        self.tp = None
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """ids/positions: [B, L] (``DenseContext``) or [T] packed (the engine's attention
@@ -63,11 +67,30 @@ class DiffusionTransformer(nn.Module):
                 res = m + res
         return res
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on just the rows given (the engine passes masked slots only)."""
+    def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head (this rank's vocabulary shard under tensor parallelism)."""
         h, _ = add_rmsnorm(h, self.norm)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return h @ weight.t()
+        if self.lm_head is not None:
+            return h @ self.lm_head.weight.t()
+        w = self.embed.weight
+        if self.tp is not None:                  # tied: the embedding's rows of this shard
+            w = w[self.tp.vocab.start:self.tp.vocab.end]
+        return h @ w.t()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on just the rows given (the engine passes masked slots only):
+        full-vocabulary logits [rows, V]."""
+        local = self._local_logits(h)
+        return local if self.tp is None else self.tp.vocab.gather(local)
+
+    def greedy(self, h: torch.Tensor, forbid: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy proposal at rows ``h``: (argmax token skipping ``forbid``, its softmax
+        probability), one pass over the logits; under tensor parallelism a reduction of each
+        rank's vocabulary slice (the logits are never gathered)."""
+        local = self._local_logits(h)
+        if self.tp is None:
+            return argmax_confidence.op(local, forbid)
+        return self.tp.vocab.greedy(local, forbid)
 
     def forward(self, ids: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Dense full-attention forward: ids [B, L] -> logits [B, L, V] (training, tests)."""
