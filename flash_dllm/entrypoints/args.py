@@ -14,6 +14,26 @@ from flash_dllm.config import DECODE_POLICIES, VERIFY_RULES, EngineConfig, Sampl
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
+class CommandError(Exception):
+    """A failure a command explains in one line: the CLI prints ``error: <message>`` and exits
+    with ``exit_code`` (1: something failed while running; 2: bad input)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1 (a bad value is a usage error naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def _knob(name: str, kind, help: str, **extra):
     """A field of ``EngineArgs`` mirroring ``EngineConfig.<name>`` (same default)."""
     return field(default=_CONFIG_DEFAULTS[name], metadata={"type": kind, "help": help, **extra})
@@ -31,6 +51,11 @@ class EngineArgs:
     dtype: str = field(default="float32", metadata={
         "type": str, "choices": ["float32", "bfloat16", "float16"],
         "help": "weights and activations (default: %(default)s)"})
+    threads: int | None = field(default=None, metadata={
+        "type": positive_int,
+        "help": "CPU threads for torch's operators (default: $OMP_NUM_THREADS when set; on the "
+                "CPU device half the CPUs this process may use, at most 4, which stays fast "
+                "when other processes share the machine; elsewhere torch's own choice)"})
     max_num_seqs: int = _knob("max_num_seqs", int, "requests decoded together in one forward "
                                                    "(default: %(default)s)")
     page_size: int = _knob("page_size", int, "tokens per KV page (default: %(default)s)")
@@ -150,3 +175,91 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
     kw.update(override)
     return SamplingParams(**kw)
 
+
+# ---------------------------------------------------------------------------------- threads
+# NOTE: why the CPU default is not one thread per core (issue 18). Measured on the 2-core CI-like
+# VM, demo model, the README's generate (answer time as printed, 3 runs each): with another
+# process keeping one core busy, 2 threads took 2.8-3.5 s and 1 thread 1.2-1.6 s; on an idle
+# machine 2 threads took 0.83-0.90 s and 1 thread 1.2-1.3 s. torch's OpenMP workers spin-wait at
+# the end of every parallel region: when a neighbour holds a core, every matmul waits for the
+# thread queued behind it while its partner burns the other core spinning (the wait policy is
+# read when torch loads, too late for a flag). So the default leaves room: half the CPUs this
+# process may use (the physical cores on an SMT machine), at most 4 (the demo model's matmuls
+# are 256 wide: more threads add barriers, not speed), at least 1. --threads or
+# $OMP_NUM_THREADS choose otherwise (an idle machine gains ~30 % from 2 threads).
+MAX_DEFAULT_THREADS = 4
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (containers started with ``--cpus``)."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(n, 1)
+
+
+def choose_threads(threads: int | None, device: str, environ=None,
+                   cpus: int | None = None) -> int | None:
+    """The intra-op thread count to set: ``threads`` when given; None (keep torch's) when
+    ``$OMP_NUM_THREADS`` is set (torch read it when it loaded) or the device is not the CPU;
+    else the busy-machine default above."""
+    import os
+
+    if threads is not None:
+        return threads
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return None
+    cpus = usable_cpus() if cpus is None else cpus
+    return max(1, min(MAX_DEFAULT_THREADS, cpus // 2))
+
+
+def apply_threads(threads: int | None, device: str) -> int:
+    """Set torch's intra-op threads (``choose_threads``) and one inter-op thread; call before
+    the first parallel operator. Returns the intra-op count in force."""
+    import torch
+
+    n = choose_threads(threads, device)
+    if n is not None:
+        torch.set_num_threads(n)
+        # the engine never forks operators (no torch.jit.fork), so a larger inter-op pool would
+        # only be idle threads; torch allows this once, before any inter-op work
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass
+    return torch.get_num_threads()
+
+
+# ------------------------------------------------------------------------------ text input
+def check_text_arg(value: str | None, name: str) -> str | None:
+    """A text argument (a prompt) as valid Unicode. Python decodes argv bytes that are not
+    UTF-8 into lone surrogates (PEP 383); sending those on would fail deep inside the tokenizer,
+    so name the argument and the first bad byte instead."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        what = (f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF
+                else f"lone surrogate U+{ord(bad):04X}")
+        raise ValueError(f"{name} is not valid UTF-8 text ({what} at character {e.start}); "
+                         "pass the prompt in UTF-8") from None
+    return value

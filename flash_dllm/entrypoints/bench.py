@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from flash_dllm.entrypoints.args import EngineArgs
+from flash_dllm.entrypoints.args import CommandError, EngineArgs
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
 
@@ -116,7 +116,9 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
     resolve_device(a.device)
     report = run_bench(a.model_shape, a.batch, a.cache, a.device, a.dtype, a.prompt_len,
                        a.gen_len, a.block_length, a.steps, a.warmup,
-                       progress=lambda line: print(line, file=sys.stderr),
+                       # each row is printed once, when its case finishes (a long GPU run
+                       # shows its progress); the summary line follows the last row
+                       progress=lambda line: print(line, flush=True),
                        cuda_graphs=not a.no_cuda_graphs,
                        flash_budget=a.flash_budget, decode=a.decode,
                        fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows,
@@ -124,10 +126,39 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")
-    from flash_dllm.bench.step import row_line
-    for r in report["rows"]:
-        print(row_line(r))
     return 0
+
+
+def check_server(url: str, timeout: float = 10.0) -> None:
+    """Fail at once, in one line, when nothing answers at ``url`` (any HTTP answer will do)."""
+    import httpx
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {url!r}")
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise CommandError(f"no server answers at {url} ({_reason(e)}); start one with "
+                           "'flash-dllm serve', or leave --url out to bench one in-process") \
+            from None
+
+
+def _reason(e: Exception) -> str:
+    """The innermost cause's text: 'Connection refused' rather than httpx's summary."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text
+
+
+def _run_against(url: str, run):
+    """``run(url)``, with a server lost mid-run reported in one line."""
+    import httpx
+
+    try:
+        return run(url)
+    except httpx.HTTPError as e:
+        raise CommandError(f"lost the server at {url}: {_reason(e)}") from None
 
 
 def _prompts(a: argparse.Namespace) -> list[str]:
@@ -154,7 +185,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                                  a.api_key, a.sequential))
 
     if a.url is not None:
-        report = go(a.url)
+        check_server(a.url)
+        report = _run_against(a.url, go)
     else:
         a.served_model_name, a.max_body_bytes = None, 1 << 20
         app, aeng, name = build_server_app(a)
@@ -276,7 +308,8 @@ def cmd_bench_multiturn(a: argparse.Namespace) -> int:
         return rep
 
     if a.url is not None:
-        report = go(a.url)
+        check_server(a.url)
+        report = _run_against(a.url, go)
     elif a.compare and _has_prefix_reuse(a):
         on, off = copy.copy(a), copy.copy(a)
         on.prefix_reuse, off.prefix_reuse = True, False

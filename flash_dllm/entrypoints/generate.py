@@ -5,7 +5,8 @@ import argparse
 import sys
 import time
 
-from flash_dllm.entrypoints.args import EngineArgs, add_sampling_flags, sampling_from_args
+from flash_dllm.entrypoints.args import (EngineArgs, add_sampling_flags, check_text_arg,
+                                        sampling_from_args)
 
 
 def add_parser(sub) -> None:
@@ -21,11 +22,13 @@ def add_parser(sub) -> None:
 def run(a: argparse.Namespace) -> int:
     from flash_dllm.entrypoints.llm import LLM
 
-    texts = [t for t in (a.text, a.prompt) if t is not None]
+    texts = [check_text_arg(t, name) for t, name in ((a.text, "the PROMPT argument"),
+                                                      (a.prompt, "--prompt")) if t is not None]
+    check_text_arg(a.chat, "--chat")
     if a.chat is None and len(texts) != 1:
-        raise SystemExit("error: give exactly one prompt: PROMPT, --prompt TEXT or --chat TEXT")
+        raise ValueError("give exactly one prompt: PROMPT, --prompt TEXT or --chat TEXT")
     if a.chat is not None and texts:
-        raise SystemExit("error: --chat and a plain prompt are exclusive")
+        raise ValueError("--chat and a plain prompt are exclusive")
     params = sampling_from_args(a)
     args = EngineArgs.from_cli_args(a)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,

@@ -17,31 +17,137 @@ def matrix_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_matrix(reports: list[dict], path: str) -> None:
-    import matplotlib
-    import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+# one colour per cache mode, one hollow marker per policy (sizes differ, so coincident points of
+# two policies stay visible as nested shapes)
+CACHE_COLORS = {"none": "tab:blue", "prefix": "tab:orange", "dual": "tab:green",
+                "flash": "tab:purple"}
+DECODE_MARKERS = {"vanilla": ("o", 150), "threshold": ("s", 80), "verify": ("^", 40)}
+# label positions tried around a point, in points from it: right-up, right-down, left-up, ...
+_OFFSETS = [(5, 4), (5, -12), (-5, 4), (-5, -12), (5, 14), (5, -22), (-5, 14), (-5, -22),
+            (14, -4), (-14, -4), (5, 24), (5, -32), (-5, 24), (-5, -32)]
 
-    # NOTE: policies often land on the same point; a legend with one colour per cache mode and
-    # one (hollow, differently sized) marker per policy keeps coincident points readable.
-    colors = {"none": "tab:blue", "prefix": "tab:orange", "dual": "tab:green"}
-    markers = {"vanilla": ("o", 140), "threshold": ("s", 80), "verify": ("^", 40)}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in reports:
+
+def _limits(values: list[float], log: bool, lower: float | None = None,
+            upper: float | None = None) -> tuple[float, float]:
+    """Axis limits that start and end where the data does, with a little padding."""
+    lo, hi = min(values), max(values)
+    if log:
+        lo, hi = lo / 1.25, hi * 1.25
+    else:
+        pad = max(0.06 * (hi - lo), 0.02 * max(abs(hi), 1e-9), 1e-3)
+        lo, hi = lo - pad, hi + pad
+    if lower is not None:
+        lo = max(lo, lower)
+    if upper is not None:
+        hi = min(hi, upper)
+    return lo, hi
+
+
+def _panel(ax, reports: list[dict], key, xlabel: str) -> list[tuple[float, float, int]]:
+    """One scatter of accuracy against ``key(report)``; its points as (x, y, number)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    xs = [key(r) for r in reports]
+    ys = [100 * r["accuracy"] for r in reports]
+    for r, x, y in zip(reports, xs, ys):
         p = r["params"]
-        marker, size = markers.get(p["decode"], ("x", 60))
-        ax.scatter(r["forwards_per_sample"], 100 * r["accuracy"], s=size, marker=marker,
-                   facecolors="none", edgecolors=colors.get(p["cache"], "black"), linewidths=1.5,
-                   label=f"{p['cache']}/{p['decode']}")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.legend(fontsize=8, loc="best")
-    ax.set_xlabel("forwards per sample")
+        marker, size = DECODE_MARKERS.get(p["decode"], ("x", 60))
+        # clip_on=False: points at 100 % sit on the top edge, drawn whole
+        ax.scatter(x, y, s=size, marker=marker, facecolors="none", linewidths=1.5,
+                   edgecolors=CACHE_COLORS.get(p["cache"], "black"), clip_on=False, zorder=3)
+    log = min(xs) > 0 and max(xs) / min(xs) >= 10
+    if log:                            # 1-2-5 ticks, plain numbers, no minor labels
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(*_limits(xs, log, lower=None if log else 0.0))
+    ax.set_ylim(*_limits(ys, False, lower=0.0, upper=100.0))
+    ax.set_xlabel(xlabel + (" (log scale)" if log else ""))
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"{reports[0]['suite']}: accuracy vs forwards (n={reports[0]['n']})")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    return [(x, y, n) for n, (x, y) in enumerate(zip(xs, ys), 1)]
+
+
+def _place_labels(fig, ax, points: list[tuple[float, float, int]]) -> None:
+    """Number every point; points that coincide on screen share one label ("2,5,9"). Each label
+    takes the first offset around its point where it overlaps no other label and stays inside
+    the axes."""
+    renderer = fig.canvas.get_renderer()
+    groups: list[tuple[tuple[float, float], list, list[int]]] = []
+    for x, y, n in points:
+        px = ax.transData.transform((x, y))
+        for g in groups:
+            if abs(g[0][0] - px[0]) < 4 and abs(g[0][1] - px[1]) < 4:
+                g[2].append(n)
+                break
+        else:
+            groups.append(((px[0], px[1]), (x, y), [n]))
+    frame = ax.get_window_extent(renderer)
+    placed = []
+    for _, (x, y), nums in sorted(groups, key=lambda g: (-g[0][1], g[0][0])):
+        text = ",".join(str(n) for n in sorted(nums))
+        ann = None
+        for dx, dy in _OFFSETS:
+            ha = "left" if dx >= 0 else "right"
+            if ann is None:
+                ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points",
+                                  fontsize=7, ha=ha, va="bottom", zorder=4)
+            else:
+                ann.xyann = (dx, dy)
+                ann.set_ha(ha)
+            box = ann.get_window_extent(renderer)
+            inside = (box.x0 >= frame.x0 and box.x1 <= frame.x1 and box.y0 >= frame.y0
+                      and box.y1 <= frame.y1)
+            if inside and not any(box.overlaps(b) for b in placed):
+                break
+        placed.append(ann.get_window_extent(renderer))
+
+
+def matrix_figure(reports: list[dict]):
+    """The ``--matrix`` figure: accuracy against forwards per sample and against wall seconds,
+    every configuration numbered, and a table of the numbers at the right. A matplotlib
+    ``Figure`` (Agg canvas, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 5.2), dpi=110)
+    FigureCanvasAgg(fig)
+    # fixed margins (no tight_layout after the labels are placed: it would move the axes)
+    grid = fig.add_gridspec(1, 3, width_ratios=[1, 1, 0.72], left=0.055, right=0.99,
+                            bottom=0.12, top=0.88, wspace=0.22)
+    ax_f, ax_s, ax_t = (fig.add_subplot(grid[0, i]) for i in range(3))
+    points = {ax_f: _panel(ax_f, reports, lambda r: r["forwards_per_sample"],
+                           "forwards per sample"),
+              ax_s: _panel(ax_s, reports, lambda r: r["seconds"],
+                           "wall seconds (decode + scoring)")}
+    ax_f.set_title("accuracy vs forwards", fontsize=10)
+    ax_s.set_title("accuracy vs wall time", fontsize=10)
+    r0 = reports[0]
+    fig.suptitle(f"{r0['suite']}: n={r0['n']}, {Path(str(r0.get('model', ''))).name or 'model'}"
+                 f" on {r0.get('device', '?')}", fontsize=11)
+    for ax, pts in points.items():
+        _place_labels(fig, ax, pts)
+    ax_t.axis("off")
+    ax_t.text(0.0, 1.0, f"{'#':>2} {'cache/decode':17s} {'acc':>6s} {'fwd':>6s} {'sec':>6s}",
+              family="monospace", fontsize=8, va="top", weight="bold",
+              transform=ax_t.transAxes)
+    line = 1.0 / max(len(reports) + 2, 16)
+    for k, r in enumerate(reports, 1):
+        p = r["params"]
+        ax_t.text(0.0, 1.0 - k * line,
+                  f"{k:>2} {p['cache'] + '/' + p['decode']:17s} {100 * r['accuracy']:5.1f}% "
+                  f"{r['forwards_per_sample']:6.1f} {r['seconds']:6.1f}",
+                  family="monospace", fontsize=8, va="top",
+                  color=CACHE_COLORS.get(p["cache"], "black"), transform=ax_t.transAxes)
+    ax_t.text(0.0, 1.0 - (len(reports) + 1.5) * line,
+              "colour: cache mode\nmarker: circle vanilla, square threshold,\n"
+              "triangle verify; coinciding points share a label",
+              fontsize=7, va="top", transform=ax_t.transAxes)
+    return fig
+
+
+def plot_matrix(reports: list[dict], path: str) -> None:
+    fig = matrix_figure(reports)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.savefig(path)

@@ -1,6 +1,7 @@
 """Run a suite through the engine and summarise accuracy against decoding cost."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict
 
@@ -8,7 +9,7 @@ from flash_dllm.config import SamplingParams
 from flash_dllm.evals.tasks import get_suite
 
 
-def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0,
+def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int = 0,
              chat: bool = False, progress: bool = True, keep_samples: bool = True,
              repeat: bool = False) -> dict:
     """Decode ``n`` held-out problems in one continuous batch and score them.
@@ -17,14 +18,18 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
     ``tokens_per_forward`` is decoded canvas slots (answer and end-of-answer padding) per forward,
     the parallelism the policy achieved; ``answer_tokens_per_second`` counts answer tokens only.
     """
-    suite = get_suite(suite_name)
+    # a registered suite's name, or a ``tasks.Suite`` (``evals.jsonl.make_suite``: n None = all)
+    suite = get_suite(suite_name) if isinstance(suite_name, str) else suite_name
+    suite_name = suite.name
     problems = suite.test_problems(n, seed)
     # NOTE: repeat: every question is asked twice and the second answers are scored (and
     # timed); with prefix reuse the second run reuses the first's pages: the accuracy cost of
     # the reuse approximation
-    first = _decode(llm, problems, params, chat, progress) if repeat else None
+    desc = f"{suite_name} {params.cache}/{params.decode}"
+    first = (_decode(llm, problems, params, chat, progress and f"{desc} (first run)")
+             if repeat else None)
     t0 = time.perf_counter()
-    outs = _decode(llm, problems, params, chat, progress)
+    outs = _decode(llm, problems, params, chat, progress and desc)
     decode_s = time.perf_counter() - t0
     completions = [o.text for o in outs]
     ok = suite.score_batch(problems, completions)
@@ -68,11 +73,62 @@ def run_eval(llm, suite_name: str, n: int, params: SamplingParams, seed: int = 0
     return report
 
 
-def _decode(llm, problems, params: SamplingParams, chat: bool, progress: bool) -> list:
-    if chat:
-        return llm.chat([[{"role": "user", "content": p.prompt}] for p in problems], params,
-                        use_tqdm=progress)
-    return llm.generate([p.prompt for p in problems], params, use_tqdm=progress)
+def _decode(llm, problems, params: SamplingParams, chat: bool, progress: bool | str) -> list:
+    bar = (_SlotProgress(llm.engine, len(problems), params.max_tokens, progress)
+           if progress else contextlib.nullcontext())
+    with bar:
+        if chat:
+            return llm.chat([[{"role": "user", "content": p.prompt}] for p in problems], params)
+        return llm.generate([p.prompt for p in problems], params)
+
+
+class _SlotProgress:
+    """A progress bar over the canvas slots of the batch (problems x max_tokens), advanced after
+    every denoising step by the slots it committed; a request that finishes early (its answer
+    ended) counts its remaining slots as done. The whole batch usually decodes together, so
+    requests finish in a burst at the end: a bar over finished requests would sit at 0 and its
+    ETA mean nothing. This one moves with the work, and shows no ETA either: the steps still to
+    come depend on when answers end.
+
+    NOTE: it counts by wrapping ``engine.step`` on the instance for the duration of the decode
+    (the engine has no step callback; ``LLM`` only reports finished requests)."""
+
+    FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} slots [{elapsed}{postfix}]"
+
+    def __init__(self, engine, n: int, max_tokens: int, desc) -> None:
+        self.engine, self.n, self.max_tokens = engine, n, max_tokens
+        self.desc = desc if isinstance(desc, str) else "decoding"
+
+    def __enter__(self) -> "_SlotProgress":
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.n * self.max_tokens, desc=self.desc, bar_format=self.FORMAT,
+                        dynamic_ncols=True)
+        done: dict[str, int] = {}
+        counts = {"steps": 0, "finished": 0}
+        step = self.engine.step
+
+        def counted_step():
+            outs = step()
+            advanced = 0
+            for o in outs:
+                advanced += o.num_committed
+                done[o.request_id] = done.get(o.request_id, 0) + o.num_committed
+                if o.finished:
+                    advanced += max(self.max_tokens - done[o.request_id], 0)
+                    counts["finished"] += 1
+            counts["steps"] += 1
+            self.bar.set_postfix_str(f"step {counts['steps']}, {counts['finished']}/{self.n} "
+                                     "answers", refresh=False)
+            self.bar.update(advanced)
+            return outs
+
+        self.engine.step = counted_step        # an instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step
+        self.bar.close()
 
 
 def summary_line(r: dict) -> str:

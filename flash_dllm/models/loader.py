@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from flash_dllm.models import registry
@@ -31,17 +31,33 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
 def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file, which must hold an object (``{...}``)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+                              f"offset {e.start}): is it really a JSON file?") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds {_JSON_TYPES.get(type(data), 'a value')}, not a JSON "
+                              "object ({\"key\": value, ...}) as a checkpoint's JSON files do")
+    return data
 
 
 def read_config(folder: str | os.PathLike) -> tuple[Family, ModelConfig, dict]:
     """(family, normalised config, raw config.json) of a checkpoint folder."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file, not a checkpoint folder: a checkpoint is a "
+                              "folder holding config.json and its weights (model.safetensors, "
+                              "or model.safetensors.index.json and its shards)")
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {folder}")
     cfg_path = folder / "config.json"
@@ -82,6 +98,18 @@ def weight_files(folder: Path) -> list[Path]:
                               "(model.safetensors or model.safetensors.index.json + shards)")
     raise FileNotFoundError(f"no weights in {folder}: expected model.safetensors or "
                             "model.safetensors.index.json with its shards")
+
+
+@contextmanager
+def _open_weights(path: Path):
+    """``safe_open`` with an unreadable file (truncated download, not safetensors) reported
+    as a ``CheckpointError`` naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}): truncated or "
+                              "corrupt? Download it again") from None
 
 
 @contextmanager
@@ -129,7 +157,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _open_weights(path) as f:
             for name in f.keys():
                 ours = family.to_engine_name(name)
                 if ours is None or ours not in params:

@@ -1,10 +1,35 @@
 """The checkpoint's own tokenizer and chat template, through `transformers` (never hand-rolled)."""
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from flash_dllm.models.config import ModelConfig
+
+
+# transformers' warning when a checkpoint's config.json names a model type it does not know
+# (llada, Dream: their code is remote code, which the engine never runs); harmless here, since
+# only the tokenizer is read through transformers.
+_MODEL_TYPE_WARNING = "You are using a model of type"
+
+
+class _DropModelTypeWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_MODEL_TYPE_WARNING)
+
+
+@contextmanager
+def _quiet_transformers():
+    """Drop exactly that warning while the tokenizer loads; every other one still shows."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    f = _DropModelTypeWarning()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
 
 
 class Tokenizer:
@@ -16,23 +41,35 @@ class Tokenizer:
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
+        folder = Path(folder)
+        with _quiet_transformers():
+            self.hf = self._load(folder)
+        # NOTE: the engine checks prompt + max_tokens against the model's own length and
+        # answers with an error naming both; transformers' "Token indices sequence length is
+        # longer than the specified maximum" warning (from tokenizer_config's model_max_length,
+        # which need not be the model's) would only repeat it, or be wrong. transformers warns
+        # once per tokenizer and remembers it here: mark it as already said.
+        warned = getattr(self.hf, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+    @staticmethod
+    def _load(folder: Path):
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        folder = Path(folder)
         if (folder / "tokenizer.json").is_file():
             # NOTE: PreTrainedTokenizerFast reads tokenizer.json + tokenizer_config.json (chat
             # template, special tokens) and never needs the checkpoint's remote code.
-            self.hf = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
-        elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             from transformers import Qwen2TokenizerFast
-            self.hf = Qwen2TokenizerFast.from_pretrained(str(folder), local_files_only=True)
-        else:
-            try:
-                self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
-                                                        trust_remote_code=False)
-            except Exception as e:  # noqa: BLE001 - rewrap with the folder named
-                raise FileNotFoundError(f"no usable tokenizer in {folder} (expected tokenizer.json, "
-                                        f"or vocab.json + merges.txt): {e}") from None
+            return Qwen2TokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                 trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - rewrap with the folder named
+            raise FileNotFoundError(f"no usable tokenizer in {folder} (expected tokenizer.json, "
+                                    f"or vocab.json + merges.txt): {e}") from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text)["input_ids"])
