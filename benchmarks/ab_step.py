@@ -57,6 +57,9 @@ def summarise(runs: dict[str, list[dict]], base: str, new: str, args: list[str])
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--base-tree", default=None,
+                   help="a folder holding that revision's flash_dllm package, for a machine "
+                        "without the git history (git archive REV flash_dllm | tar -x -C DIR)")
     p.add_argument("--out", required=True, help="report path")
     p.add_argument("--pairs", type=int, default=3, help="alternating base/new pairs (default 3)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER,
@@ -64,15 +67,18 @@ def main() -> int:
     a = p.parse_args()
     args = [x for x in a.bench_args if x != "--"]
     new = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, text=True,
-                         capture_output=True, check=True).stdout.strip()
+                         capture_output=True).stdout.strip() or "this checkout"
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        base_tree = tmp / "base"
-        base_tree.mkdir()
-        archive = subprocess.run(["git", "archive", a.base, "flash_dllm"], cwd=ROOT,
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
+        if a.base_tree is not None:
+            base_tree = Path(a.base_tree).resolve()
+        else:
+            base_tree = tmp / "base"
+            base_tree.mkdir()
+            archive = subprocess.run(["git", "archive", a.base, "flash_dllm"], cwd=ROOT,
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
         for i in range(a.pairs):
             for side, tree in (("base", base_tree), ("new", ROOT)):
                 print(f"--- pair {i + 1}/{a.pairs}: {side}", flush=True)

@@ -161,13 +161,19 @@ async def bench(url: str, prompts: list[str], n_requests: int, concurrency: int,
                 keep_texts: bool = False) -> dict[str, Any]:
     """Warm up, optionally run sequentially, run concurrently; the JSON report."""
     bodies = [request_body(endpoint, prompts[i % len(prompts)], knobs) for i in range(n_requests)]
-    await run_load(url, bodies[:1], 1, endpoint, api_key)          # warm-up, not counted
-    report: dict[str, Any] = {"url": url, "knobs": knobs}
+    first = await run_load(url, bodies[:1], 1, endpoint, api_key)  # warm-up, not counted
+    report: dict[str, Any] = {"url": url, "knobs": knobs,
+                              "first_request_latency_s": first["latency_s"]["max"]}
     if sequential:
         report["sequential"] = await run_load(url, bodies, 1, endpoint, api_key)
     before = await scrape(url)
     run = await run_load(url, bodies, concurrency, endpoint, api_key)
     after = await wait_pages_free(url)
+    # stalls inside the timed run: kernels compiled and CUDA graphs captured while it ran
+    for name in ("kernel_compiles", "graph_captures"):
+        key = f"flash_dllm_{name}_total"
+        if key in after:
+            run[f"{name}_during_run"] = int(after[key] - before.get(key, 0))
     fw = after.get("flash_dllm_forwards_total", 0) - before.get("flash_dllm_forwards_total", 0)
     bs = (after.get("flash_dllm_batch_size_sum", 0) - before.get("flash_dllm_batch_size_sum", 0))
     run.update(forwards=int(fw), mean_batch_size=round(bs / fw, 3) if fw else None,
@@ -192,6 +198,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+READY_TIMEOUT_S = 900
+
+
+async def startup_report(url: str) -> dict:
+    """Time to ready and the warm-up, from the server's metrics."""
+    m = await scrape(url)
+    return {"time_to_ready_s": m.get("flash_dllm_time_to_ready_seconds"),
+            "warmup_s": m.get("flash_dllm_warmup_seconds"),
+            "kernel_compiles_before_ready": int(m.get("flash_dllm_kernel_compiles_total", 0)
+                                                - m.get("flash_dllm_kernel_compiles_after_ready"
+                                                        "_total", 0)),
+            "graph_captures_before_ready": int(m.get("flash_dllm_graph_captures_total", 0)
+                                               - m.get("flash_dllm_graph_captures_after_ready"
+                                                       "_total", 0))}
+
+
 class InProcessServer:
     """uvicorn on a free loopback port in a background thread (``with`` block)."""
 
@@ -204,12 +226,21 @@ class InProcessServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "InProcessServer":
+        import httpx
+
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the in-process server did not start")
             time.sleep(0.02)
+        # then its warm-up: the load starts when /ready says ready, as a load balancer would
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while httpx.get(self.url + "/ready", timeout=30).status_code != 200:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process server was not ready within "
+                                   f"{READY_TIMEOUT_S} s")
+            time.sleep(0.1)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from flash_dllm.config import SamplingParams
+from flash_dllm.engine.compile_watch import KERNEL_COMPILES, runtime_counts
 from flash_dllm.engine.engine import Engine
 from flash_dllm.engine.request import Request, RequestOutput, StepOutput
 
@@ -124,9 +125,18 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, observer: StepObserver | None = None) -> None:
+    def __init__(self, engine: Engine, observer: StepObserver | None = None,
+                 warmup=None) -> None:
+        """``warmup``: a callable ``warmup(engine) -> report`` (``engine/warmup.py``) the step
+        thread runs before anything else; until it returns the engine is not ready (requests
+        get ``EngineUnavailableError``, ``/ready`` answers 503)."""
         self.engine = engine
         self.observer = observer
+        self._warmup = warmup
+        self.warming = warmup is not None
+        self.warmup_report = None
+        self.at_ready: dict | None = None      # runtime_counts when the engine became ready
+        self.ready_at: float | None = None if warmup is not None else time.perf_counter()
         self._cv = threading.Condition()
         self._inbox: deque[AddRequest | AbortRequest] = deque()
         self._live: dict[str, _Live] = {}            # engine thread only
@@ -140,6 +150,15 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------- lifecycle
+    def set_warmup(self, warmup) -> None:
+        """Run ``warmup(engine)`` on the step thread before anything else (see ``__init__``);
+        call before ``start``."""
+        if self._thread is not None:
+            raise RuntimeError("set_warmup after the engine started")
+        self._warmup = warmup
+        self.warming = warmup is not None
+        self.ready_at = None if warmup is not None else time.perf_counter()
+
     def start(self) -> None:
         with self._cv:
             if self._thread is None:
@@ -153,7 +172,7 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self.alive and not self.draining
+        return self.alive and not self.draining and not self.warming
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on; in-flight ones run to completion."""
@@ -188,8 +207,13 @@ class AsyncEngine:
         """Validate and queue a request; raises ``ValueError`` (bad request), ``QueueFullError``
         or ``EngineUnavailableError`` before anything is queued. Call from the event loop."""
         if not self.ready:
-            raise EngineUnavailableError("the engine is shutting down" if self.draining
-                                         else f"the engine failed: {self.error!r}")
+            if self.warming:
+                self.start()                # (a server without lifespan: warm up now)
+            raise EngineUnavailableError(
+                "the engine is shutting down" if self.draining
+                else "the engine is warming up (compiling kernels, capturing CUDA graphs); "
+                     "retry when /ready answers 200" if self.warming and self.alive
+                else f"the engine failed: {self.error!r}")
         self.engine.validate(prompt_ids, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         stream = _Stream(rid, asyncio.get_running_loop())
@@ -243,6 +267,13 @@ class AsyncEngine:
     # ------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
         try:
+            if self._warmup is not None and self.warming:
+                self.warmup_report = self._warmup(self.engine)   # a failure: not alive
+                self.ready_at = time.perf_counter()
+                self.warming = False
+            self.at_ready = runtime_counts(self.engine)
+            if self._warmup is not None:
+                KERNEL_COMPILES.ready = True       # later compiles are stalls: log them
             while True:
                 with self._cv:
                     while not (self._inbox or self.engine.has_unfinished() or self._stop):

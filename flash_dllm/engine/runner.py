@@ -25,6 +25,7 @@ from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.config import EngineConfig
 from flash_dllm.engine import inputs
 from flash_dllm.cache.tiers import Load
+from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
 from flash_dllm.engine.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
 from flash_dllm.engine.plan import StepPlan, StepResult
@@ -91,6 +92,8 @@ class ModelRunner:
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
                                              cfg.head_dim, cfg.rope_theta, tp=self.tp)
         self.graph_cache = GraphCache(config.max_cuda_graphs)
+        if self.device.type == "cuda":
+            KERNEL_COMPILES.install()          # count Triton compiles (server metrics, warm-up)
         self.forward_graphs: ForwardGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
             self.forward_graphs = ForwardGraphs(model, self.graph_cache,

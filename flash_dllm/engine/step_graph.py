@@ -74,10 +74,12 @@ class _Layout:
         sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
                  ("cu_q", B + 1), ("seq_lens", B), ("tau", B), ("perm", B), ("bstart", B),
                  ("table", B * self.width)]
+        # every part starts on a 16-byte boundary (an even int64 offset): Triton compiles a
+        # kernel variant per alignment of its pointer arguments (see attention_backend)
         out, a = {}, 0
         for name, n in sizes:
             out[name] = slice(a, a + n)
-            a += n
+            a = -(-(a + n) // 2) * 2
         return out
 
     @property
@@ -106,7 +108,7 @@ class StepGraphs:
         self.max_rows = max_rows
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
         self.capture_rows = capture_rows  # longer per-request queries: captured one later
-        self.stats = {"fused_steps": 0, "fused_captures": 0}
+        self.stats = {"fused_steps": 0, "fused_captures": 0, "fused_replays": 0}
         # the last step's (requests, their blocks, host vector, layout): within a block the
         # index vector does not change (the tokens come from the arena), so it is reused
         self._last: tuple | None = None
@@ -190,6 +192,7 @@ class StepGraphs:
             h2d_into(g.inp, host)
             g.loaded = host
         g.graph.replay()
+        self.stats["fused_replays"] += 1
         return g.out.cpu().numpy()          # the step's one device->host copy
 
     def _decide(self, key: GraphKey, T: int, graphs: bool, max_q: int = 0) -> str:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import CommandError, EngineArgs
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
@@ -18,7 +19,9 @@ def add_parser(sub) -> None:
     s.add_argument("--url", default=None,
                    help="server to load (e.g. http://127.0.0.1:8000); default: start one "
                         "in-process for --model on a free loopback port")
-    s.add_argument("--concurrency", type=int, default=16, help="clients in flight")
+    s.add_argument("--concurrency", type=int, nargs="+", default=[16],
+                   help="clients in flight; several values run one after another against the "
+                        "same server (one report with a run per value)")
     s.add_argument("--requests", type=int, default=64, help="requests in all")
     s.add_argument("--endpoint", choices=["completions", "chat", "generate"], default="completions")
     s.add_argument("--prompt", default=None,
@@ -27,6 +30,9 @@ def add_parser(sub) -> None:
                    help="first send the same requests one after another; report the speed-up")
     s.add_argument("--api-key", default=None)
     s.add_argument("--json", default=None, help="also write the report here")
+    s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
+                   help="the in-process server's warm-up before ready (see 'serve --help'; "
+                        "default: full on a GPU, none on the CPU)")
     g = s.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--block-length", type=int, default=None)
@@ -169,10 +175,10 @@ def _prompts(a: argparse.Namespace) -> list[str]:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from flash_dllm.bench.serve import InProcessServer, bench
+    from flash_dllm.bench.serve import InProcessServer, bench, startup_report
     from flash_dllm.entrypoints.serve import build_server_app
 
-    if a.concurrency < 1 or a.requests < 1:
+    if min(a.concurrency) < 1 or a.requests < 1:
         raise ValueError("--concurrency and --requests must be >= 1")
     knobs = {k: v for k, v in dict(max_tokens=a.max_tokens, block_length=a.block_length,
                                    steps=a.steps, decode=a.decode, cache=a.cache,
@@ -181,8 +187,19 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     prompts = _prompts(a)
 
     def go(url: str) -> dict:
-        return asyncio.run(bench(url, prompts, a.requests, a.concurrency, a.endpoint, knobs,
-                                 a.api_key, a.sequential))
+        async def runs():
+            out = [await bench(url, prompts, a.requests, c, a.endpoint, knobs, a.api_key,
+                               a.sequential) for c in a.concurrency]
+            start = await startup_report(url)
+            return out, start
+
+        out, start = asyncio.run(runs())
+        if len(out) == 1:
+            report = out[0]
+        else:
+            report = {"runs": out, "errors": sum(r["errors"] for r in out)}
+        report["startup"] = start
+        return report
 
     if a.url is not None:
         check_server(a.url)

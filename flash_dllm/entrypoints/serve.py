@@ -7,6 +7,7 @@ import os
 import sys
 
 from flash_dllm.config import EngineConfig
+from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import EngineArgs
 
 
@@ -41,6 +42,15 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help="refuse (400) every OpenAI parameter the engine does not use, instead "
                         "of ignoring the harmless ones (user, store, metadata, ...) and "
                         "accepting the others at their neutral value (presence_penalty 0, ...)")
+    s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
+                   help="before /ready says ready, run synthetic batches so that kernels "
+                        "compile and CUDA graphs are captured while no request waits. full: "
+                        "the default request and threshold+dual, two prompt lengths, every "
+                        "power-of-two batch up to --max-num-seqs (seconds on the demo model; "
+                        "about a minute for an 8B model); minimal: the default request at "
+                        "batch 1 and --max-num-seqs; none: start at once, and the first "
+                        "requests of each new shape pay the compiles (default: full on a GPU, "
+                        "none on the CPU, where nothing compiles)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -78,12 +88,43 @@ def build_server_app(a: argparse.Namespace):
         aeng, tok, folder = AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
     else:
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
+    attach_warmup(aeng, tok, getattr(a, "warmup", None))
     name = getattr(a, "served_model_name", None) or folder.name
     app = build_app(aeng, tok, name, api_key=a.api_key,
                     max_body_bytes=getattr(a, "max_body_bytes", 1 << 20),
                     strict_params=getattr(a, "strict_params", False),
                     drain_timeout=getattr(a, "drain_timeout", 30.0))
     return app, aeng, name
+
+
+WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vic has 12 fewer. "
+               "How many pens do they have in all? ")
+
+
+def attach_warmup(aeng, tokenizer, level: str | None) -> str:
+    """Give the async engine its warm-up (``engine/warmup.py``); ``level`` None: the device's
+    default. Returns the level."""
+    from flash_dllm.engine.warmup import default_level, warm_up
+
+    level = level or default_level(aeng.engine.runner.device)
+    if level == "none":
+        return level
+    filler = [t for t in tokenizer.encode(WARMUP_TEXT)
+              if t != aeng.engine.cfg.mask_token_id and t not in aeng.engine.cfg.eos_token_ids]
+
+    def log(line: str) -> None:
+        print(f"flash-dllm: {line}", file=sys.stderr, flush=True)
+
+    def run_warmup(engine):
+        log(f"warming up ({level}): compiling kernels and capturing CUDA graphs before ready")
+        rep = warm_up(engine, level, filler, log)
+        log(f"ready after a {rep.seconds:.1f} s warm-up ({rep.cases} cases, "
+            f"{rep.kernel_compiles} kernel compiles, {rep.graph_captures} graph captures"
+            + (f"; skipped {len(rep.skipped)}: {rep.skipped[0]}" if rep.skipped else "") + ")")
+        return rep
+
+    aeng.set_warmup(run_warmup)
+    return level
 
 
 def run(a: argparse.Namespace) -> int:

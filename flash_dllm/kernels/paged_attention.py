@@ -57,20 +57,23 @@ if HAS_TRITON:
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
                            stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
                            qk_scale, D, GROUP, CHUNK, part_ptr, lse_ptr, stride_ps, stride_pt,
-                           stride_ph, stride_ls, stride_lt, PAGE_SIZE: tl.constexpr,
+                           stride_ph, stride_ls, stride_lt, N_SPLITS, PAGE_SIZE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           TRACK: tl.constexpr, PREC: tl.constexpr, SPLITS: tl.constexpr):
+                           TRACK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+        # NOTE: the split count is a runtime argument (SPLIT only says whether there is one):
+        # as a constexpr, every count the batch mix produced (1..MAX_SPLITS) compiled its own
+        # variant of this kernel and of the merge, while requests waited (issue 21)
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
-        b = tl.program_id(2) // SPLITS
-        split = tl.program_id(2) % SPLITS
+        b = tl.program_id(2) // N_SPLITS
+        split = tl.program_id(2) % N_SPLITS
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
         if pid_m * BLOCK_M >= q_len:
             return
         L = tl.load(len_k_ptr + b)
         n_lo = 0
-        if SPLITS > 1:                        # this program's chunk of the keys: [n_lo, L)
+        if SPLIT:                             # this program's chunk of the keys: [n_lo, L)
             n_lo = split * CHUNK
             L = tl.minimum(L, n_lo + CHUNK)
         kvh = h // GROUP
@@ -107,7 +110,7 @@ if HAS_TRITON:
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
         out = acc / l_safe[:, None]
-        if SPLITS > 1:                  # partial output + log2-sum-exp; -inf for an empty chunk
+        if SPLIT:                       # partial output + log2-sum-exp; -inf for an empty chunk
             lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(lse_ptr + split * stride_ls + rows * stride_lt + h, lse, mask=m_mask)
             tl.store(part_ptr + split * stride_ps + rows[:, None] * stride_pt + h * stride_ph
@@ -133,8 +136,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, stride_ps, stride_pt, stride_ph,
-                             stride_ls, stride_lt, stride_ot, stride_oh, D,
-                             SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                             stride_ls, stride_lt, stride_ot, stride_oh, D, SPLITS,
+                             BLOCK_S: tl.constexpr,
                              BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -281,6 +284,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         m_tiles = -(-max_seqlen_q // block_m)
         splits, chunk = 1, 0
         if not return_mass:
+            check(num_splits is None or num_splits <= MAX_SPLITS,
+                  f"paged_attention: num_splits must be <= {MAX_SPLITS}, got {num_splits}")
             if num_splits is not None and num_splits > 1 and max_seqlen_k:
                 chunk = -(-max_seqlen_k // (num_splits * block_n)) * block_n
                 splits = -(-max_seqlen_k // chunk)
@@ -300,19 +305,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             block_table.stride(0), mass.stride(0), scale * 1.4426950408889634, D, H // Hkv,
             chunk, part, lse, part.stride(0), part.stride(1) if splits > 1 else 0,
             part.stride(2) if splits > 1 else 0, lse.stride(0),
-            lse.stride(1) if splits > 1 else 0,
+            lse.stride(1) if splits > 1 else 0, splits,
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: full-precision dots (Triton's default would be TF32, ~1e-3 off)
-            PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
+            PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
             num_warps=num_warps, num_stages=num_stages)
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their
             # own programs only; every row t < T belongs to some request, so all are merged
             _merge_splits_kernel[(T, H)](
                 part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
-                lse.stride(1), out.stride(0), out.stride(1), D, SPLITS=splits,
-                BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d, num_warps=4)
+                lse.stride(1), out.stride(0), out.stride(1), D, splits,
+                BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, num_warps=4)   # one variant for any count
     elif T > 0:
         out.zero_()
     return (out, mass) if return_mass else out

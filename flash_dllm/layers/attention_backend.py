@@ -225,15 +225,22 @@ class PagedAttentionBackend:
         ps, dev = self.page_size, self.kv.device
         B, width = table.shape
         T = positions.shape[0]
-        host = np.zeros(T + (B + 1) + B + B * width, dtype=np.int32)
-        host[2 * B + 1 + T:].reshape(B, width)[:] = table
-        host[T:T + B + 1] = cu
-        host[T + B + 1:T + 2 * B + 1] = canvas_lens
+        # NOTE: each part starts on a 16-byte boundary. Triton compiles a kernel variant per
+        # alignment of its pointer arguments: parts packed back to back started wherever T and
+        # B put them, and a serving mix of batch shapes compiled ~8 more variants of the paged
+        # attention kernel (2.5-3.5 s each) after the warm-up, while requests waited (issue 21)
+        o_cu = _align4(T)
+        o_lens = _align4(o_cu + B + 1)
+        o_table = _align4(o_lens + B)
+        host = np.zeros(o_table + B * width, dtype=np.int32)
+        host[o_table:].reshape(B, width)[:] = table
+        host[o_cu:o_cu + B + 1] = cu
+        host[o_lens:o_lens + B] = canvas_lens
         if pos_host is not None:           # one request per range, in batch order
             host[:T] = page_slots(table, np.repeat(np.arange(B), np.diff(cu)), pos_host, ps)
         dev_all = h2d(host, torch.int32, dev)
-        cu_t, lens_t = dev_all[T:T + B + 1], dev_all[T + B + 1:T + 2 * B + 1]
-        table_t = dev_all[T + 2 * B + 1:].view(B, width)
+        cu_t, lens_t = dev_all[o_cu:o_cu + B + 1], dev_all[o_lens:o_lens + B]
+        table_t = dev_all[o_table:].view(B, width)
         counts = [b - a for a, b in zip(cu, cu[1:])]
         if pos_host is not None:
             slots = dev_all[:T]
@@ -247,6 +254,11 @@ class PagedAttentionBackend:
                                       self.inv_freq, seqlen_bound(max(canvas_lens)),
                                       segments or [], probe_layer, mass_layer,
                                       tp=self.tp)
+
+
+def _align4(n: int) -> int:
+    """``n`` int32 elements rounded up to a 16-byte boundary."""
+    return -(-n // 4) * 4
 
 
 def page_slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int

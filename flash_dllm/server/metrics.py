@@ -16,6 +16,7 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from flash_dllm.engine.async_engine import AsyncEngine
+from flash_dllm.engine.compile_watch import KERNEL_COMPILES, runtime_counts
 from flash_dllm.engine.request import RequestOutput
 
 PREFIX = "flash_dllm_"
@@ -65,6 +66,7 @@ class ServerMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         r.register(_SentinelCollector(engine.engine.stats))
         r.register(_TierCollector(engine.engine))
+        r.register(_RuntimeCollector(engine))
         self.http_errors = Counter(PREFIX + "http_errors", "Error responses by HTTP status.",
                                    ["status"], registry=r)
 
@@ -191,3 +193,52 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     c = CounterMetricFamily(PREFIX + name, doc)
     c.add_metric([], value)
     return c
+
+
+class _RuntimeCollector:
+    """Start-up and stalls (issue 21): time to ready, the warm-up, and the kernel compiles and
+    CUDA graph captures that happened after ready (at steady state these stay at 0)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        import flash_dllm
+
+        eng = self.engine
+        now = runtime_counts(eng.engine)
+        comp = KERNEL_COMPILES.snapshot()
+        yield _counter("kernel_compiles", "Triton kernel specialisations compiled (or loaded from "
+                       "Triton's disk cache) in this process.", comp["compiles"])
+        yield _counter("kernel_compile_seconds", "Seconds spent in those compiles.",
+                       comp["compile_seconds"])
+        by = CounterMetricFamily(PREFIX + "kernel_compiles_by_kernel",
+                                 "Triton kernel specialisations compiled, per kernel.",
+                                 labels=["kernel"])
+        for name, n in sorted(comp["by_kernel"].items()):
+            by.add_metric([name], n)
+        yield by
+        yield _counter("graph_captures", "CUDA graphs captured.", now.get("graph_captures", 0))
+        yield _counter("graph_replays", "Steps replayed from a CUDA graph.",
+                       now.get("graph_replays", 0))
+        yield _counter("eager_forwards", "Forwards run without a CUDA graph.",
+                       now.get("eager_forwards", 0))
+        at = eng.at_ready
+        for name, doc in (("kernel_compiles", "Kernel compiles after the server became ready."),
+                          ("graph_captures", "CUDA graph captures after the server became "
+                                             "ready.")):
+            after = 0 if at is None else now.get(name, 0) - at.get(name, 0)
+            yield _counter(f"{name}_after_ready", doc, after)
+        ready = GaugeMetricFamily(PREFIX + "time_to_ready_seconds",
+                                  "From the package's import to ready (model load and warm-up "
+                                  "included); NaN until ready.")
+        ready.add_metric([], float("nan") if eng.ready_at is None
+                         else eng.ready_at - flash_dllm.IMPORTED_AT)
+        yield ready
+        rep = eng.warmup_report
+        warm = GaugeMetricFamily(PREFIX + "warmup_seconds", "Seconds the warm-up took (0: none).")
+        warm.add_metric([], 0.0 if rep is None else rep.seconds)
+        yield warm

@@ -45,8 +45,9 @@ async def health(ctx: Ctx):
 async def ready(ctx: Ctx):
     eng = ctx.async_engine
     if not eng.ready:
-        return JSONResponse({"status": "draining" if eng.draining else "error"}, 503,
-                            headers={"Retry-After": RETRY_AFTER})
+        status = ("draining" if eng.draining else "warming_up" if eng.warming and eng.alive
+                  else "error")
+        return JSONResponse({"status": status}, 503, headers={"Retry-After": RETRY_AFTER})
     return {"status": "ready", "running": eng.num_running, "waiting": eng.num_waiting}
 
 

@@ -1,0 +1,137 @@
+"""Warm-up before a server reports ready: compile the kernels and capture the CUDA graphs that
+serving will use, while no request waits (issue 21).
+
+The first step of a new shape costs far more than the next ones: Triton compiles (or loads from
+its on-disk cache) every new specialisation of a kernel, and the runner captures a CUDA graph for
+a shape that comes back (``engine/graphs.py``). Done under load, that is seconds of stall while
+requests wait. ``warm_up`` runs synthetic batches through the engine instead: for each case
+(sampling parameters x prompt length) and each batch size of ``batch_sizes``, it queues that many
+identical requests, runs a few steps (enough for every shape of the case to be captured: a shape
+is captured at its second sighting, a large one at its third) and aborts them. The engine's
+counters are left as they were.
+
+Levels (``--warmup``):
+
+- ``full``: the server's default request (64 tokens, vanilla, no cache) and the fast path
+  clients ask for (threshold 0.9 with the dual cache, block 32), each at a short and a long
+  prompt, at every power-of-two batch size up to ``max_num_seqs`` (and ``max_num_seqs``);
+- ``minimal``: the default request at one prompt length, batch 1 and ``max_num_seqs``;
+- ``none``: nothing (the CPU default: no Triton compiles, no graphs, nothing to warm).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from flash_dllm.config import SamplingParams
+from flash_dllm.engine.compile_watch import KERNEL_COMPILES, graph_counts
+
+WARMUP_LEVELS = ("full", "minimal", "none")
+STEPS_PER_CASE = 6          # dual: a refresh, then decode steps (captured at their 2nd sighting)
+PROMPT_LENGTHS = {"full": (24, 200), "minimal": (24,)}
+
+
+@dataclass
+class WarmupReport:
+    level: str
+    seconds: float = 0.0
+    cases: int = 0
+    steps: int = 0
+    kernel_compiles: int = 0
+    graph_captures: int = 0
+    skipped: list[str] = field(default_factory=list)    # cases that could not run, and why
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def default_level(device) -> str:
+    """``full`` on a GPU, ``none`` on the CPU (nothing compiles or captures there)."""
+    return "none" if str(device).startswith("cpu") else "full"
+
+
+def batch_sizes(level: str, max_num_seqs: int) -> list[int]:
+    if level == "minimal":
+        return sorted({1, max_num_seqs})
+    sizes, b = set(), 1
+    while b < max_num_seqs:
+        sizes.add(b)
+        b *= 2
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def cases(level: str) -> list[SamplingParams]:
+    default = SamplingParams()                                 # what a bare request gets
+    if level == "minimal":
+        return [default]
+    return [default, SamplingParams(max_tokens=64, block_length=32, decode="threshold",
+                                    threshold=0.9, cache="dual")]
+
+
+def warm_up(engine, level: str, filler_ids: list[int],
+            log: Callable[[str], None] | None = None) -> WarmupReport:
+    """Run the warm-up of ``level`` on ``engine`` (which must have no requests); returns what it
+    did. ``filler_ids``: prompt token ids to repeat (text of the checkpoint's own tokenizer)."""
+    if level not in WARMUP_LEVELS:
+        raise ValueError(f"warmup must be one of {WARMUP_LEVELS}, got {level!r}")
+    rep = WarmupReport(level)
+    if level == "none":
+        return rep
+    if engine.has_unfinished():
+        raise RuntimeError("warm_up needs an idle engine")
+    if not filler_ids:
+        raise ValueError("warm_up needs some prompt token ids")
+    t0 = time.perf_counter()
+    compiles0 = KERNEL_COMPILES.snapshot()["compiles"]
+    captures0 = graph_counts(engine.runner)["graph_captures"]
+    # NOTE: prefix reuse stays as it is (under tensor parallelism every rank must make the same
+    # cache decisions, and only this rank runs the warm-up's code); a warm-up request that
+    # finishes leaves real KV of its own prompt in the cache, like any request. Its counters
+    # are put back afterwards.
+    stats = copy.deepcopy(engine.stats)
+    kv_stats = copy.deepcopy(engine.kv_manager.stats)
+    # a long prompt is cut to what the model's length leaves (a small model still warms both)
+    room = engine.cfg.max_position
+    plan = [(p, n, b) for p in cases(level)
+            for n in sorted({min(n, room - p.max_tokens) for n in PROMPT_LENGTHS[level]})
+            for b in batch_sizes(level, engine.config.max_num_seqs)]
+    try:
+        for i, (params, n_prompt, batch) in enumerate(plan, 1):
+            prompt = (filler_ids * (n_prompt // len(filler_ids) + 1))[:n_prompt]
+            name = (f"{params.decode}/{params.cache} prompt {n_prompt} batch {batch}")
+            try:
+                if n_prompt < 1:
+                    raise ValueError(f"max_tokens {params.max_tokens} leaves no room for a "
+                                     f"prompt in the model's {room} positions")
+                engine.validate(prompt, params)
+            except ValueError as e:
+                rep.skipped.append(f"{name}: {e}")
+                continue
+            ids = [engine.add_request(prompt, params, request_id=f"warmup-{i}-{k}").request_id
+                   for k in range(batch)]
+            for _ in range(STEPS_PER_CASE):
+                if not engine.has_unfinished():
+                    break
+                engine.step()
+                rep.steps += 1
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_unfinished():            # aborted requests leave at the next step
+                engine.step()
+            rep.cases += 1
+            if log is not None:
+                log(f"warm-up {i}/{len(plan)}: {name} "
+                    f"({time.perf_counter() - t0:.1f} s)")
+    finally:
+        engine.stats.clear()
+        engine.stats.update(stats)
+        engine.kv_manager.stats.clear()
+        engine.kv_manager.stats.update(kv_stats)
+    rep.seconds = time.perf_counter() - t0
+    rep.kernel_compiles = KERNEL_COMPILES.snapshot()["compiles"] - compiles0
+    rep.graph_captures = graph_counts(engine.runner)["graph_captures"] - captures0
+    return rep
+
