@@ -118,13 +118,10 @@ group_gemm() {
 }
 
 group_serve() {
-  local c n
-  for c in 1 8 32 64; do
-    n=$((c * 2 > 16 ? c * 2 : 16))
-    run "serve_h200_c$c" 120 "$OUT/serve_h200_c$c.json" \
-      "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --concurrency "$c" --requests "$n" \
-      --json "$OUT/serve_h200_c$c.json"
-  done
+  # one server (warmed up before ready) serves every concurrency in turn (issue 21)
+  run serve_warmup_h200 300 "$OUT/serve_warmup_h200.json" \
+    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
+    --concurrency 1 8 32 64 --requests 128 --json "$OUT/serve_warmup_h200.json"
 }
 
 group_eval() {
