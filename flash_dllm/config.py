@@ -219,7 +219,7 @@ class EngineConfig:
             raise ValueError("kv_disk_path needs kv_cpu_gb > 0: pages reach the disk through "
                              "pinned host memory")
         _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
-        _check_choice("kv_placement", self.kv_placement, ("lru",))
+        _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")

@@ -15,10 +15,20 @@ the tree; reused pages are read-only for the request (its steps never recompute 
 ``reused_len``: the bidirectional model's K/V of a prompt depend on what follows it, so reused
 K/V are approximate in the same way as Fast-dLLM's prefix cache). A reused page in L1 or L2 is
 loaded (through ``Fetch`` / ``Load`` ops) only when the cost model says loading beats recomputing.
+
+Placement evidence (``observe``): a request's attention mass per page, once per decoded block,
+goes to the placement policy for the cached blocks it reuses now and for its own pages when they
+become blocks at publish.
+
+NOTE (size): a little over 400 lines on purpose: admission with reuse, eviction across three
+tiers, tier-op completion and the placement evidence all read and write the same block set,
+locks and ledger; split, each part would take that state as arguments.
 """
 from __future__ import annotations
 
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from flash_dllm.cache.page_pool import PagePool
@@ -64,6 +74,9 @@ class KVCacheManager:
         self._l2_free = list(range(l2_slots - 1, -1, -1))
         self.l1_slots, self.l2_slots = l1_slots, l2_slots
         self._blocks: set[Block] = set()            # every cached block with a live node
+        # attention mass per page of a running request's own (not yet cached) pages, handed
+        # to the placement policy with the blocks they become at publish (``observe``)
+        self._fresh_mass: dict[str, np.ndarray] = {}
         self._l1_orphans: set[int] = set()          # host slots of failed stores still spilling
         self._ops: list = []                        # tier ops for the runner's next step
         self.page_bytes = page_bytes
@@ -262,6 +275,7 @@ class KVCacheManager:
             parent = node.parent
             if node.block is not None:
                 self._blocks.discard(node.block)
+                self.policy.forget(node.block)
             tree.remove(node)
             node = parent
 
@@ -274,21 +288,30 @@ class KVCacheManager:
         if pages is None:
             return False
         tree, nodes = self._locked.pop(request_id, (None, []))
+        fresh_mass = self._fresh_mass.pop(request_id, None)
         if tree is not None:                       # (None: reuse off, or a short request)
             tree.unlock(nodes)
             now = self.clock()
             for nd in nodes:
                 self.policy.touch(nd.block, now)
             if publish is not None:
-                self._publish(tree, publish, pages, len(nodes), now)
+                new = self._publish(tree, publish, pages, len(nodes), now)
+                if fresh_mass is not None and new:
+                    idx = [i - len(nodes) for i, _ in new]
+                    keep = [k for k, j in enumerate(idx) if j < len(fresh_mass)]
+                    self.policy.observe([new[k][1] for k in keep],
+                                        [float(fresh_mass[idx[k]]) for k in keep])
         self.pool.free(pages)
         return True
 
     def _publish(self, tree, tokens: list[int], pages: list[int], reused: int,
-                 now: float) -> None:
+                 now: float) -> list[tuple[int, Block]]:
+        """Cache the request's full pages past its reused prefix; (page index, block) of the
+        blocks it added."""
         n = min(len(tokens) // self.page_size, len(pages))
+        added: list[tuple[int, Block]] = []
         if n <= reused:
-            return
+            return added
         fresh = [None] * reused + [Block(b"", l0=pages[i]) for i in range(reused, n)]
         for i, (node, adopted) in enumerate(tree.insert(tokens[:n * self.page_size], fresh)):
             if not adopted:
@@ -304,6 +327,35 @@ class KVCacheManager:
             self.pool.share([b.l0])                 # the cache's own reference
             self._blocks.add(b)
             self.stats["published_pages"] += 1
+            added.append((i, b))
+        return added
+
+    # --------------------------------------------------------------------------- attention
+    @property
+    def wants_mass(self) -> bool:
+        """Whether the placement policy uses attention evidence (``observe``)."""
+        return self.prefix_reuse and getattr(self.policy, "wants_mass", False)
+
+    def observe(self, request_id: str, page_mass) -> None:
+        """Attention mass per page of a running request over one decoded block (page i of
+        its canvas): its reused pages' share goes to the placement policy now, the rest is
+        kept for the blocks those pages become when the request finishes."""
+        if not self.wants_mass:
+            return
+        page_mass = np.asarray(page_mass, dtype=np.float64)
+        _, nodes = self._locked.get(request_id, (None, []))
+        k = min(len(nodes), len(page_mass))
+        if k:
+            self.policy.observe([nd.block for nd in nodes[:k]], page_mass[:k].tolist())
+        rest = page_mass[len(nodes):]
+        acc = self._fresh_mass.get(request_id)
+        if acc is None or len(acc) < len(rest):
+            grown = np.zeros(len(rest))
+            if acc is not None:
+                grown[:len(acc)] = acc
+            acc = grown
+        acc[:len(rest)] += rest
+        self._fresh_mass[request_id] = acc
 
     # ------------------------------------------------------------------------------- tier ops
     def take_ops(self) -> list:

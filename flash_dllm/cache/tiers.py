@@ -1,4 +1,5 @@
-"""Tier bookkeeping of cached KV pages (no torch): where each copy lives, what to move, what pays.
+"""Tier bookkeeping of cached KV pages (no torch at import): where each copy lives, what to move,
+what pays.
 
 A cached **block** is one page of KV that a finished request left behind for prefix reuse (a node
 of ``cache/prefix_tree.py``). Copies of it may live in three tiers:
@@ -18,7 +19,9 @@ use it; a failed op never publishes and frees its slot. A block whose every copy
 corrupt is ``lost``: lookups stop there (a miss that recomputes), never serve it.
 
 Placement is a policy object (``PLACEMENT_POLICIES``): it only orders candidates for eviction
-from a tier; it never moves bytes. ``lru`` is the first; the access-graph policies plug in here.
+from a tier; it never moves bytes. ``lru`` orders by recency; ``ema`` and ``kag`` by the
+attention the blocks' pages received (``observe``, fed by the KV manager once per decoded block)
+through the KV access graph (``cache/access_graph.py``, torch, imported when one is chosen).
 """
 from __future__ import annotations
 
@@ -112,6 +115,13 @@ class LRUPolicy:
     """Evict the least recently used first."""
 
     name = "lru"
+    wants_mass = False
+
+    def observe(self, blocks: list[Block], masses: list[float]) -> None:
+        """Attention evidence (unused by LRU)."""
+
+    def forget(self, block: Block) -> None:
+        """``block`` left the cache."""
 
     def touch(self, block: Block, now: float) -> None:
         block.last_access = now
@@ -121,7 +131,79 @@ class LRUPolicy:
         return sorted(candidates, key=lambda b: (b.last_access, b.key))   # ties: deterministic
 
 
-PLACEMENT_POLICIES = {"lru": LRUPolicy}
+class EMAPolicy(LRUPolicy):
+    """Evict the block whose pages received the least attention first (a moving average of
+    the attention mass its page received, per decoded block, from the requests that used it:
+    ``observe``); blocks without evidence, and ties, go least recently used first."""
+
+    name = "ema"
+    wants_mass = True             # the engine feeds ``observe`` (cache="flash" steps)
+
+    def __init__(self, top_k: int = 8, decay: float = 0.9) -> None:
+        from flash_dllm.cache.access_graph import AccessGraph
+
+        self.graph = AccessGraph(top_k=top_k, decay=decay)
+        self._ids: dict[bytes, int] = {}
+
+    def _id(self, block: Block) -> int:
+        i = self._ids.get(block.key)
+        if i is None:
+            i = self._ids[block.key] = len(self._ids)
+        return i
+
+    def observe(self, blocks: list[Block], masses: list[float]) -> None:
+        """One decoded block's evidence: ``masses[i]`` is the attention mass ``blocks[i]``'s
+        page received over it."""
+        if blocks:
+            self.graph.update([self._id(b) for b in blocks], masses)
+
+    def forget(self, block: Block) -> None:
+        i = self._ids.pop(block.key, None)
+        if i is not None:
+            self.graph.forget(i)
+
+    def scores(self) -> "object":
+        return self.graph.mass
+
+    def order(self, candidates: list[Block]) -> list[Block]:
+        sc = self.scores()
+        n = sc.shape[0]
+
+        def score(b: Block) -> float:
+            i = self._ids.get(b.key)
+            return float(sc[i]) if i is not None and i < n else 0.0
+
+        return sorted(candidates, key=lambda b: (score(b), b.last_access, b.key))
+
+
+class KAGPolicy(EMAPolicy):
+    """Evict the least central block first: PageRank over the KV access graph
+    (``cache/access_graph.py``), whose edges link pages attended by the same block's queries.
+    After each update it records how stable the ``STABILITY_TOP`` most central pages are
+    (``stats``: the ``flash_dllm_kag_*`` metrics)."""
+
+    name = "kag"
+    STABILITY_TOP = 16
+
+    def __init__(self, top_k: int = 8, decay: float = 0.9) -> None:
+        super().__init__(top_k, decay)
+        self.stats = {"updates": 0, "update_seconds": 0.0, "stability_ratio": 1.0}
+
+    def observe(self, blocks: list[Block], masses: list[float]) -> None:
+        if not blocks:
+            return
+        t0 = time.perf_counter()
+        super().observe(blocks, masses)
+        ratio = self.graph.stability(self.STABILITY_TOP)        # PageRank of the new graph
+        self.stats["update_seconds"] += time.perf_counter() - t0
+        self.stats["updates"] += 1
+        self.stats["stability_ratio"] = ratio
+
+    def scores(self) -> "object":
+        return self.graph.pagerank()
+
+
+PLACEMENT_POLICIES = {"lru": LRUPolicy, "ema": EMAPolicy, "kag": KAGPolicy}
 
 
 def make_policy(name: str):

@@ -53,6 +53,10 @@ class Engine:
             placement=self.config.kv_placement,
             page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift)
+        # placement by attention (kv_placement ema / kag): the runner reports each flash step's
+        # mass per page; it is summed over a request's block and handed over when the block ends
+        self.runner.collect_page_mass = self.kv_manager.wants_mass
+        self._block_mass: dict[str, np.ndarray] = {}
         self._ids = itertools.count()
         self._stop_ids = tuple(int(t) for t in cfg.eos_token_ids)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
@@ -164,6 +168,8 @@ class Engine:
             if result.counters is not None and result.counters[i] is not None:
                 merge_counters(req.counters, result.counters[i])
                 merge_counters(self.stats, result.counters[i])
+            if result.page_mass is not None:
+                self._add_block_mass(req, result.page_mass.get(req.request_id))
             if req.finished:
                 self._release(req)
         if changed:
@@ -174,11 +180,22 @@ class Engine:
         self.stats["last_batch_size"] = len(plan.seqs)
         return outputs
 
+    def _add_block_mass(self, req: Request, page_mass) -> None:
+        """Sum a request's per-page attention mass over its block; at the block's end (or the
+        request's) hand it to the KV manager's placement policy: once per block."""
+        rid = req.request_id
+        if page_mass is not None:
+            acc = self._block_mass.get(rid)
+            self._block_mass[rid] = page_mass if acc is None else acc + page_mass
+        if (req.first_step or req.finished) and rid in self._block_mass:
+            self.kv_manager.observe(rid, self._block_mass.pop(rid))
+
     def _release(self, req: Request) -> None:
         """Return a finished or aborted request's pages and device state. A request that
         finished (not aborted) publishes its pages for prefix reuse: the prompt and every block
         before the last one decoded (their K/V were refreshed with their final tokens; the last
         block's K/V were computed while it was still being unmasked)."""
+        self._block_mass.pop(req.request_id, None)
         publish = None
         if (self.config.prefix_reuse and req.finish_reason != "abort"
                 and req.params.cache != "none"):

@@ -53,5 +53,7 @@ class StepResult:
     blocks: np.ndarray
     counters: list[dict | None] | None = None
     ops_done: list = field(default_factory=list)   # (op, ok, seconds) of completed tier ops
+    page_mass: dict | None = None   # request id -> attention mass per canvas page (np), on
+    #                                 cache="flash" steps when the placement policy wants it
     failed: set = field(default_factory=set)       # request ids skipped: a reused page failed
     #                                                verification (``blocks`` omits their rows)

@@ -92,6 +92,8 @@ class ModelRunner:
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
                                              cfg.head_dim, cfg.rope_theta, tp=self.tp)
         self.graph_cache = GraphCache(config.max_cuda_graphs)
+        # set by the engine when its placement policy uses attention evidence (``kv_manager``)
+        self.collect_page_mass = False
         if self.device.type == "cuda":
             KERNEL_COMPILES.install()          # count Triton compiles (server metrics, warm-up)
         self.forward_graphs: ForwardGraphs | None = None
@@ -231,10 +233,14 @@ class ModelRunner:
         batch = plan.requests
         step = inputs.pack_step(self, plan, states)
         hidden = self.forward(step.ids, step.positions, step.meta)
+        page_mass = None
         if step.flash:      # cache="flash": where this step's attention went, for the next top-k
             mass = step.meta.mass.clone()    # one copy (a graph's output is overwritten on replay)
             for i in step.flash:
                 states[i].mass_src = (mass, i)
+            if self.collect_page_mass:       # and, per page, for the placement policy
+                per_page = mass.view(mass.shape[0], -1, self.page_size).sum(-1).cpu().numpy()
+                page_mass = {batch[i].request_id: per_page[i] for i in step.flash}
         tokens, conf, keep, counters = sample_and_commit(
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
@@ -245,7 +251,7 @@ class ModelRunner:
                 update_drafts(req, st, tokens[s:e], conf[s:e], step.slot_pos[s:e], keep[s:e])
             if seg.probe is not None:
                 kv_consistency(req, st, seg.probe_weights, step.slot_pos[s:e], counters, i)
-        return StepResult(blocks, counters)
+        return StepResult(blocks, counters, page_mass=page_mass)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""

@@ -93,8 +93,12 @@ class EngineArgs:
                                   "head; half the bytes) (default: %(default)s)",
                                   choices=["bf16", "fp8", "int8"])
     kv_placement: str = _knob("kv_placement", str,
-                              "which cached pages leave a tier first (default: %(default)s)",
-                              choices=["lru"])
+                              "which cached pages leave a tier first: lru (least recently "
+                              "used), ema (least attended: moving average of the attention mass "
+                              "their pages got), kag (least central in the KV access graph, "
+                              "PageRank); ema and kag learn from cache=flash steps only "
+                              "(default: %(default)s)",
+                              choices=["lru", "ema", "kag"])
     tensor_parallel_size: int = field(default=1, metadata={
         "type": int, "help": "GPUs (or CPU processes) that split the model's weights, heads and "
                              "KV pages; one worker process per extra rank, or the ranks "

@@ -158,7 +158,11 @@ class _TierCollector:
         moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
                                     "KV bytes moved between tiers (down: towards disk).",
                                     labels=["tier", "direction"])
-        for (tier, direction), n in sorted(dict(st["bytes_moved"]).items()):
+        # every (tier, direction) a copy can take, 0 until it happens (dashboards and alerts
+        # find the series from the start)
+        counts = {(t, d): 0 for t in TIERS[1:] for d in ("down", "up")}
+        counts.update(dict(st["bytes_moved"]))
+        for (tier, direction), n in sorted(counts.items()):
             moved.add_metric([tier, direction], n)
         yield moved
         yield _counter("kv_checksum_failures", "Cached pages that failed verification (a miss "
@@ -166,6 +170,28 @@ class _TierCollector:
         yield _counter("kv_tier_slower_than_recompute", "Lower-tier hits whose load took longer "
                        "than recomputing them would have.", kv.cost.slower_than_recompute)
         yield _counter("l0_evictions", "Cached pages evicted from GPU memory.", st["l0_evictions"])
+        kag = getattr(kv.policy, "stats", None) or {}
+        ratio = GaugeMetricFamily(PREFIX + "kag_stability_ratio",
+                                  "Share of the most central cached pages (KV access graph, "
+                                  "--kv-placement kag) unchanged by the latest update; 1 "
+                                  "without the graph.")
+        ratio.add_metric([], float(kag.get("stability_ratio", 1.0)))
+        yield ratio
+        yield _counter("kag_updates", "KV access graph updates (one per decoded block of a "
+                       "cache=flash request).", kag.get("updates", 0))
+        yield _counter("kag_update_seconds", "Seconds spent updating the KV access graph and "
+                       "its PageRank.", kag.get("update_seconds", 0.0))
+        checks = self.engine.stats.get("sentinel_checks") or {}
+        trig = self.engine.stats.get("sentinel_triggers") or {}
+        try:
+            n_checks, n_trig = sum(dict(checks).values()), sum(dict(trig).values())
+        except RuntimeError:               # resized by the engine thread mid-copy
+            n_checks = n_trig = 0
+        rate = GaugeMetricFamily(PREFIX + "sentinel_trigger_rate",
+                                 "Sentinel triggers per checked slot, all sentinels, since "
+                                 "start.")
+        rate.add_metric([], n_trig / n_checks if n_checks else 0.0)
+        yield rate
         n, t, r = self._evictions
         now = time.monotonic()
         if now > t:
