@@ -218,13 +218,18 @@ class Engine:
                              early_stopped=req.early_stopped, metrics=metrics)
 
 
-def run_to_completion(engine: Engine, requests: list[Request], on_finish=None) -> None:
+def run_to_completion(engine: Engine, requests: list[Request], on_finish=None,
+                      on_step=None) -> None:
     """Step ``engine`` until every request of ``requests`` finished (``on_finish(request_id)``
-    after each); other requests in the engine run along."""
+    after each; ``on_step(outputs)`` after every step); other requests in the engine run
+    along."""
     pending = {r.request_id for r in requests if not r.finished}
     with torch.inference_mode():
         while pending and engine.has_unfinished():
-            for out in engine.step():
+            outs = engine.step()
+            if on_step is not None:
+                on_step(outs)
+            for out in outs:
                 if out.finished and out.request_id in pending:
                     pending.discard(out.request_id)
                     if on_finish is not None:

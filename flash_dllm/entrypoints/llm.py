@@ -51,28 +51,30 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, on_step=None) -> list[RequestOutput]:
         """Generate for one prompt or a batch. Prompts are text or lists of token ids; all run
-        together (continuous batching) and outputs come back in input order."""
+        together (continuous batching) and outputs come back in input order. ``on_step``: called
+        with each step's ``StepOutput`` list (progress reporting)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p))
                    for p in prompts]
-        return self._run(encoded, params, use_tqdm)
+        return self._run(encoded, params, use_tqdm, on_step)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, on_step=None) -> list[RequestOutput]:
         """Apply the checkpoint's chat template (with the assistant prompt) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         encoded = []
         for conv in convs:
             text = self.tokenizer.apply_chat_template(conv)
             encoded.append((text, self.tokenizer.encode(text)))
-        return self._run(encoded, params, use_tqdm)
+        return self._run(encoded, params, use_tqdm, on_step)
 
     # ---------------------------------------------------------------------------------- internal
-    def _run(self, encoded: list[tuple[str | None, list[int]]], params, use_tqdm: bool):
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params, use_tqdm: bool,
+             on_step=None):
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
@@ -90,7 +92,8 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
         try:
-            run_to_completion(self.engine, reqs, None if bar is None else lambda _: bar.update(1))
+            run_to_completion(self.engine, reqs, None if bar is None else lambda _: bar.update(1),
+                              on_step)
         finally:
             if bar is not None:
                 bar.close()

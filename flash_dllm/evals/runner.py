@@ -74,60 +74,53 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
 
 
 def _decode(llm, problems, params: SamplingParams, chat: bool, progress: bool | str) -> list:
-    bar = (_SlotProgress(llm.engine, len(problems), params.max_tokens, progress)
-           if progress else contextlib.nullcontext())
+    bar = (_SlotProgress(len(problems), params.max_tokens, progress) if progress
+           else contextlib.nullcontext())
     with bar:
+        on_step = bar.step if progress else None
         if chat:
-            return llm.chat([[{"role": "user", "content": p.prompt}] for p in problems], params)
-        return llm.generate([p.prompt for p in problems], params)
+            return llm.chat([[{"role": "user", "content": p.prompt}] for p in problems], params,
+                            on_step=on_step)
+        return llm.generate([p.prompt for p in problems], params, on_step=on_step)
 
 
 class _SlotProgress:
     """A progress bar over the canvas slots of the batch (problems x max_tokens), advanced after
-    every denoising step by the slots it committed; a request that finishes early (its answer
-    ended) counts its remaining slots as done. The whole batch usually decodes together, so
-    requests finish in a burst at the end: a bar over finished requests would sit at 0 and its
-    ETA mean nothing. This one moves with the work, and shows no ETA either: the steps still to
-    come depend on when answers end.
-
-    NOTE: it counts by wrapping ``engine.step`` on the instance for the duration of the decode
-    (the engine has no step callback; ``LLM`` only reports finished requests)."""
+    every denoising step (``step``, the ``on_step`` of ``LLM.generate``) by the slots it
+    committed; a request that finishes early (its answer ended) counts its remaining slots as
+    done. The whole batch usually decodes together, so requests finish in a burst at the end: a
+    bar over finished requests would sit at 0 and its ETA mean nothing. This one moves with the
+    work, and shows no ETA either: the steps still to come depend on when answers end."""
 
     FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} slots [{elapsed}{postfix}]"
 
-    def __init__(self, engine, n: int, max_tokens: int, desc) -> None:
-        self.engine, self.n, self.max_tokens = engine, n, max_tokens
+    def __init__(self, n: int, max_tokens: int, desc) -> None:
+        self.n, self.max_tokens = n, max_tokens
         self.desc = desc if isinstance(desc, str) else "decoding"
+        self.done: dict[str, int] = {}
+        self.steps = self.finished = 0
 
     def __enter__(self) -> "_SlotProgress":
         from tqdm import tqdm
 
         self.bar = tqdm(total=self.n * self.max_tokens, desc=self.desc, bar_format=self.FORMAT,
                         dynamic_ncols=True)
-        done: dict[str, int] = {}
-        counts = {"steps": 0, "finished": 0}
-        step = self.engine.step
-
-        def counted_step():
-            outs = step()
-            advanced = 0
-            for o in outs:
-                advanced += o.num_committed
-                done[o.request_id] = done.get(o.request_id, 0) + o.num_committed
-                if o.finished:
-                    advanced += max(self.max_tokens - done[o.request_id], 0)
-                    counts["finished"] += 1
-            counts["steps"] += 1
-            self.bar.set_postfix_str(f"step {counts['steps']}, {counts['finished']}/{self.n} "
-                                     "answers", refresh=False)
-            self.bar.update(advanced)
-            return outs
-
-        self.engine.step = counted_step        # an instance attribute shadows the method
         return self
 
+    def step(self, outs) -> None:
+        advanced = 0
+        for o in outs:
+            advanced += o.num_committed
+            self.done[o.request_id] = self.done.get(o.request_id, 0) + o.num_committed
+            if o.finished:
+                advanced += max(self.max_tokens - self.done[o.request_id], 0)
+                self.finished += 1
+        self.steps += 1
+        self.bar.set_postfix_str(f"step {self.steps}, {self.finished}/{self.n} answers",
+                                 refresh=False)
+        self.bar.update(advanced)
+
     def __exit__(self, *exc) -> None:
-        del self.engine.step
         self.bar.close()
 
 
