@@ -176,6 +176,10 @@ class EngineConfig:
     kv_disk_gb: float = 0.0              # L2 size
     kv_offload_dtype: str = "bf16"       # pages below L0: "bf16" (the pool's, exact), fp8, int8
     kv_placement: str = "lru"            # which cached pages leave a tier first
+    # ema / kag (cache/access_graph.py): neighbours kept per page, and when a request's
+    # attention evidence is handed over: "every-block" or "every-N-steps" (N >= 1)
+    kag_top_k: int = 8
+    kag_update: str = "every-block"
     # debug / tests: after every step, every running request's pages go down to host memory and
     # back (the tiers' data path end to end; outputs must not change with bf16)
     kv_tier_stress: bool = False
@@ -220,9 +224,24 @@ class EngineConfig:
                              "pinned host memory")
         _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
         _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
+        _check_int("kag_top_k", self.kag_top_k, 1)
+        self.kag_update_steps      # validates kag_update
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")
+
+    @property
+    def kag_update_steps(self) -> int | None:
+        """``kag_update`` as a step count (None: at the end of every block)."""
+        import re
+
+        if self.kag_update == "every-block":
+            return None
+        m = re.fullmatch(r"every-(\d+)-steps?", str(self.kag_update))
+        if m is None or int(m.group(1)) < 1:
+            raise ValueError(f"kag_update must be 'every-block' or 'every-N-steps' with N >= 1, "
+                             f"got {self.kag_update!r}")
+        return int(m.group(1))
 
     def num_pages(self, kv_bytes_per_token: int, budget_bytes: int | None = None) -> int:
         """Pages in the pool for a model whose cached token takes ``kv_bytes_per_token`` bytes;

@@ -148,3 +148,33 @@ def test_kag_metrics_exported(ckpt):
     policy = aeng.engine.kv_manager.policy
     assert isinstance(policy, KAGPolicy) and policy.stats["updates"] == \
         m["flash_dllm_kag_updates_total"]
+
+
+def test_kag_flags(ckpt):
+    from flash_dllm.entrypoints.cli import build_parser
+    from flash_dllm.entrypoints.llm import LLM
+
+    assert EngineConfig(kag_update="every-3-steps").kag_update_steps == 3
+    assert EngineConfig().kag_update_steps is None
+    for bad in ("every-0-steps", "sometimes", "every-x-steps"):
+        with pytest.raises(ValueError, match="kag_update must be"):
+            EngineConfig(kag_update=bad)
+    with pytest.raises(ValueError, match="kag_top_k"):
+        EngineConfig(kag_top_k=0)
+    a = build_parser().parse_args(["serve", "--kv-placement", "kag", "--kag-top-k", "4",
+                                   "--kag-update", "every-2-steps"])
+    assert (a.kag_top_k, a.kag_update) == (4, "every-2-steps")
+
+    params = SamplingParams(max_tokens=16, block_length=8, decode="threshold", threshold=0.99,
+                            cache="flash")
+    updates = {}
+    for every in ("every-block", "every-1-steps"):
+        llm = LLM(ckpt, engine_config=EngineConfig(num_kv_pages=512, prefix_reuse=True,
+                                                   kv_placement="kag", kag_update=every,
+                                                   kag_top_k=4))
+        for _ in range(2):                        # the second run reuses the first's pages
+            llm.generate(["Ivy has 23 pens and Vic has 12. " * 3], params)
+        pol = llm.engine.kv_manager.policy
+        assert pol.graph.top_k == 4
+        updates[every] = pol.stats["updates"]
+    assert updates["every-1-steps"] > updates["every-block"] > 0

@@ -51,7 +51,7 @@ def test_warm_up_leaves_no_trace(ckpt):
     before = dict(eng.stats)
     lines = []
     rep = warm_up(eng, "full", tok.encode("warm up text"), lines.append)
-    assert rep.cases == 2 * 2 * len(batch_sizes("full", 4)) and not rep.skipped
+    assert rep.cases == 2 * 3 * len(batch_sizes("full", 4)) and not rep.skipped
     assert rep.steps > rep.cases and len(lines) == rep.cases
     assert "warm-up 1/" in lines[0] and "vanilla/none prompt 24 batch 1" in lines[0]
     assert not eng.has_unfinished() and eng.kv_manager.num_used == 0
@@ -76,8 +76,8 @@ def test_warm_up_skips_a_case_that_cannot_fit(ckpt):
     aeng, tok = engine_of(ckpt)
     eng = aeng.engine
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "max_position": 100})
-    rep = warm_up(eng, "full", tok.encode("abc"))           # 100 - 64: prompts of 24 and 36
-    assert not rep.skipped and rep.cases == 2 * 2 * len(batch_sizes("full", 4))
+    rep = warm_up(eng, "full", tok.encode("abc"))           # 100 - 64: prompts of 24, 25 and 36
+    assert not rep.skipped and rep.cases == 2 * 3 * len(batch_sizes("full", 4))
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "max_position": 60})
     rep = warm_up(eng, "minimal", tok.encode("abc"))        # 64 tokens cannot fit in 60
     assert rep.cases == 0 and len(rep.skipped) == 2 and "leaves no room" in rep.skipped[0]
@@ -118,7 +118,7 @@ def test_server_is_not_ready_while_warming(ckpt):
     assert busy.status_code == 503 and "warming up" in busy.json()["error"]["message"]
     assert health.status_code == 200
     assert ready1.status_code == 200 and ok.status_code == 200
-    assert aeng.warmup_report.cases == 2 and aeng.ready_at is not None
+    assert aeng.warmup_report.cases == 2 * 2 and aeng.ready_at is not None
     for name in ("kernel_compiles_total", "graph_captures_total", "graph_replays_total",
                  "eager_forwards_total", "kernel_compiles_after_ready_total",
                  "graph_captures_after_ready_total", "time_to_ready_seconds",

@@ -59,7 +59,8 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int, *, prefix_reuse: bool = False,
                  namespace: bytes = b"", l1_slots: int = 0, l2_slots: int = 0,
-                 placement: str = "lru", page_bytes: int = 0, clock=time.monotonic) -> None:
+                 placement: str = "lru", page_bytes: int = 0, clock=time.monotonic,
+                 placement_top_k: int = 8) -> None:
         self.pool = PagePool(num_pages, page_size)
         self._pages: dict[str, list[int]] = {}
         self._locked: dict[str, tuple] = {}         # request id -> (tree, reused nodes)
@@ -68,7 +69,7 @@ class KVCacheManager:
         self.prefix_reuse = prefix_reuse
         self.namespace = namespace
         self.trees: dict[str, object] = {}
-        self.policy = make_policy(placement)
+        self.policy = make_policy(placement, top_k=placement_top_k)
         self.cost = CostModel(page_bytes=max(page_bytes, 1), page_size=page_size)
         self._l1_free = list(range(l1_slots - 1, -1, -1))
         self._l2_free = list(range(l2_slots - 1, -1, -1))

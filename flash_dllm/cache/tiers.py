@@ -206,10 +206,12 @@ class KAGPolicy(EMAPolicy):
 PLACEMENT_POLICIES = {"lru": LRUPolicy, "ema": EMAPolicy, "kag": KAGPolicy}
 
 
-def make_policy(name: str):
+def make_policy(name: str, top_k: int = 8):
+    """The placement policy ``name``; ``top_k``: neighbours per page of the access graph."""
     if name not in PLACEMENT_POLICIES:
         raise ValueError(f"kv_placement must be one of {sorted(PLACEMENT_POLICIES)}, got {name!r}")
-    return PLACEMENT_POLICIES[name]()
+    cls = PLACEMENT_POLICIES[name]
+    return cls(top_k=top_k) if issubclass(cls, EMAPolicy) else cls()
 
 
 # ----------------------------------------------------------------------------------- cost model

@@ -50,13 +50,15 @@ class Engine:
             prefix_reuse=self.config.prefix_reuse, namespace=self.runner.compat,
             l1_slots=off.host.num_slots if off is not None and self.config.kv_cpu_gb else 0,
             l2_slots=off.l2_slots if off is not None else 0,
-            placement=self.config.kv_placement,
+            placement=self.config.kv_placement, placement_top_k=self.config.kag_top_k,
             page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift)
         # placement by attention (kv_placement ema / kag): the runner reports each flash step's
         # mass per page; it is summed over a request's block and handed over when the block ends
         self.runner.collect_page_mass = self.kv_manager.wants_mass
         self._block_mass: dict[str, np.ndarray] = {}
+        self._mass_steps: dict[str, int] = {}        # steps summed per request (every-N-steps)
+        self._kag_every = self.config.kag_update_steps
         self._ids = itertools.count()
         self._stop_ids = tuple(int(t) for t in cfg.eos_token_ids)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
@@ -187,7 +189,11 @@ class Engine:
         if page_mass is not None:
             acc = self._block_mass.get(rid)
             self._block_mass[rid] = page_mass if acc is None else acc + page_mass
-        if (req.first_step or req.finished) and rid in self._block_mass:
+            self._mass_steps[rid] = self._mass_steps.get(rid, 0) + 1
+        due = req.first_step or req.finished or (
+            self._kag_every is not None and self._mass_steps.get(rid, 0) >= self._kag_every)
+        if due and rid in self._block_mass:
+            self._mass_steps.pop(rid, None)
             self.kv_manager.observe(rid, self._block_mass.pop(rid))
 
     def _release(self, req: Request) -> None:
@@ -196,6 +202,7 @@ class Engine:
         before the last one decoded (their K/V were refreshed with their final tokens; the last
         block's K/V were computed while it was still being unmasked)."""
         self._block_mass.pop(req.request_id, None)
+        self._mass_steps.pop(req.request_id, None)
         publish = None
         if (self.config.prefix_reuse and req.finish_reason != "abort"
                 and req.params.cache != "none"):

@@ -99,6 +99,11 @@ class EngineArgs:
                               "PageRank); ema and kag learn from cache=flash steps only "
                               "(default: %(default)s)",
                               choices=["lru", "ema", "kag"])
+    kag_top_k: int = _knob("kag_top_k", int, "ema / kag: neighbours kept per page in the KV "
+                                             "access graph (default: %(default)s)")
+    kag_update: str = _knob("kag_update", str, "ema / kag: hand a request's attention evidence "
+                                               "to the graph every-block or every-N-steps "
+                                               "(e.g. every-4-steps; default: %(default)s)")
     tensor_parallel_size: int = field(default=1, metadata={
         "type": int, "help": "GPUs (or CPU processes) that split the model's weights, heads and "
                              "KV pages; one worker process per extra rank, or the ranks "

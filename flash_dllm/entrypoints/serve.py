@@ -45,9 +45,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
                    help="before /ready says ready, run synthetic batches so that kernels "
                         "compile and CUDA graphs are captured while no request waits. full: "
-                        "the default request and threshold+dual, two prompt lengths, every "
-                        "power-of-two batch up to --max-num-seqs (seconds on the demo model; "
-                        "about a minute for an 8B model); minimal: the default request at "
+                        "the default request and threshold+dual, three prompt lengths, every "
+                        "power-of-two batch up to --max-num-seqs (about 15 s for the demo "
+                        "model on a fresh H200; the time is logged and exported); minimal: the "
+                        "default request at "
                         "batch 1 and --max-num-seqs; none: start at once, and the first "
                         "requests of each new shape pay the compiles (default: full on a GPU, "
                         "none on the CPU, where nothing compiles)")
