@@ -33,6 +33,12 @@ def test_policies_order_by_evidence():
     assert order[0] == bs[3]                                    # least central goes first
     ema.forget(bs[0])
     assert ema.order([bs[0], bs[1]]) == [bs[0], bs[1]]          # forgotten: no evidence
+    # a forgotten block's node is reused, never shared with a live block
+    more = [Block(bytes([100 + i]) * 16) for i in range(3)]
+    ema.observe(more, [1.0, 1.0, 1.0])
+    ids = [ema._id(b) for b in bs[1:3] + more]
+    assert len(set(ids)) == len(ids) and 0 in ids
+    assert float(ema.graph.mass[ema._id(bs[2])]) == pytest.approx(3.0 * 0.9)   # one decay
     with pytest.raises(ValueError, match="kv_placement must be one of"):
         make_policy("fifo")
 

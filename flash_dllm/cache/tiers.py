@@ -144,11 +144,13 @@ class EMAPolicy(LRUPolicy):
 
         self.graph = AccessGraph(top_k=top_k, decay=decay)
         self._ids: dict[bytes, int] = {}
+        self._free_ids: list[int] = []      # nodes of forgotten blocks, reused (graph stays small)
 
     def _id(self, block: Block) -> int:
         i = self._ids.get(block.key)
         if i is None:
-            i = self._ids[block.key] = len(self._ids)
+            i = self._free_ids.pop() if self._free_ids else len(self._ids)
+            self._ids[block.key] = i
         return i
 
     def observe(self, blocks: list[Block], masses: list[float]) -> None:
@@ -161,6 +163,7 @@ class EMAPolicy(LRUPolicy):
         i = self._ids.pop(block.key, None)
         if i is not None:
             self.graph.forget(i)
+            self._free_ids.append(i)
 
     def scores(self) -> "object":
         return self.graph.mass
