@@ -203,3 +203,27 @@ def test_runtime_counts_on_cpu(ckpt):
     assert counts == {**graph_counts(aeng.engine.runner), "kernel_compiles": counts[
         "kernel_compiles"]}
     assert counts["graph_captures"] == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_bench_server_fails_fast_when_the_warm_up_fails(ckpt):
+    """bench serve's in-process server waits for /ready; a failed warm-up ends the wait at
+    once with the engine's error, instead of waiting out the timeout."""
+    import time
+
+    from flash_dllm.bench.serve import InProcessServer
+
+    aeng, tok = engine_of(ckpt)
+
+    def broken(engine):
+        raise RuntimeError("no memory for graphs")
+
+    aeng.set_warmup(broken)
+    app = build_app(aeng, tok, "tiny")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine failed: .*no memory for graphs"):
+        with InProcessServer(app, aeng):
+            pass
+    assert time.monotonic() - t0 < 60
+    if aeng._thread is not None:
+        aeng._thread.join(5)

@@ -236,7 +236,12 @@ class InProcessServer:
             time.sleep(0.02)
         # then its warm-up: the load starts when /ready says ready, as a load balancer would
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while httpx.get(self.url + "/ready", timeout=30).status_code != 200:
+        while (r := httpx.get(self.url + "/ready", timeout=30)).status_code != 200:
+            if r.json().get("status") == "error":          # the engine (or its warm-up) failed
+                health = httpx.get(self.url + "/health", timeout=30).json()
+                self.__exit__()
+                raise RuntimeError(f"the in-process server's engine failed: "
+                                   f"{health.get('error', health)}")
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the in-process server was not ready within "
                                    f"{READY_TIMEOUT_S} s")
