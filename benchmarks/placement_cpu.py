@@ -43,14 +43,17 @@ def main() -> int:
                    help="L0 sizes in pages (the sessions need ~160 for every hit)")
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=2, help="runs of every case (default 2)")
     a = p.parse_args()
     rows = []
-    for pages in a.pages:
-        for policy in POLICIES:
-            row = run_one(policy, pages, a)
-            rows.append(row)
-            print(f"pages {pages:4d} {policy:4s}: hit rate {row['hit_rate']:.3f}  "
-                  f"TTFT p50 {row['ttft_p50_s']:.3f} s  wall {row['wall_s']:.1f} s", flush=True)
+    for run in range(a.repeat):
+        for pages in a.pages:
+            for policy in POLICIES:
+                row = {"run": run, **run_one(policy, pages, a)}
+                rows.append(row)
+                print(f"run {run} pages {pages:4d} {policy:4s}: hit rate {row['hit_rate']:.3f}  "
+                      f"TTFT p50 {row['ttft_p50_s']:.3f} s  wall {row['wall_s']:.1f} s",
+                      flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"users": a.users, "turns": a.turns, "rows": rows},
                                       indent=1))

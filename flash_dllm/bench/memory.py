@@ -18,9 +18,9 @@ import time
 import torch
 
 from flash_dllm.bench.step import shape_config
-from flash_dllm.cache.tiers import Block, Load, Store
+from flash_dllm.cache.tiers import Block, Store
 from flash_dllm.engine.kv_offload import KVOffloader
-from flash_dllm.models.config import ModelConfig  # noqa: F401 (shape parsing below)
+from flash_dllm.models.loader import parse_dtype
 from flash_dllm.models.registry import resolve
 
 
@@ -48,8 +48,7 @@ def run_memory_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfl
     dev = torch.device(device)
     raw = shape_config(shape)
     cfg = resolve(raw).parse_config(raw)
-    tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-              "float32": torch.float32}[dtype]
+    tdtype = parse_dtype(dtype)
     kv = torch.randn(cfg.num_layers, 2, pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
                      device=dev).to(tdtype)
     page_bytes = kv[:, :, 0].numel() * kv.element_size()

@@ -11,7 +11,6 @@ import asyncio
 import json
 import math
 import re
-import socket
 import threading
 import time
 from typing import Any
@@ -192,10 +191,7 @@ async def bench(url: str, prompts: list[str], n_requests: int, concurrency: int,
 
 
 # ------------------------------------------------------------------------- in-process server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flash_dllm.distributed.launch import free_port  # noqa: E402,F401 - (re-exported)
 
 
 READY_TIMEOUT_S = 900

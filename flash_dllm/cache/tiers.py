@@ -169,12 +169,12 @@ class EMAPolicy(LRUPolicy):
         return self.graph.mass
 
     def order(self, candidates: list[Block]) -> list[Block]:
-        sc = self.scores()
-        n = sc.shape[0]
+        sc = self.scores().tolist()
+        n = len(sc)
 
         def score(b: Block) -> float:
             i = self._ids.get(b.key)
-            return float(sc[i]) if i is not None and i < n else 0.0
+            return sc[i] if i is not None and i < n else 0.0
 
         return sorted(candidates, key=lambda b: (score(b), b.last_access, b.key))
 

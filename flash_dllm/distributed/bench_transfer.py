@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from flash_dllm.distributed.launch import free_port
 
 METHODS = ("contiguous", "fragments_batched", "fragments_each")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -147,12 +148,6 @@ def _worker(rank: int, cfg: dict, port: int, out: str) -> None:
         Path(out).write_text(json.dumps({"times": times, "exact": exact, "offset": off}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_transfer_bench(shape: str | KVShape = "llada-8b", tokens: int = 512,
                        backend: str = "gloo", device: str = "cpu", world: int = 2, *,
                        reps: int = 5, warmup: int = 1, methods: tuple[str, ...] = METHODS,
@@ -188,7 +183,7 @@ def run_transfer_bench(shape: str | KVShape = "llada-8b", tokens: int = 512,
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="flash-dllm-bench-") as tmp:
         out = os.path.join(tmp, "rank1.json")
-        ctx = mp.start_processes(_worker, args=(cfg, _free_port(), out), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(cfg, free_port(), out), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):

@@ -146,7 +146,8 @@ class VocabParallel:
         x = local.float()
         lse = torch.logsumexp(x, dim=-1)                            # [rows]
         if forbid is not None and self.start <= forbid < self.end:
-            x = x.clone()
+            if x.data_ptr() == local.data_ptr():                    # fp32: .float() copied nothing
+                x = x.clone()
             x[:, forbid - self.start] = float("-inf")
         best, idx = x.max(dim=-1)                                   # first max, local index
         stats = torch.stack([best, (idx + self.start).to(torch.float32), lse])   # [3, rows]

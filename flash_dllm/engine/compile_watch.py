@@ -25,9 +25,8 @@ class KernelCompiles:
         self._started: dict[tuple, float] = {}
         self.available = False
         # set when a server became ready: from then on every compile is logged (a warning
-        # naming the kernel and its specialisation) and kept in ``late``
+        # naming the kernel and its specialisation)
         self.ready = False
-        self.late: list[str] = []
 
     def install(self) -> bool:
         """Hook Triton's compiles (once per process); False when this Triton has no hooks."""
@@ -68,8 +67,6 @@ class KernelCompiles:
             self.seconds += dt
             self.by_kernel[name] = self.by_kernel.get(name, 0) + 1
             late = self.ready
-            if late:
-                self.late = (self.late + [signature or name])[-32:]
         if late:
             log.warning("kernel %s compiled after ready (%.2f s): %s", name, dt,
                         signature or "(no signature)")

@@ -60,6 +60,9 @@ class Engine:
         self._mass_steps: dict[str, int] = {}        # steps summed per request (every-N-steps)
         self._kag_every = self.config.kag_update_steps
         self._ids = itertools.count()
+        # steps that ran a batch, never reset (unlike ``stats``, which the warm-up puts back):
+        # the replicas' shared clock under tensor parallelism (``tp_engine.make_deterministic``)
+        self.steps_run = 0
         self._stop_ids = tuple(int(t) for t in cfg.eos_token_ids)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
@@ -178,6 +181,7 @@ class Engine:
             self.scheduler.drop_finished()
         self.stats["tokens_committed"] += committed
         self.stats["forwards"] += bool(reqs)
+        self.steps_run += bool(reqs)
         self.stats["step_seconds"] += time.perf_counter() - t0
         self.stats["last_batch_size"] = len(plan.seqs)
         return outputs

@@ -239,12 +239,14 @@ class ModelRunner:
             for i in step.flash:
                 states[i].mass_src = (mass, i)
             if self.collect_page_mass:       # and, per page, for the placement policy
-                per_page = mass.view(mass.shape[0], -1, self.page_size).sum(-1).cpu().numpy()
-                page_mass = {batch[i].request_id: per_page[i] for i in step.flash}
+                page_mass = mass.view(mass.shape[0], -1, self.page_size).sum(-1)
         tokens, conf, keep, counters = sample_and_commit(
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
         blocks = blocks.cpu().numpy()                      # the step's one device->host copy
+        if page_mass is not None:          # (ema / kag placement: after it, never mid-step)
+            per_page = page_mass.cpu().numpy()
+            page_mass = {batch[i].request_id: per_page[i] for i in step.flash}
         for i, (req, st, seg, (s, e)) in enumerate(zip(batch, states, step.segments,
                                                        step.bounds)):
             if req.params.decode == "verify":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import atexit
 import subprocess
 
 import torch
@@ -26,7 +27,7 @@ STOP = "stop"
 
 def make_deterministic(engine: Engine) -> None:
     """Replica-safe settings of an engine under tensor parallelism (see the module note)."""
-    engine.kv_manager.clock = lambda: float(engine.stats["forwards"])
+    engine.kv_manager.clock = lambda: float(engine.steps_run)
     engine.kv_manager.cost.adaptive = False
 
 
@@ -89,6 +90,7 @@ class TPEngine(Engine):
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)      # (registered by entrypoints/tp_launch)
         try:
             if not self.dead_workers():
                 self._broadcast([(STOP,)])

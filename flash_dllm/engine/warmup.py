@@ -49,9 +49,6 @@ class WarmupReport:
     graph_captures: int = 0
     skipped: list[str] = field(default_factory=list)    # cases that could not run, and why
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 def default_level(device) -> str:
     """``full`` on a GPU, ``none`` on the CPU (nothing compiles or captures there)."""

@@ -72,8 +72,7 @@ def _suite(a: argparse.Namespace):
     from flash_dllm.evals.jsonl import JsonlSpec, load_problems, make_suite
 
     spec = JsonlSpec(a.data, a.question_field, a.answer_field, a.answer_regex, a.gold_regex)
-    load_problems(spec, a.n)
-    return make_suite(spec)
+    return make_suite(spec, load_problems(spec, a.n))
 
 
 def run(a: argparse.Namespace) -> int:

@@ -139,15 +139,19 @@ def score(problem: Problem, completion: str, answer_regex: re.Pattern | None = N
         return False
 
 
-def make_suite(spec: JsonlSpec):
-    """A ``tasks.Suite`` over the file (test problems only: a user's file is never trained on)."""
+def make_suite(spec: JsonlSpec, problems: list[Problem] | None = None):
+    """A ``tasks.Suite`` over the file (test problems only: a user's file is never trained on);
+    ``problems``: the file already read with ``load_problems`` (it is not read again)."""
     from flash_dllm.evals.tasks import Suite
 
     answer_re = compile_regex(spec.answer_regex, "--answer-regex")
+    loaded = problems
 
     def test_problems(n: int | None = None, seed: int = 0) -> list[Problem]:
         del seed                               # the file's order is kept
-        return load_problems(spec, n)
+        if loaded is None:
+            return load_problems(spec, n)
+        return list(loaded if n is None else loaded[:n])
 
     def train_problems(n: int, seed: int) -> list[Problem]:
         raise ValueError("the jsonl suite is for evaluation only")

@@ -132,7 +132,9 @@ class _TierCollector:
     def collect(self):
         kv = self.engine.kv_manager
         st = kv.stats
-        cached = kv.cached_pages()
+        # NOTE: the engine thread changes the block set while a scrape reads it: a read that
+        # races a resize is retried, never a 500
+        cached = _read(kv.cached_pages, (0, 0, 0))
         g = GaugeMetricFamily(PREFIX + "kv_pages_cached",
                               "Cached KV pages (prefix reuse) per tier.", labels=["tier"])
         gb = GaugeMetricFamily(PREFIX + "kv_cached_bytes", "Bytes of cached KV pages per tier.",
@@ -161,7 +163,7 @@ class _TierCollector:
         # every (tier, direction) a copy can take, 0 until it happens (dashboards and alerts
         # find the series from the start)
         counts = {(t, d): 0 for t in TIERS[1:] for d in ("down", "up")}
-        counts.update(dict(st["bytes_moved"]))
+        counts.update(_read(lambda: dict(st["bytes_moved"]), {}))
         for (tier, direction), n in sorted(counts.items()):
             moved.add_metric([tier, direction], n)
         yield moved
@@ -213,6 +215,16 @@ class _TierCollector:
                 f"Seconds per page {name}ed between GPU and host memory.",
                 buckets=[("+Inf" if le == float("inf") else str(le), c)
                          for le, c in snap["buckets"]], sum_value=snap["sum"])
+
+
+def _read(fn, default, tries: int = 3):
+    """``fn()``, retried when the engine thread resized what it iterates; else ``default``."""
+    for _ in range(tries):
+        try:
+            return fn()
+        except RuntimeError:
+            continue
+    return default
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
