@@ -1,0 +1,208 @@
+"""Moving a running request from one engine to another between steps (prefill -> decode).
+
+Prefill/decode disaggregation runs a request's first forward (the whole prompt and masked canvas:
+the expensive one) on a prefill worker, then hands the request to a decode worker, which runs
+every later denoising step. What crosses is everything the next step reads, so the decode
+worker's steps are exactly the ones the prefill engine would have run (temperature 0: token for
+token; sampled requests carry their generator's state):
+
+- the **KV segment**: the request's pages, packed page-first ``[pages, layers, 2, page_size,
+  kv_heads, head_dim]`` (FlowKV's ``(blocks, layers, 2, hidden)``) by ``kernels/kv_pages.py``'s
+  gather kernel into ONE contiguous tensor, and scattered into the receiver's own pages by the
+  unpack kernel: one send per request, bit-exact;
+- a ``RequestSnapshot`` (host data, picklable): the host request (canvas, block, step, counters)
+  and the runner's per-request device state (Flash-Verify drafts, the KV sentinel's history and
+  pending refresh, ``cache="flash"``'s attention mass, sampling generators), copied to the host.
+
+``export_request`` packs and detaches (the request's pages and device state are freed at once:
+the segment is a copy); ``import_request`` allocates pages, unpacks and puts the request in the
+running batch. Both run between steps, on the engine's thread.
+
+NOTE: the receiver keeps the sender's ``reused_len`` (prompt positions never recomputed), so its
+windows are the sender's. Imported pages are private (not in the receiver's prefix tree) and are
+not published when the request finishes.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flash_dllm.config import SamplingParams
+from flash_dllm.engine.request import Request
+from flash_dllm.kernels.kv_pages import pack_pages, packed_shape, unpack_pages
+
+# host request fields copied verbatim (see ``Request``)
+_REQ_FIELDS = ("block", "num_masked", "step_in_block", "first_step", "num_forwards",
+               "num_tokens", "reused_len", "arrival_time", "first_token_time", "early_stopped")
+# runner device state (``SeqState``) that outlives a step
+_STATE_TENSORS = ("refresh", "kv_history")
+
+
+@dataclass
+class RequestSnapshot:
+    """A running request between two steps, as host data (the KV travels separately)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    tokens: np.ndarray                    # [canvas] the canvas as the device had it
+    fields: dict                          # _REQ_FIELDS
+    counters: dict
+    num_pages: int
+    kv_shape: tuple[int, ...]             # the segment: packed_shape(pool, num_pages)
+    kv_dtype: str
+    device_state: dict = field(default_factory=dict)   # name -> CPU tensor (or None)
+
+    @property
+    def kv_nbytes(self) -> int:
+        n = 1
+        for d in self.kv_shape:
+            n *= d
+        return n * getattr(torch, self.kv_dtype).itemsize
+
+
+class MigrationError(RuntimeError):
+    """A request cannot move: unknown, finished, or its pages do not match the receiver's."""
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu", copy=True)
+
+
+def snapshot(engine, request_id: str) -> RequestSnapshot:
+    """The host half of ``export_request`` (nothing is freed)."""
+    req = engine.scheduler.find(request_id)
+    if req is None or req not in engine.running:
+        raise MigrationError(f"request {request_id!r} is not running in this engine")
+    runner = engine.runner
+    st = runner._states.get(request_id)
+    if st is None:
+        raise MigrationError(f"request {request_id!r} has not run a step yet: nothing to move")
+    pages = engine.kv_manager.pages(request_id)
+    dev: dict = {"canvas": _cpu(st.canvas)}
+    for name in _STATE_TENSORS:
+        dev[name] = _cpu(getattr(st, name))
+    dev["drafts"] = None if st.drafts is None else tuple(_cpu(t) for t in st.drafts)
+    dev["attn_mass"] = _cpu(st.attn_mass)
+    for name in ("generator", "sentinel_generator"):
+        g = getattr(st, name)
+        dev[name] = None if g is None else g.get_state()
+    return RequestSnapshot(
+        request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
+        prompt=req.prompt, tokens=dev["canvas"].numpy().copy(),
+        fields={f: getattr(req, f) for f in _REQ_FIELDS}, counters=copy.deepcopy(req.counters),
+        num_pages=len(pages), kv_shape=tuple(packed_shape(runner.kv.shape, len(pages))),
+        kv_dtype=str(runner.kv.dtype).removeprefix("torch."), device_state=dev)
+
+
+def pack_request(engine, request_id: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The request's KV as one contiguous page-first segment (``out``: where to pack it)."""
+    pages = engine.kv_manager.pages(request_id)
+    if pages is None:
+        raise MigrationError(f"request {request_id!r} holds no KV pages")
+    ids = torch.tensor(pages, dtype=torch.int32, device=engine.device)
+    buf, _ = pack_pages(engine.runner.kv, ids, out)
+    return buf
+
+
+def detach(engine, request_id: str) -> None:
+    """Take a running request out of ``engine`` without finishing it: its pages and device state
+    are freed (never published), its placement evidence dropped."""
+    req = engine.scheduler.find(request_id)
+    if req is None:
+        return
+    sched = engine.scheduler
+    sched.running = [r for r in sched.running if r is not req]
+    sched.waiting = type(sched.waiting)(r for r in sched.waiting if r is not req)
+    sched._plans.pop(request_id, None)
+    sched.invalidate()
+    engine._block_mass.pop(request_id, None)
+    engine._mass_steps.pop(request_id, None)
+    engine.kv_manager.free(request_id, None)
+    engine.runner.release(request_id)
+
+
+def export_request(engine, request_id: str, out: torch.Tensor | None = None
+                   ) -> tuple[RequestSnapshot, torch.Tensor]:
+    """(snapshot, KV segment) of a running request, which leaves ``engine``. Call between
+    steps. On a GPU the pack is queued on the current stream before the pages are freed, so a
+    later step that reuses them runs after it."""
+    snap = snapshot(engine, request_id)
+    seg = pack_request(engine, request_id, out)
+    detach(engine, request_id)
+    return snap, seg
+
+
+def check_segment(engine, snap: RequestSnapshot) -> None:
+    """Raise ``MigrationError`` unless ``snap``'s segment fits this engine's pool."""
+    kv = engine.runner.kv
+    want = tuple(packed_shape(kv.shape, snap.num_pages))
+    if tuple(snap.kv_shape) != want or snap.kv_dtype != str(kv.dtype).removeprefix("torch."):
+        raise MigrationError(f"request {snap.request_id!r}: segment {snap.kv_shape} "
+                             f"{snap.kv_dtype} does not fit this pool ({want} {kv.dtype})")
+    if snap.num_pages != engine.kv_manager.pages_for(len(snap.tokens)):
+        raise MigrationError(f"request {snap.request_id!r}: {snap.num_pages} pages for a "
+                             f"{len(snap.tokens)}-token canvas (page size differs?)")
+
+
+def reserve(engine, snap: RequestSnapshot) -> list[int] | None:
+    """Reserve the receiver's pages for ``snap`` (None: they do not fit now)."""
+    check_segment(engine, snap)
+    alloc = engine.kv_manager.allocate(snap.request_id, len(snap.tokens), None, reuse=False)
+    return None if alloc is None else alloc.pages
+
+
+def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
+                   pages: list[int] | None = None) -> Request | None:
+    """Unpack ``segment`` into this engine's pages (``pages`` from ``reserve``, else reserved
+    here) and add the request to the running batch at the step it left; None when its pages do
+    not fit now. The caller checks that a running slot is free (``can_import``)."""
+    if pages is None:
+        pages = reserve(engine, snap)
+        if pages is None:
+            return None
+    if not can_import(engine):
+        engine.kv_manager.free(snap.request_id, None)
+        raise MigrationError(f"request {snap.request_id!r}: no free running slot "
+                             f"(max_num_seqs {engine.config.max_num_seqs})")
+    dev = engine.device
+    ids = torch.tensor(pages, dtype=torch.int32, device=dev)
+    unpack_pages(segment.view(snap.kv_shape).to(dev) if segment.dtype == engine.runner.kv.dtype
+                 else segment.view(engine.runner.kv.dtype).view(snap.kv_shape).to(dev),
+                 ids, engine.runner.kv)
+    cfg = engine.cfg
+    req = Request(snap.request_id, snap.prompt_ids, snap.params, cfg.mask_token_id,
+                  cfg.eos_token_ids, snap.prompt)
+    req.tokens[:] = snap.tokens
+    for f, v in snap.fields.items():
+        setattr(req, f, v)
+    req.counters = copy.deepcopy(snap.counters)
+    st = engine.runner.seq(req, pages)
+    ds = snap.device_state
+    for name in _STATE_TENSORS:
+        t = ds.get(name)
+        setattr(st, name, None if t is None else t.to(dev))
+    if ds.get("drafts") is not None:
+        st.drafts = tuple(t.to(dev) for t in ds["drafts"])
+    if ds.get("attn_mass") is not None:
+        st.mass_src = (ds["attn_mass"].to(dev)[None, :], 0)
+    for name in ("generator", "sentinel_generator"):
+        state = ds.get(name)
+        if state is None:
+            continue
+        g = getattr(st, name)
+        if g is None:
+            g = torch.Generator(device=dev)
+            setattr(st, name, g)
+        g.set_state(state)
+    engine.scheduler.running.append(req)
+    engine.scheduler.invalidate()
+    return req
+
+
+def can_import(engine) -> bool:
+    return len(engine.scheduler.running) < engine.config.max_num_seqs
