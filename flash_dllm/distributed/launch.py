@@ -91,14 +91,16 @@ def spawn_ranks(world: int, target, *args) -> tuple[list, str]:
     the caller's main script, so it needs an ``if __name__ == "__main__"`` guard there, and
     ``LLM(..., tensor_parallel_size=2)`` at the top level of a script would start itself again."""
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = []
-    for r in range(1, world):
-        env = dict(os.environ)
-        env["FLASH_DLLM_TP_SPEC"] = base64.b64encode(pickle.dumps(
-            (target, (r, world, init_method) + args))).decode()
-        procs.append(subprocess.Popen([sys.executable, "-m", "flash_dllm.distributed.launch"],
-                                      env=env))
+    procs = [spawn(target, r, world, init_method, *args) for r in range(1, world)]
     return procs, init_method
+
+
+def spawn(target, *args) -> subprocess.Popen:
+    """A fresh interpreter running ``target(*args)`` (a module-level function; see
+    ``spawn_ranks``'s note)."""
+    env = dict(os.environ)
+    env["FLASH_DLLM_TP_SPEC"] = base64.b64encode(pickle.dumps((target, args))).decode()
+    return subprocess.Popen([sys.executable, "-m", "flash_dllm.distributed.launch"], env=env)
 
 
 def main() -> None:

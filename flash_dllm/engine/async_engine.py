@@ -41,6 +41,10 @@ class EngineUnavailableError(RuntimeError):
     """The engine is draining (shutting down) or its step thread died."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed (e.g. its KV transfer between workers timed out); others go on."""
+
+
 class StepObserver(Protocol):
     """Receives engine events (on the engine thread); the server's metrics implement it."""
 
@@ -107,6 +111,9 @@ class RequestStream:
         if self._s.finished:
             raise StopAsyncIteration
         item = await self._s.queue.get()
+        if isinstance(item, RequestFailedError):
+            self._s.finished = True
+            raise EngineUnavailableError(f"request failed: {item}") from item
         if isinstance(item, BaseException):
             self._s.finished = True
             raise EngineUnavailableError(f"engine step failed: {item!r}") from item
@@ -354,7 +361,7 @@ class AsyncEngine:
             if so.finished:              # NOTE: book-keeping first, so a client that got its
                 del self._live[so.request_id]   # final output already sees it in the counters
                 self._done(live, out)
-            self._post(live.stream, out)
+            self._post(live.stream, out if out.error is None else RequestFailedError(out.error))
 
     def _done(self, live: _Live, out: RequestOutput) -> None:
         with self._cv:

@@ -226,7 +226,8 @@ class Engine:
                              prompt_token_ids=req.prompt_ids, text=None,
                              token_ids=req.generated_ids(), num_forwards=req.num_forwards,
                              finish_reason=req.finish_reason, finished=req.finished,
-                             early_stopped=req.early_stopped, metrics=metrics)
+                             early_stopped=req.early_stopped, metrics=metrics,
+                             error=req.error)
 
 
 def run_to_completion(engine: Engine, requests: list[Request], on_finish=None,

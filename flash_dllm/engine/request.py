@@ -36,6 +36,7 @@ class RequestOutput:
     finished: bool
     early_stopped: bool = False     # finished before the last block because an answer had ended
     metrics: dict = field(default_factory=dict)
+    error: str | None = None        # finish_reason "error": why this request (alone) failed
 
     @property
     def tokens_per_forward(self) -> float:
@@ -82,6 +83,7 @@ class Request:
         self.finished = False
         self.finish_reason: str | None = None
         self.early_stopped = False
+        self.error: str | None = None              # set with finish_reason "error"
         self.counters: dict = new_counters()       # decode="verify" and sentinels
         self.num_tokens = 0                        # committed answer prefix length
         self.reused_len = 0      # prompt tokens whose K/V came from the prefix cache (read-only)

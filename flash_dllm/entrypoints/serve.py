@@ -8,7 +8,7 @@ import sys
 
 from flash_dllm.config import EngineConfig
 from flash_dllm.engine.warmup import WARMUP_LEVELS
-from flash_dllm.entrypoints.args import EngineArgs
+from flash_dllm.entrypoints.args import EngineArgs, positive_int
 
 
 def add_parser(sub) -> None:
@@ -52,8 +52,34 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                         "batch 1 and --max-num-seqs; none: start at once, and the first "
                         "requests of each new shape pay the compiles (default: full on a GPU, "
                         "none on the CPU, where nothing compiles)")
+    d = s.add_argument_group("prefill/decode disaggregation")
+    d.add_argument("--disaggregate", action="store_true",
+                   help="run the model in worker processes: prefill workers run each request's "
+                        "first forward (prompt + masked canvas) and send its KV to a decode "
+                        "worker, which runs the other steps; this process only routes (one "
+                        "device per worker: GPU rank %% visible GPUs, or the CPU)")
+    d.add_argument("--prefill-workers", type=positive_int, default=1,
+                   help="with --disaggregate: prefill worker processes (default: 1)")
+    d.add_argument("--decode-workers", type=positive_int, default=1,
+                   help="with --disaggregate: decode worker processes (default: 1)")
+    d.add_argument("--pd-timeout", type=_positive_seconds, default=30.0,
+                   help="with --disaggregate: seconds a KV transfer may take before its request "
+                        "(alone) fails (default: 30)")
+    d.add_argument("--pd-staging-gb", type=float, default=0.25,
+                   help="with --disaggregate: each worker's receive staging buffer in GiB; a "
+                        "request's KV must fit it (default: 0.25)")
+    d.add_argument("--pd-role-switching", action="store_true",
+                   help="with --disaggregate: move workers between the prefill and decode roles "
+                        "as the load shifts (drained first; at least one of each)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _positive_seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return v
 
 
 def _seconds(text: str) -> float:
@@ -82,20 +108,56 @@ def build_server_app(a: argparse.Namespace):
     from flash_dllm.server.app import build_app
 
     shape = getattr(a, "model_shape", None)
-    if shape:                        # benchmarks: a random-init model of a real shape
+    if getattr(a, "disaggregate", False):
+        aeng, tok, folder = load_disaggregated(a, shape)
+    elif shape:                        # benchmarks: a random-init model of a real shape
         from flash_dllm.engine.async_engine import AsyncEngine
         from flash_dllm.entrypoints.loader import load_random_engine
         loaded = load_random_engine(shape, EngineArgs.from_cli_args(a))
         aeng, tok, folder = AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
     else:
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
-    attach_warmup(aeng, tok, getattr(a, "warmup", None))
+    if not getattr(a, "disaggregate", False):
+        attach_warmup(aeng, tok, getattr(a, "warmup", None))
     name = getattr(a, "served_model_name", None) or folder.name
     app = build_app(aeng, tok, name, api_key=a.api_key,
                     max_body_bytes=getattr(a, "max_body_bytes", 1 << 20),
                     strict_params=getattr(a, "strict_params", False),
                     drain_timeout=getattr(a, "drain_timeout", 30.0))
     return app, aeng, name
+
+
+def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
+    """(AsyncEngine over a ``PDEngine``, tokenizer, folder) from parsed ``serve`` flags. The
+    workers load (and warm up) in their own processes: the engine is ready once all are."""
+    from pathlib import Path
+
+    from flash_dllm.engine.async_engine import AsyncEngine
+    from flash_dllm.engine.pd_engine import PDEngine
+    from flash_dllm.engine.warmup import default_level
+    from flash_dllm.models.loader import DEMO_MODEL, default_model_path
+    from flash_dllm.models.tokenizer import Tokenizer
+
+    args = EngineArgs.from_cli_args(a)
+    import torch
+    dev = torch.device(args.device if args.device != "auto" else
+                       ("cuda" if torch.cuda.is_available() else "cpu"))
+    level = getattr(a, "warmup", None) or default_level(dev)
+    pd = PDEngine.launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
+                         staging_gb=a.pd_staging_gb, role_switching=a.pd_role_switching,
+                         model_shape=shape, warmup=level)
+    folder = Path(shape) if shape else (Path(args.model) if args.model else default_model_path())
+    tok = Tokenizer(DEMO_MODEL if shape else folder)
+    aeng = AsyncEngine(pd)
+
+    def wait_workers(engine):
+        print(f"flash-dllm: starting {a.prefill_workers} prefill + {a.decode_workers} decode "
+              "worker(s)", file=sys.stderr, flush=True)
+        engine.wait_ready()
+        print("flash-dllm: every worker is ready", file=sys.stderr, flush=True)
+
+    aeng.set_warmup(wait_workers)
+    return aeng, tok, folder
 
 
 WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vic has 12 fewer. "
@@ -135,8 +197,10 @@ def run(a: argparse.Namespace) -> int:
     if a.host not in ("127.0.0.1", "localhost", "::1") and a.api_key is None:
         print(f"warning: serving on {a.host} without --api-key", file=sys.stderr)
     pool = aeng.engine.pool
-    print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} "
-          f"({pool.num_pages} KV pages of {pool.page_size} tokens, "
+    what = (f"{a.prefill_workers} prefill + {a.decode_workers} decode workers"
+            if getattr(a, "disaggregate", False) else
+            f"{pool.num_pages} KV pages of {pool.page_size} tokens")
+    print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} ({what}, "
           f"max_num_seqs={aeng.engine.config.max_num_seqs})", file=sys.stderr, flush=True)
     make_uvicorn_server(app, aeng, a.host, a.port, a.log_level).run()
     return 0

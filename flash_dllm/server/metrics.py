@@ -65,7 +65,10 @@ class ServerMetrics:
                                          "Submission to finish (any reason).",
                                          buckets=LATENCY_BUCKETS, registry=r)
         r.register(_SentinelCollector(engine.engine.stats))
-        r.register(_TierCollector(engine.engine))
+        if getattr(engine.engine, "runner", None) is not None:    # (a disaggregated front end
+            r.register(_TierCollector(engine.engine))              # runs no model itself)
+        if hasattr(engine.engine, "pd_snapshot"):
+            r.register(_DisaggCollector(engine.engine))
         r.register(_RuntimeCollector(engine))
         self.http_errors = Counter(PREFIX + "http_errors", "Error responses by HTTP status.",
                                    ["status"], registry=r)
@@ -215,6 +218,51 @@ class _TierCollector:
                 f"Seconds per page {name}ed between GPU and host memory.",
                 buckets=[("+Inf" if le == float("inf") else str(le), c)
                          for le, c in snap["buckets"]], sum_value=snap["sum"])
+
+
+class _DisaggCollector:
+    """Prefill/decode disaggregation (``engine/pd_engine.py``): per worker, its role, liveness,
+    pages, staging segments and transfers in flight (all 0 when idle: nothing leaked); KV
+    transfers, their bytes and seconds, failures, lost workers, role switches."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        snap = _read(self.engine.pd_snapshot, None)
+        if snap is None:
+            return
+        for name, doc in (("transfers", "Requests whose KV moved from a prefill to a decode "
+                                        "worker."),
+                          ("transfer_bytes", "Bytes of KV moved between workers."),
+                          ("transfer_seconds", "Seconds from a decode worker's receipt of a "
+                                               "snapshot to the request's unpacked pages, "
+                                               "summed."),
+                          ("transfer_failures", "KV transfers that failed or timed out."),
+                          ("failed_requests", "Requests failed by a transfer or a lost worker."),
+                          ("worker_deaths", "Workers lost (exited or disconnected)."),
+                          ("role_switches", "Workers moved between the prefill and decode "
+                                            "roles.")):
+            yield _counter(f"pd_{name}", doc, snap[name])
+        gauges = {
+            "up": ("1 while the worker is alive.", lambda w: float(w["alive"])),
+            "kv_pages_used": ("KV pages the worker's requests hold.",
+                              lambda w: w.get("pages_used", 0)),
+            "staging_segments": ("Staging-buffer segments held (receives in flight).",
+                                 lambda w: w.get("staging_used", 0)),
+            "sends_in_flight": ("KV sends not yet settled.", lambda w: w.get("sends", 0)),
+            "receives_pending": ("KV receives posted or waiting for room.",
+                                 lambda w: w.get("recvs", 0)),
+            "forwards": ("Model forwards the worker ran.", lambda w: w.get("steps", 0)),
+        }
+        for name, (doc, fn) in gauges.items():
+            g = GaugeMetricFamily(PREFIX + f"pd_worker_{name}", doc, labels=["worker", "role"])
+            for w in snap["workers"]:
+                g.add_metric([str(w["rank"]), w["role"]], float(fn(w)))
+            yield g
 
 
 def _read(fn, default, tries: int = 3):

@@ -1,0 +1,481 @@
+"""Prefill/decode disaggregation: the front end (router) over prefill and decode worker processes.
+
+``PDEngine`` stands where an ``Engine`` stands (the ``AsyncEngine`` drives it, so the OpenAI
+server, streaming, metrics and bad-input handling are unchanged), but it runs no model itself:
+
+1. ``add_request`` places the request on the least loaded live prefill worker and picks its
+   decode worker (the least loaded live one) and a transfer tag;
+2. the prefill worker runs the request's first forward, sends its KV segment straight to the
+   decode worker (``engine/pd_worker.py``) and its snapshot here; ``step`` forwards the snapshot
+   to the decode worker, which receives, unpacks and decodes the request to the end;
+3. ``step`` turns the workers' output events into ``StepOutput``s of host mirrors of the
+   requests (``Request`` objects that only hold the committed answer), so ``output`` works as the
+   engine's does.
+
+Faults fail one request, never the server: a transfer that times out or fails (``Failed``), a
+worker that dies (its requests fail at once; no new request goes to it; requests already sent to
+it by a prefill worker fail when their transfer does), an abort (the workers free the request's
+pages and staging). ``RoleController`` (``engine/pd_roles.py``) may move workers between the
+prefill and decode roles under load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Listener, wait
+from pathlib import Path
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.distributed.transport import USER_TAG_LIMIT
+from flash_dllm.engine import pd_worker as W
+from flash_dllm.engine.engine import Engine
+from flash_dllm.engine.pd_roles import WorkerLoad
+from flash_dllm.engine.request import Request, StepOutput
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class WorkerLost(RuntimeError):
+    """A worker process exited or broke its control connection."""
+
+
+@dataclass(eq=False)
+class _Worker:
+    rank: int
+    role: str
+    proc: object                      # subprocess.Popen
+    conn: object = None
+    alive: bool = True
+    ready: bool = False
+    pid: int | None = None
+    num_pages: int = 0
+    page_size: int = 0
+    max_num_seqs: int = 0
+    stats: W.Stats | None = None
+    prefilling: int = 0               # requests placed here for their first step
+    decoding: int = 0                 # requests moving or moved here
+    draining_to: str | None = None    # a role switch waiting for its old work to finish
+
+
+@dataclass(eq=False)
+class _Track:
+    req: Request
+    prefill: int
+    decode: int
+    tag: int
+    phase: str = "prefill"            # prefill -> transit -> decode
+    sent_at: float = 0.0
+
+
+class _PoolView:
+    """What the server reads of an engine's page pool: every live worker's, summed."""
+
+    def __init__(self, owner: "PDEngine") -> None:
+        self._o = owner
+
+    @property
+    def num_pages(self) -> int:
+        return sum(w.num_pages for w in self._o.workers if w.alive)
+
+    @property
+    def page_size(self) -> int:
+        return self._o.base_config.page_size
+
+    @property
+    def num_used(self) -> int:
+        return sum(w.stats.pages_used for w in self._o.workers if w.alive and w.stats)
+
+
+class _KVView(_PoolView):
+    """What admission checks read (``Engine.validate``): one request lives in ONE worker's pool,
+    so the smallest live pool bounds it."""
+
+    @property
+    def num_pages(self) -> int:
+        pools = [w.num_pages for w in self._o.workers if w.alive and w.ready]
+        return min(pools) if pools else 0
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def can_ever_fit(self, n_tokens: int) -> bool:
+        n = self.num_pages
+        return n == 0 or self.pages_for(n_tokens) <= n
+
+
+class _WaitingView:
+    def __init__(self, owner: "PDEngine") -> None:
+        self._o = owner
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(w.stats.waiting + w.stats.recvs for w in self._o.workers
+                   if w.alive and w.stats)
+
+
+class PDEngine:
+    """The front end of ``P`` prefill and ``D`` decode workers (see the module docstring).
+    Start one with ``PDEngine.launch``; call ``wait_ready`` before use (the server does it as its
+    warm-up, so ``/ready`` answers 503 until every worker has loaded)."""
+
+    def __init__(self, cfg, config: EngineConfig, workers: list[_Worker], listener: Listener,
+                 timeout_s: float, controller=None) -> None:
+        self.cfg = cfg
+        self.base_config = config
+        self.workers = workers
+        self.listener = listener
+        self.timeout_s = timeout_s
+        self.controller = controller
+        n_dec = max(1, sum(w.role == DECODE for w in workers))
+        # the async engine's accounting: every decode worker's running slots
+        self.config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * n_dec)
+        self.pool = _PoolView(self)
+        self.kv_manager = _KVView(self)
+        self._late: list[StepOutput] = []      # failures found outside the event loop
+        self.scheduler = _WaitingView(self)
+        self.runner = None
+        self.device = None
+        self.tracks: dict[str, _Track] = {}
+        self._tags = itertools.count(1)
+        self._ids = itertools.count()
+        self.closed = False
+        self.error: str | None = None
+        self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
+                      "last_batch_size": 0}
+        self.pd = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
+                   "transfer_failures": 0, "failed_requests": 0, "worker_deaths": 0,
+                   "role_switches": 0}
+        self.steps_run = 0
+
+    # ------------------------------------------------------------------------------- start-up
+    @classmethod
+    def launch(cls, args, prefill_workers: int = 1, decode_workers: int = 1, *,
+               timeout_s: float = 30.0, staging_gb: float = 0.25, role_switching: bool = False,
+               model_shape: str | None = None, warmup: str = "none",
+               backend: str | None = None, **config_override) -> "PDEngine":
+        """Spawn the workers (ranks 0..P-1 prefill, P..P+D-1 decode). Devices: the CPU for all,
+        or GPU ``rank % visible`` each. KV transport: NCCL when every worker has its own GPU,
+        else gloo (segments cross through host memory)."""
+        import torch
+
+        from flash_dllm.distributed.launch import free_port, spawn
+        from flash_dllm.models.loader import default_model_path, read_config
+
+        for name, n in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if args.tensor_parallel_size != 1:
+            raise ValueError("disaggregation with tensor_parallel_size > 1 is not supported yet")
+        config = args.engine_config(**config_override)
+        if config.kv_cpu_gb or config.kv_disk_path:
+            raise ValueError("KV tiers (--kv-cpu-gb / --kv-disk-path) are not supported with "
+                             "--disaggregate yet")
+        if model_shape:
+            from flash_dllm.bench.step import shape_config
+            from flash_dllm.models.config import ModelConfig
+            cfg = ModelConfig.from_hf(shape_config(model_shape))
+        else:
+            folder = Path(args.model) if args.model is not None else default_model_path()
+            _, cfg, _ = read_config(folder)
+        world = prefill_workers + decode_workers
+        devices = ["cpu"] * world
+        if args.device.startswith("cuda") or (args.device == "auto"
+                                               and torch.cuda.is_available()):
+            n = torch.cuda.device_count()
+            if n < 1:
+                raise ValueError(f"device {args.device!r}: no CUDA device is visible")
+            devices = [f"cuda:{r % n}" for r in range(world)]
+        if backend is None:
+            backend = "nccl" if devices[0] != "cpu" and len(set(devices)) == world else "gloo"
+        authkey = os.urandom(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        workers = []
+        for r in range(world):
+            spec = W.WorkerSpec(rank=r, world=world, init_method=init, address=listener.address,
+                                authkey=authkey, args=args, config_override=dict(config_override),
+                                device=devices[r], backend=backend, timeout_s=timeout_s,
+                                staging_bytes=max(1 << 20, int(staging_gb * 2**30)),
+                                warmup=warmup, model_shape=model_shape)
+            workers.append(_Worker(r, PREFILL if r < prefill_workers else DECODE,
+                                   spawn(W.worker_main, spec)))
+        controller = None
+        if role_switching:
+            from flash_dllm.engine.pd_roles import RoleController
+            controller = RoleController()
+        eng = cls(cfg, config, workers, listener, timeout_s, controller)
+        eng._accept_thread = threading.Thread(target=eng._accept, daemon=True,
+                                              name="flash-dllm-pd-accept")
+        eng._accept_thread.start()
+        return eng
+
+    def _accept(self) -> None:
+        """Accept each worker's control connection (its first message names its rank)."""
+        pending = []
+        for _ in self.workers:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return
+            pending.append(conn)
+        self._accepted = pending
+
+    def wait_ready(self, timeout_s: float = 600.0, engine=None):
+        """Block until every worker loaded its model (or raise naming the one that failed)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(w.ready for w in self.workers):
+            self._check_procs(starting=True)
+            conns = getattr(self, "_accepted", None)
+            if conns is not None:
+                for c in wait(conns, timeout=0.05):
+                    self._hello(c)
+                    conns.remove(c)
+            else:
+                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the disaggregated workers were not ready within "
+                                   f"{timeout_s:.0f} s")
+        return None
+
+    def _hello(self, conn) -> None:
+        try:
+            msg = W.Channel(conn).recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "error":
+            self.close()
+            raise RuntimeError(f"disaggregated worker {msg[1]} failed to start:\n{msg[2]}")
+        _, rank, pid, num_pages, page_size, max_num_seqs = msg
+        w = self.workers[rank]
+        w.conn, w.pid, w.ready = W.Channel(conn), pid, True
+        w.num_pages, w.page_size, w.max_num_seqs = num_pages, page_size, max_num_seqs
+
+    # -------------------------------------------------------------------------------- engine API
+    @property
+    def running(self) -> list[Request]:
+        return [t.req for t in self.tracks.values()]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """As ``Engine.validate``, against the smallest worker pool."""
+        Engine.validate(self, prompt_ids, params)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None) -> Request:
+        self.validate(prompt_ids, params)
+        rid = request_id if request_id is not None else f"pd-{next(self._ids)}"
+        req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,
+                      prompt)
+        pre = self._pick(PREFILL)
+        dec = self._pick(DECODE)
+        if pre is None or dec is None:
+            raise RuntimeError(f"no live {'prefill' if pre is None else 'decode'} worker: "
+                               "the disaggregated engine cannot take requests")
+        tag = next(self._tags) % USER_TAG_LIMIT
+        self.tracks[rid] = _Track(req, pre.rank, dec.rank, tag)
+        pre.prefilling += 1
+        dec.decoding += 1
+        self._send(pre, W.Add(rid, list(prompt_ids), params, prompt, dec.rank, tag))
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        t = self.tracks.pop(request_id, None)
+        if t is None:
+            return False
+        t.req.abort()
+        self._untrack(t)
+        # NOTE: one worker holds it. Still on the prefill worker: its export may already be on
+        # its way here; then ``_handle`` forwards it to the decode worker with an Abort behind
+        # it, so the decode worker drains the segment and the prefill worker's send settles.
+        self._send(self.workers[t.prefill if t.phase == "prefill" else t.decode],
+                   W.Abort(request_id))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.tracks)
+
+    def output(self, req: Request):
+        return Engine.output(self, req)
+
+    def step(self) -> list[StepOutput]:
+        """Outputs that arrived from the workers (waits up to 20 ms for one)."""
+        t0 = time.perf_counter()
+        self._check_procs()
+        conns = {w.conn.conn: w for w in self.workers if w.alive and w.conn is not None}
+        outs: list[StepOutput] = []
+        for c in wait(list(conns), timeout=0.02 if self.tracks else 0) if conns else []:
+            w = conns[c]
+            try:
+                while w.alive and w.conn.poll():
+                    self._handle(w, w.conn.recv(), outs)
+            except (EOFError, OSError):
+                self._lost(w, "its control connection closed")
+        if self.controller is not None:
+            self._switch_roles()
+        outs += self._late
+        self._late = []
+        self.stats["tokens_committed"] += sum(len(o.new_token_ids) for o in outs)
+        self.stats["step_seconds"] += time.perf_counter() - t0
+        return outs
+
+    def close(self) -> None:
+        """Stop the workers (they finish nothing more) and wait for them (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for w in self.workers:
+            if w.alive and w.conn is not None:
+                try:
+                    w.conn.send(W.Stop())
+                except OSError:
+                    pass
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                w.proc.kill()
+                w.proc.wait(timeout=5)
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------------------- internals
+    def _pick(self, role: str) -> _Worker | None:
+        cands = [w for w in self.workers if w.alive and w.ready and w.role == role
+                 and w.draining_to is None]
+        if not cands:
+            return None
+        load = (lambda w: w.prefilling) if role == PREFILL else (lambda w: w.decoding)
+        return min(cands, key=lambda w: (load(w), w.rank))
+
+    def _send(self, w: _Worker, msg) -> None:
+        if not w.alive or w.conn is None:
+            return
+        try:
+            w.conn.send(msg)
+        except OSError:
+            self._lost(w, "its control connection closed")
+
+    def _untrack(self, t: _Track) -> None:
+        if t.phase == "prefill":
+            self.workers[t.prefill].prefilling -= 1
+        self.workers[t.decode].decoding -= 1
+
+    def _handle(self, w: _Worker, msg, outs: list[StepOutput]) -> None:
+        if isinstance(msg, W.Stats):
+            w.stats = msg
+            return
+        if isinstance(msg, tuple) and msg and msg[0] == "error":
+            self._lost(w, f"it raised:\n{msg[2]}")
+            return
+        rid = getattr(msg, "request_id", None) or msg.snap.request_id
+        t = self.tracks.get(rid)
+        if t is None:                 # aborted or failed already
+            if isinstance(msg, W.Exported) and self.workers[msg.dst].alive:
+                # its segment is on the way: the decode worker receives and drops it
+                self._send(self.workers[msg.dst], W.Import(msg.snap, w.rank, msg.tag))
+                self._send(self.workers[msg.dst], W.Abort(rid))
+            return
+        if isinstance(msg, W.Out):
+            outs.append(self._out(t, msg))
+        elif isinstance(msg, W.Exported):
+            dec = self.workers[t.decode]
+            if t.phase == "prefill":
+                self.workers[t.prefill].prefilling -= 1
+            t.phase, t.sent_at = "transit", time.monotonic()
+            if not dec.alive:
+                self._fail(t, f"its decode worker {dec.rank} is gone", outs)
+                return
+            self._send(dec, W.Import(msg.snap, t.prefill, t.tag))
+        elif isinstance(msg, W.Imported):
+            t.phase = "decode"
+            self.pd["transfers"] += 1
+            self.pd["transfer_bytes"] += msg.nbytes
+            self.pd["transfer_seconds"] += msg.seconds
+        elif isinstance(msg, W.Failed):
+            self.pd["transfer_failures"] += "KV" in msg.message
+            self._fail(t, msg.message, outs)
+            for rank in {t.prefill, t.decode} - {w.rank}:
+                self._send(self.workers[rank], W.Abort(rid))
+
+    def _out(self, t: _Track, msg: W.Out) -> StepOutput:
+        req = t.req
+        n, k = msg.num_tokens, len(msg.new_ids)
+        if k:
+            req.tokens[req.prompt_len + n - k:req.prompt_len + n] = msg.new_ids
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+        req.num_tokens = n
+        req.num_forwards = max(req.num_forwards, msg.num_forwards)
+        if msg.finished:
+            req.finished, req.finish_reason = True, msg.finish_reason
+            req.finish_time = time.monotonic()
+            self.tracks.pop(req.request_id, None)
+            self._untrack(t)
+        return StepOutput(req.request_id, list(msg.new_ids), n, k, msg.finished,
+                          msg.finish_reason)
+
+    def _fail(self, t: _Track, message: str, outs: list[StepOutput]) -> None:
+        req = t.req
+        if self.tracks.pop(req.request_id, None) is None:
+            return
+        self._untrack(t)
+        req.finished, req.finish_reason = True, "error"
+        req.error = f"request {req.request_id}: {message}"
+        req.finish_time = time.monotonic()
+        self.pd["failed_requests"] += 1
+        outs.append(StepOutput(req.request_id, [], req.num_tokens, 0, True, "error"))
+
+    def _check_procs(self, starting: bool = False) -> None:
+        for w in self.workers:
+            if w.alive and w.proc.poll() is not None:
+                if starting:
+                    self.close()
+                    raise RuntimeError(f"disaggregated worker {w.rank} exited with code "
+                                       f"{w.proc.returncode} while starting (its traceback, if "
+                                       "any, is above)")
+                self._lost(w, f"its process exited with code {w.proc.returncode}")
+
+    def _lost(self, w: _Worker, why: str) -> None:
+        """A dead worker: its requests fail now; nothing is sent to it again."""
+        if not w.alive:
+            return
+        w.alive = False
+        self.pd["worker_deaths"] += 1
+        self.error = f"worker {w.rank} ({w.role}) lost: {why}"
+        outs = self._late
+        for t in list(self.tracks.values()):
+            if (t.phase == "prefill" and t.prefill == w.rank) or t.decode == w.rank:
+                self._fail(t, f"{w.role} worker {w.rank} was lost ({why.splitlines()[0]})", outs)
+
+    # ---------------------------------------------------------------------------- role switches
+    def _switch_roles(self) -> None:
+        now = time.monotonic()
+        for w in self.workers:                    # finish switches whose old work drained
+            if w.draining_to is not None and w.alive:
+                old = w.prefilling if w.role == PREFILL else w.decoding
+                if old == 0:
+                    w.role, w.draining_to = w.draining_to, None
+                    self.pd["role_switches"] += 1
+        live = [w for w in self.workers if w.alive and w.ready]
+        view = [WorkerLoad(w.rank, w.role, w.prefilling, w.decoding, w.max_num_seqs,
+                           draining=w.draining_to is not None) for w in live]
+        for rank, to in self.controller.decide(now, view):
+            w = self.workers[rank]
+            if w.role != to and w.draining_to is None:
+                w.draining_to = to
+
+    def pd_snapshot(self) -> dict:
+        """Counters and per-worker state for metrics and benchmarks."""
+        return {**self.pd, "workers": [
+            {"rank": w.rank, "role": w.role, "alive": w.alive, "prefilling": w.prefilling,
+             "decoding": w.decoding,
+             **({} if w.stats is None else dataclasses.asdict(w.stats))}
+            for w in self.workers]}
