@@ -11,20 +11,25 @@ The runner has two capture modes, both keyed by ``GraphKey`` in one ``GraphCache
 
 A shape is captured at its ``first_capture``-th sighting (default the second: a shape that never
 comes back costs no capture); a ``large`` one (more rows per request than a decode step, whose
-shape follows the prompt lengths) one sighting later; steps of more than ``max_tokens`` rows in
+shape follows the prompt lengths) one sighting later, and never once a warm-up made the server
+ready; steps of more than ``max_tokens`` rows in
 all never (a captured graph would hold their activations in the pool for good, and at that size
 launches cost nothing next to the GEMMs). At most ``max_graphs`` are kept, the least recently used
 dropped. All graphs share one memory pool: they never run at the same time.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
+from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
+
+log = logging.getLogger("flash_dllm.compile")
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,15 @@ class GraphKey:
     shape: tuple
 
 
+def _describe(key) -> str:
+    return f"{key.mode} {key.shape}" if isinstance(key, GraphKey) else repr(key)
+
+
 class GraphCache:
     """The captured graphs of one runner and the capture policy they share."""
 
     MAX_SEEN = 4096              # uncaptured shapes remembered (refresh shapes follow prompts)
+    HEAVY_FLOPS = 1e12           # a forward this big is GEMM-bound (~1.5 ms on an H200)
 
     def __init__(self, max_graphs: int, first_capture: int = 2) -> None:
         self.max_graphs = max_graphs
@@ -46,6 +56,12 @@ class GraphCache:
         self.graphs: OrderedDict[GraphKey, object] = OrderedDict()
         self.seen: dict[GraphKey, int] = {}
         self.pool = None                 # the shared memory pool, created at the first capture
+        # rows from which a forward is GEMM-bound (``set_model``); never by default
+        self.heavy_tokens: float = float("inf")
+
+    def set_model(self, num_params: int) -> None:
+        """Rows from which a forward of a ``num_params``-parameter model is GEMM-bound."""
+        self.heavy_tokens = self.HEAVY_FLOPS / (2 * max(1, num_params))
 
     def get(self, key: GraphKey):
         """The graph captured for ``key`` (now the most recently used), or None."""
@@ -54,9 +70,17 @@ class GraphCache:
             self.graphs.move_to_end(key)
         return g
 
-    def sighted(self, key: GraphKey, large: bool = False) -> bool:
-        """Count one more sighting of the uncaptured shape ``key``; True when it is time to
-        capture it."""
+    def sighted(self, key: GraphKey, large: bool = False, tokens: int = 0) -> bool:
+        """Count one more sighting of the uncaptured shape ``key`` (a step of ``tokens`` rows);
+        True when it is time to capture it."""
+        if large and KERNEL_COMPILES.ready and tokens >= self.heavy_tokens:
+            # NOTE: after a warm-up made the server ready, a large shape (a refresh whose rows
+            # follow the prompt lengths) whose forward is GEMM-bound runs eagerly: measured on
+            # the LLaDA-8B shape, capturing them kept stalling the batch (a capture costs about
+            # two forwards) and evicted the decode graphs that do come back, while at 1-2K rows
+            # launches cost nothing next to the GEMMs. A small model's refresh is launch-bound
+            # at any size here: those are still captured (the demo model: 51 vs 35 req/s)
+            return False
         if len(self.seen) >= self.MAX_SEEN:
             self.seen.clear()
         n = self.seen.get(key, 0) + 1
@@ -65,8 +89,13 @@ class GraphCache:
 
     def add(self, key: GraphKey, graph) -> None:
         self.graphs[key] = graph
+        dropped = None
         while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
+            dropped = self.graphs.popitem(last=False)[0]
+        if KERNEL_COMPILES.ready:      # a capture while requests wait: say which shape, and why
+            log.warning("CUDA graph captured after ready: %s (%d kept%s)", _describe(key),
+                        len(self.graphs), "" if dropped is None else
+                        f"; dropped the least recently used {_describe(dropped)}")
 
     def capture(self, fn: Callable[[], torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]:
@@ -124,7 +153,8 @@ class ForwardGraphs:
             # comes back a second time; a larger one (a full-canvas refresh, a prefix-mode suffix)
             # only the third time: its shape follows the prompt lengths and often never returns,
             # and a capture costs about two forwards.
-            if not self.cache.sighted(key, large=meta.max_q > self.max_rows):
+            if not self.cache.sighted(key, large=meta.max_q > self.max_rows,
+                                      tokens=ids.shape[0]):
                 return self.eager(ids, positions, meta)
             g = self._capture(key, ids, positions, meta)
         else:

@@ -210,7 +210,8 @@ class StepGraphs:
             return "replay"
         if T > self.max_tokens:
             return "general"
-        return "capture" if self.cache.sighted(key, large=max_q > self.capture_rows) else "general"
+        return ("capture" if self.cache.sighted(key, large=max_q > self.capture_rows, tokens=T)
+                else "general")
 
     @classmethod
     def lm_head_rows(cls, R: int, masked: int) -> int:
