@@ -17,6 +17,7 @@
 #           serve    HTTP serving at concurrency 1, 8, 32, 64 (demo model)        ~3 min
 #           eval     accuracy matrix, exact-sampler accuracy, batch-1 verify      ~6 min
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
+#           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -24,7 +25,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -122,6 +123,18 @@ group_serve() {
   run serve_warmup_h200 300 "$OUT/serve_warmup_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --concurrency 1 8 32 64 --requests 128 --json "$OUT/serve_warmup_h200.json"
+}
+
+group_pd() {
+  # prefill and decode workers sharing the GPU (CUDA IPC) must equal colocated serving
+  run pd_gpu_tests 300 - env FLASH_DLLM_PD_DEVICE=cuda python3 -m pytest tests/test_disagg.py \
+    -q -p no:cacheprovider -k "colocated or abort_in_every"
+  run kv_pages_h200 240 "$OUT/kv_pages_h200.json" \
+    python3 benchmarks/bench_kv_pages.py --json "$OUT/kv_pages_h200.json"
+  run pd_h200 420 "$OUT/pd_h200.json" \
+    "${FD[@]}" bench pd --parts serve --device cuda --dtype bfloat16 --model-shape llada-8b \
+    --kv-cache-gb 24 --pd-staging-gb 8 --long-prompt 3072 --short-prompt 64 --long-frac 0.25 \
+    --requests 48 --rate 6 --max-tokens 64 --block-length 32 --json "$OUT/pd_h200.json"
 }
 
 group_eval() {

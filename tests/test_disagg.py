@@ -23,11 +23,15 @@ import torch
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES, EngineConfig, SamplingParams
 from flash_dllm.distributed.fake_transport import FakeNetwork
-from flash_dllm.engine import pd_worker as W
+from flash_dllm.engine import pd_messages as W
+from flash_dllm.engine.pd_worker import Worker
 from flash_dllm.engine.engine import Engine, run_to_completion
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import load_engine
 
+# FLASH_DLLM_PD_DEVICE=cuda runs the process tests on the GPU (workers sharing one GPU read each
+# other's staging over CUDA IPC; NCCL when each has its own); the default is the CPU with gloo
+DEVICE = os.environ.get("FLASH_DLLM_PD_DEVICE", "cpu")
 CONFIG = dict(max_num_seqs=4, num_kv_pages=256)
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10] * 3, [1, 20, 21, 22], [1, 30, 31, 32, 33, 34] * 5, [1, 40]]
 
@@ -59,11 +63,12 @@ def _idle(pd) -> None:
         assert time.monotonic() < deadline, f"held after the requests ended: {ws}"
 
 
-@pytest.fixture(scope="module")
-def pd():
-    from flash_dllm.engine.pd_engine import PDEngine
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_send", "layer_groups"])
+def pd(request):
+    from flash_dllm.entrypoints.pd_launch import launch
 
-    eng = PDEngine.launch(EngineArgs(), 1, 1, timeout_s=20.0, **CONFIG)
+    eng = launch(EngineArgs(device=DEVICE), 1, 1, timeout_s=20.0, layer_groups=request.param,
+                 **CONFIG)
     eng.wait_ready(300)
     yield eng
     eng.close()
@@ -74,7 +79,7 @@ def test_disaggregated_equals_colocated_token_for_token(pd):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(ps))]
     reqs = [pd.add_request(p, q) for p, q in zip(prompts, ps)]
     _drain(pd)
-    local = load_engine(EngineArgs(), **CONFIG).engine
+    local = load_engine(EngineArgs(device=DEVICE), **CONFIG).engine
     ref = [local.add_request(p, q) for p, q in zip(prompts, ps)]
     run_to_completion(local, ref)
     for i, (a, b) in enumerate(zip(reqs, ref)):
@@ -98,7 +103,7 @@ def test_abort_in_every_phase_frees_everything(pd):
         pd.step()
     for r in rids[1:]:                      # decoding (or in transit) by now
         pd.abort(r)
-    assert not pd.has_unfinished()
+    assert not pd.tracks
     _idle(pd)
 
 
@@ -123,7 +128,7 @@ def test_server_with_a_killed_decode_worker(tmp_path):
     ns = argparse.Namespace(**{**vars(EngineArgs()), "max_num_seqs": 4, "num_kv_pages": 256,
                                "disaggregate": True, "prefill_workers": 1, "decode_workers": 2,
                                "pd_timeout": 10.0, "pd_staging_gb": 0.05,
-                               "pd_role_switching": False, "warmup": "none", "api_key": None,
+                               "pd_role_switching": False, "pd_layer_groups": 1, "warmup": "none", "api_key": None,
                                "served_model_name": "demo", "model_shape": None})
     app, aeng, _ = build_server_app(ns)
     with InProcessServer(app, aeng) as srv:
@@ -170,6 +175,20 @@ def test_server_with_a_killed_decode_worker(tmp_path):
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'flash_dllm_pd_worker_up{role="decode",worker="1"} 0.0' in metrics
         assert "flash_dllm_pd_worker_deaths_total 1.0" in metrics
+        # the survivors hold nothing once idle (their stats arrive a moment after the answer)
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = httpx.get(srv.url + "/metrics").text
+            held = [line for line in metrics.splitlines()
+                    if line.startswith(("flash_dllm_pd_worker_kv_pages_used{",
+                                        "flash_dllm_pd_worker_staging_segments{",
+                                        "flash_dllm_pd_worker_sends_in_flight{",
+                                        "flash_dllm_pd_worker_receives_pending{"))
+                    and 'worker="1"' not in line and not line.endswith(" 0.0")]
+            if not held:
+                break
+            assert time.monotonic() < deadline, held
+            time.sleep(0.2)
 
 
 # ------------------------------------------------------------------ fake transport, in process
@@ -192,7 +211,7 @@ class _Pipe:
 class _Pair:
     """A prefill and a decode worker over one fake network, and the front end's part."""
 
-    def __init__(self, timeout_s: float = 0.3, polls: int = 2) -> None:
+    def __init__(self, timeout_s: float = 0.3, polls: int = 2, groups: int = 1) -> None:
         from test_sampler import tiny
 
         model = tiny("llada", seed=3)
@@ -200,9 +219,10 @@ class _Pair:
         self.net = FakeNetwork(2, polls_to_complete=polls)
         self.to = [deque(), deque()]          # front end -> worker
         self.frm = [deque(), deque()]         # worker -> front end
-        self.w = [W.Worker(Engine(model, model.cfg, cfg), self.net.endpoint(r),
+        self.w = [Worker(Engine(model, model.cfg, cfg), self.net.endpoint(r),
                            _Pipe(self.to[r], self.frm[r]), timeout_s=timeout_s,
-                           staging_bytes=1 << 20) for r in range(2)]
+                           staging_bytes=1 << 20, layer_groups=groups) for r in range(2)]
+        self.groups = groups
         self.failed: dict[str, str] = {}
         self.finished: set[str] = set()
 
@@ -217,6 +237,9 @@ class _Pair:
                 m = self.frm[r].popleft()
                 if isinstance(m, W.Exported):
                     self.to[m.dst].append(W.Import(m.snap, r, m.tag))
+                elif isinstance(m, W.Announce):
+                    self.to[m.dst].append(W.Expect(m.request_id, r, m.tag, m.canvas_len,
+                                                   m.groups))
                 elif isinstance(m, W.Failed):
                     self.failed.setdefault(m.request_id, m.message)   # the first wins
                 elif isinstance(m, W.Out) and m.finished:
@@ -225,15 +248,16 @@ class _Pair:
     def add(self, rid: str, tag: int, max_tokens: int = 16) -> None:
         self.to[0].append(W.Add(rid, [5, 17, 3, 42, 8], SamplingParams(
             max_tokens=max_tokens, block_length=8, decode="vanilla", steps=max_tokens), None,
-            1, tag))
+            1, tag * 16, self.groups))
 
     def held(self) -> list:
         return [(w.engine.kv_manager.num_used, len(w.alloc.allocated()), len(w.sends),
                  len(w.recvs) + len(w.landed), len(w.queued)) for w in self.w]
 
 
-def test_fake_transport_happy_path_and_no_leaks():
-    p = _Pair()
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fake_transport_happy_path_and_no_leaks(groups):
+    p = _Pair(groups=groups)
     p.add("a", 1)
     for _ in range(200):
         p.tick()
@@ -246,7 +270,7 @@ def test_fake_transport_happy_path_and_no_leaks():
 
 def test_hung_transfer_times_out_alone():
     p = _Pair(timeout_s=0.2)
-    p.net.hang_tag(7)
+    p.net.hang_tag(7 * 16)
     p.add("stuck", 7)
     p.add("fine", 8)
     deadline = time.monotonic() + 10
@@ -264,7 +288,7 @@ def test_hung_transfer_times_out_alone():
 
 def test_failed_transfer_fails_its_request():
     p = _Pair()
-    p.net.fail_tag(9)
+    p.net.fail_tag(9 * 16)
     p.add("bad", 9)
     for _ in range(100):
         p.tick()
@@ -276,8 +300,9 @@ def test_failed_transfer_fails_its_request():
     assert p.held()[1][:2] == (0, 0)
 
 
-def test_abort_in_transit_still_drains_the_segment():
-    p = _Pair(polls=50)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_abort_in_transit_still_drains_the_segment(groups):
+    p = _Pair(polls=50, groups=groups)
     p.add("x", 3)
     while not p.w[1].queued and not p.w[1].recvs:
         p.tick()
@@ -286,3 +311,47 @@ def test_abort_in_transit_still_drains_the_segment():
     for _ in range(200):
         p.tick()
     assert p.held() == [(0, 0, 0, 0, 0)] * 2 and "x" not in p.finished
+
+
+def test_bench_pd_writes_its_report(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "pd.json"
+    r = subprocess.run([sys.executable, "-m", "flash_dllm.cli", "bench", "pd", "--parts",
+                        "fragmentation", "roles", "serve", "--requests", "4", "--rate", "20",
+                        "--max-tokens", "16", "--block-length", "16", "--num-kv-pages", "256",
+                        "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["serve"]["colocated"]["errors"] == rep["serve"]["disaggregated"]["errors"] == 0
+    assert rep["serve"]["transport"] == "gloo"
+    assert rep["roles"]["switching"]["switches"] >= 2
+    assert rep["fragmentation"]["requests"] > 0
+    assert "disaggregated:" in r.stdout
+
+
+def test_role_switching_moves_a_worker_and_requests_still_finish():
+    """A controller that sees a prefill backlog moves an idle decode worker to prefill; it is
+    drained first, then takes first steps; every request still finishes, nothing is left."""
+    from flash_dllm.engine.pd_roles import RoleController
+    from flash_dllm.entrypoints.pd_launch import launch
+
+    pd = launch(EngineArgs(), 1, 2, timeout_s=20.0, role_switching=True, max_num_seqs=16,
+                num_kv_pages=512)
+    try:
+        pd.controller = RoleController(queue_high=2, cooldown_s=0.0)
+        pd.wait_ready(300)
+        p = SamplingParams(max_tokens=16, block_length=8)
+        reqs = [pd.add_request(PROMPTS[i % 4], p) for i in range(10)]
+        _drain(pd)
+        assert all(r.finished and r.error is None for r in reqs)
+        snap = pd.pd_snapshot()
+        assert snap["role_switches"] >= 1
+        roles = [w["role"] for w in snap["workers"]]
+        assert roles.count("prefill") >= 1 and roles.count("decode") >= 1
+        _idle(pd)
+    finally:
+        pd.close()

@@ -90,44 +90,43 @@ def drive(engine, trace, params, vocab: tuple[int, int], seed: int = 0,
     return out
 
 
-def run_serve_part(args, *, prefill_workers: int, decode_workers: int, requests: int,
-                   rate: float, long_frac: float, long_len: int, short_len: int,
-                   max_tokens: int, block_length: int, model_shape: str | None,
-                   timeout_s: float, log=print, **config) -> dict:
+def run_serve_part(make_colocated, make_disaggregated, *, prefill_workers: int,
+                   decode_workers: int, requests: int, rate: float, long_frac: float,
+                   long_len: int, short_len: int, max_tokens: int, block_length: int,
+                   log=print) -> dict:
+    """``make_colocated()`` -> an ``Engine``; ``make_disaggregated()`` -> a ``PDEngine`` (not yet
+    ready) of ``prefill_workers`` + ``decode_workers`` workers."""
     from flash_dllm.config import SamplingParams
-    from flash_dllm.engine.pd_engine import PDEngine
-    from flash_dllm.entrypoints.loader import load_engine, load_random_engine
 
     params = SamplingParams(max_tokens=max_tokens, block_length=block_length,
                             decode="threshold", cache="dual")
     trace = mixed_trace(requests, rate, long_frac, long_len, short_len)
-    loaded = (load_random_engine(model_shape, args, **config) if model_shape
-              else load_engine(args, **config))
-    eng = loaded.engine
-    vocab = (5, min(eng.cfg.vocab_size, 30000))
-    vocab = (vocab[0], max(vocab[0] + 1, min(vocab[1], eng.cfg.mask_token_id)))
-    log("bench pd serve: colocated (warm-up, then the workload)")
-    drive(eng, mixed_trace(4, 1e3, 0.5, long_len, short_len, seed=1), params, vocab)
-    colocated = drive(eng, trace, params, vocab)
-    del eng, loaded
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    warm = mixed_trace(4, 1e3, 0.5, long_len, short_len, seed=1)
+    vocab = None
+    # NOTE: disaggregated first: its worker processes give their GPU memory back when they exit
     log(f"bench pd serve: {prefill_workers} prefill + {decode_workers} decode workers")
-    pd = PDEngine.launch(args, prefill_workers, decode_workers, timeout_s=timeout_s,
-                         model_shape=model_shape, **config)
+    pd = make_disaggregated()
     try:
         pd.wait_ready(900)
-        drive(pd, mixed_trace(4, 1e3, 0.5, long_len, short_len, seed=1), params, vocab)
+        hi = max(6, min(pd.cfg.vocab_size, 30000, pd.cfg.mask_token_id))
+        vocab = (5, hi)
+        drive(pd, warm, params, vocab)
         disagg = drive(pd, trace, params, vocab)
         snap = pd.pd_snapshot()
+        backend, pd_groups = pd.backend, pd.layer_groups
     finally:
         pd.close()
+    log("bench pd serve: colocated (warm-up, then the workload)")
+    eng = make_colocated()
+    drive(eng, warm, params, vocab)
+    colocated = drive(eng, trace, params, vocab)
     moved = max(1, snap["transfers"])
     return {"workload": {"requests": requests, "rate_per_s": rate, "long_frac": long_frac,
                          "long_prompt_tokens": long_len, "short_prompt_tokens": short_len,
                          "max_tokens": max_tokens, "block_length": block_length,
                          "decode": "threshold", "cache": "dual"},
             "prefill_workers": prefill_workers, "decode_workers": decode_workers,
+            "transport": backend, "layer_groups": pd_groups,
             "colocated": colocated, "disaggregated": disagg,
             "transfers": snap["transfers"], "transfer_bytes": snap["transfer_bytes"],
             "transfer_seconds_mean": snap["transfer_seconds"] / moved,
@@ -150,8 +149,9 @@ def run_roles_part(seconds: float = 60.0, workers: int = 4) -> dict:
     return out
 
 
-def run_pd_bench(args, parts: tuple[str, ...], *, device: str = "cpu", transfer_tokens: int = 512,
-                 transfer_backend: str = "gloo", log=print, **serve_kw) -> dict:
+def run_pd_bench(parts: tuple[str, ...], *, device: str = "cpu", transfer_tokens: int = 512,
+                 transfer_backend: str = "gloo", log=print, make_colocated=None,
+                 make_disaggregated=None, **serve_kw) -> dict:
     report = {"benchmark": "pd", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "host": platform.node(), "device": device, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
@@ -170,7 +170,8 @@ def run_pd_bench(args, parts: tuple[str, ...], *, device: str = "cpu", transfer_
     if "roles" in parts:
         report["roles"] = run_roles_part()
     if "serve" in parts:
-        report["serve"] = run_serve_part(args, log=log, **serve_kw)
+        report["serve"] = run_serve_part(make_colocated, make_disaggregated, log=log,
+                                         **serve_kw)
     return report
 
 

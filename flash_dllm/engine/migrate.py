@@ -14,7 +14,8 @@ token; sampled requests carry their generator's state):
   and the runner's per-request device state (Flash-Verify drafts, the KV sentinel's history and
   pending refresh, ``cache="flash"``'s attention mass, sampling generators), copied to the host.
 
-``export_request`` packs and detaches (the request's pages and device state are freed at once:
+``export_request`` packs and detaches (or, pipelined, the worker packs layer groups during the
+step's forward: ``layer_groups``, ``group_views``, and ``import_request(..., groups=...)``) (the request's pages and device state are freed at once:
 the segment is a copy); ``import_request`` allocates pages, unpacks and puts the request in the
 running batch. Both run between steps, on the engine's thread.
 
@@ -25,6 +26,7 @@ not published when the request finishes.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,12 +154,41 @@ def check_segment(engine, snap: RequestSnapshot) -> None:
 def reserve(engine, snap: RequestSnapshot) -> list[int] | None:
     """Reserve the receiver's pages for ``snap`` (None: they do not fit now)."""
     check_segment(engine, snap)
-    alloc = engine.kv_manager.allocate(snap.request_id, len(snap.tokens), None, reuse=False)
+    return reserve_pages(engine, snap.request_id, len(snap.tokens))
+
+
+def reserve_pages(engine, request_id: str, n_tokens: int) -> list[int] | None:
+    """Reserve private pages for an incoming ``n_tokens``-token canvas (None: not now)."""
+    alloc = engine.kv_manager.allocate(request_id, n_tokens, None, reuse=False)
     return None if alloc is None else alloc.pages
 
 
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` contiguous layer ranges covering ``[0, num_layers)`` as evenly as possible."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= num_layers:
+        raise ValueError(f"layer groups must be an integer in [1, {num_layers}], got {groups!r}")
+    cuts = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def group_views(buf: torch.Tensor, kv_shape, dtype: torch.dtype,
+                groups: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The segment split by layer group: part g is ``[pages, l1 - l0, 2, S, H, D]``, the parts
+    back to back in ``buf`` (bytes or ``dtype``); with one group, the whole segment."""
+    flat = buf.view(torch.uint8).view(-1) if buf.dtype != torch.uint8 else buf.view(-1)
+    n, _, *rest = kv_shape
+    out, off = [], 0
+    for l0, l1 in groups:
+        shape = (n, l1 - l0, *rest)
+        size = math.prod(shape) * dtype.itemsize
+        out.append(flat[off:off + size].view(dtype).view(shape))
+        off += size
+    return out
+
+
 def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
-                   pages: list[int] | None = None) -> Request | None:
+                   pages: list[int] | None = None,
+                   groups: list[tuple[int, int]] | None = None) -> Request | None:
     """Unpack ``segment`` into this engine's pages (``pages`` from ``reserve``, else reserved
     here) and add the request to the running batch at the step it left; None when its pages do
     not fit now. The caller checks that a running slot is free (``can_import``)."""
@@ -171,9 +202,10 @@ def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
                              f"(max_num_seqs {engine.config.max_num_seqs})")
     dev = engine.device
     ids = torch.tensor(pages, dtype=torch.int32, device=dev)
-    unpack_pages(segment.view(snap.kv_shape).to(dev) if segment.dtype == engine.runner.kv.dtype
-                 else segment.view(engine.runner.kv.dtype).view(snap.kv_shape).to(dev),
-                 ids, engine.runner.kv)
+    kv = engine.runner.kv
+    groups = groups or [(0, kv.shape[0])]
+    for (l0, l1), part in zip(groups, group_views(segment, snap.kv_shape, kv.dtype, groups)):
+        unpack_pages(part.to(dev), ids, kv, layers=(l0, l1))
     cfg = engine.cfg
     req = Request(snap.request_id, snap.prompt_ids, snap.params, cfg.mask_token_id,
                   cfg.eos_token_ids, snap.prompt)

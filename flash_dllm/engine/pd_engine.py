@@ -17,26 +17,29 @@ worker that dies (its requests fail at once; no new request goes to it; requests
 it by a prefill worker fail when their transfer does), an abort (the workers free the request's
 pages and staging). ``RoleController`` (``engine/pd_roles.py``) may move workers between the
 prefill and decode roles under load.
+
+NOTE (size): one file over ~400 lines because the request life cycle (placement, the phases
+prefill -> transit -> decode, and its end by output, abort, failure or a lost worker) is one
+state machine, and the engine-shaped API the async engine drives is a thin layer over it.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Listener, wait
-from pathlib import Path
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
-from flash_dllm.engine import pd_worker as W
+from flash_dllm.engine import pd_messages as W
 from flash_dllm.engine.engine import Engine
 from flash_dllm.engine.pd_roles import WorkerLoad
 from flash_dllm.engine.request import Request, StepOutput
 
 PREFILL, DECODE = "prefill", "decode"
+TAG_STRIDE = 16          # a request's transfers use tags tag .. tag + 15 (one per layer group)
 
 
 class WorkerLost(RuntimeError):
@@ -44,7 +47,9 @@ class WorkerLost(RuntimeError):
 
 
 @dataclass(eq=False)
-class _Worker:
+class Worker:
+    """The front end's view of one worker process."""
+
     rank: int
     role: str
     proc: object                      # subprocess.Popen
@@ -59,6 +64,7 @@ class _Worker:
     prefilling: int = 0               # requests placed here for their first step
     decoding: int = 0                 # requests moving or moved here
     draining_to: str | None = None    # a role switch waiting for its old work to finish
+    ipc_handle: tuple | None = None   # CUDA IPC: its staging buffer, shareable
 
 
 @dataclass(eq=False)
@@ -69,6 +75,8 @@ class _Track:
     tag: int
     phase: str = "prefill"            # prefill -> transit -> decode
     sent_at: float = 0.0
+    offset: int | None = None         # CUDA IPC: its segment in the prefill worker's staging
+    announced: bool = False           # pipelined: the decode worker expects its layer groups
 
 
 class _PoolView:
@@ -119,17 +127,18 @@ class _WaitingView:
 
 class PDEngine:
     """The front end of ``P`` prefill and ``D`` decode workers (see the module docstring).
-    Start one with ``PDEngine.launch``; call ``wait_ready`` before use (the server does it as its
+    Start one with ``entrypoints.pd_launch.launch``; call ``wait_ready`` before use (the server does it as its
     warm-up, so ``/ready`` answers 503 until every worker has loaded)."""
 
-    def __init__(self, cfg, config: EngineConfig, workers: list[_Worker], listener: Listener,
-                 timeout_s: float, controller=None) -> None:
+    def __init__(self, cfg, config: EngineConfig, workers: list[Worker], listener: Listener,
+                 timeout_s: float, controller=None, layer_groups: int = 1) -> None:
         self.cfg = cfg
         self.base_config = config
         self.workers = workers
         self.listener = listener
         self.timeout_s = timeout_s
         self.controller = controller
+        self.layer_groups = layer_groups      # > 1: prefill workers send KV during the forward
         n_dec = max(1, sum(w.role == DECODE for w in workers))
         # the async engine's accounting: every decode worker's running slots
         self.config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * n_dec)
@@ -151,69 +160,10 @@ class PDEngine:
                    "role_switches": 0}
         self.steps_run = 0
 
-    # ------------------------------------------------------------------------------- start-up
-    @classmethod
-    def launch(cls, args, prefill_workers: int = 1, decode_workers: int = 1, *,
-               timeout_s: float = 30.0, staging_gb: float = 0.25, role_switching: bool = False,
-               model_shape: str | None = None, warmup: str = "none",
-               backend: str | None = None, **config_override) -> "PDEngine":
-        """Spawn the workers (ranks 0..P-1 prefill, P..P+D-1 decode). Devices: the CPU for all,
-        or GPU ``rank % visible`` each. KV transport: NCCL when every worker has its own GPU,
-        else gloo (segments cross through host memory)."""
-        import torch
-
-        from flash_dllm.distributed.launch import free_port, spawn
-        from flash_dllm.models.loader import default_model_path, read_config
-
-        for name, n in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if args.tensor_parallel_size != 1:
-            raise ValueError("disaggregation with tensor_parallel_size > 1 is not supported yet")
-        config = args.engine_config(**config_override)
-        if config.kv_cpu_gb or config.kv_disk_path:
-            raise ValueError("KV tiers (--kv-cpu-gb / --kv-disk-path) are not supported with "
-                             "--disaggregate yet")
-        if model_shape:
-            from flash_dllm.bench.step import shape_config
-            from flash_dllm.models.config import ModelConfig
-            cfg = ModelConfig.from_hf(shape_config(model_shape))
-        else:
-            folder = Path(args.model) if args.model is not None else default_model_path()
-            _, cfg, _ = read_config(folder)
-        world = prefill_workers + decode_workers
-        devices = ["cpu"] * world
-        if args.device.startswith("cuda") or (args.device == "auto"
-                                               and torch.cuda.is_available()):
-            n = torch.cuda.device_count()
-            if n < 1:
-                raise ValueError(f"device {args.device!r}: no CUDA device is visible")
-            devices = [f"cuda:{r % n}" for r in range(world)]
-        if backend is None:
-            backend = "nccl" if devices[0] != "cpu" and len(set(devices)) == world else "gloo"
-        authkey = os.urandom(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        init = f"tcp://127.0.0.1:{free_port()}"
-        workers = []
-        for r in range(world):
-            spec = W.WorkerSpec(rank=r, world=world, init_method=init, address=listener.address,
-                                authkey=authkey, args=args, config_override=dict(config_override),
-                                device=devices[r], backend=backend, timeout_s=timeout_s,
-                                staging_bytes=max(1 << 20, int(staging_gb * 2**30)),
-                                warmup=warmup, model_shape=model_shape)
-            workers.append(_Worker(r, PREFILL if r < prefill_workers else DECODE,
-                                   spawn(W.worker_main, spec)))
-        controller = None
-        if role_switching:
-            from flash_dllm.engine.pd_roles import RoleController
-            controller = RoleController()
-        eng = cls(cfg, config, workers, listener, timeout_s, controller)
-        eng._accept_thread = threading.Thread(target=eng._accept, daemon=True,
-                                              name="flash-dllm-pd-accept")
-        eng._accept_thread.start()
-        return eng
+    def start_accepting(self) -> None:
+        """Accept the workers' control connections in the background (``wait_ready`` reads
+        their hellos)."""
+        threading.Thread(target=self._accept, daemon=True, name="flash-dllm-pd-accept").start()
 
     def _accept(self) -> None:
         """Accept each worker's control connection (its first message names its rank)."""
@@ -242,6 +192,10 @@ class PDEngine:
                 self.close()
                 raise TimeoutError(f"the disaggregated workers were not ready within "
                                    f"{timeout_s:.0f} s")
+        handles = {w.rank: w.ipc_handle for w in self.workers if w.ipc_handle is not None}
+        if handles:                    # CUDA IPC: every worker may read every other's staging
+            for w in self.workers:
+                self._send(w, W.Peers(handles))
         return None
 
     def _hello(self, conn) -> None:
@@ -252,8 +206,9 @@ class PDEngine:
         if msg[0] == "error":
             self.close()
             raise RuntimeError(f"disaggregated worker {msg[1]} failed to start:\n{msg[2]}")
-        _, rank, pid, num_pages, page_size, max_num_seqs = msg
+        _, rank, pid, num_pages, page_size, max_num_seqs, handle = msg
         w = self.workers[rank]
+        w.ipc_handle = handle
         w.conn, w.pid, w.ready = W.Channel(conn), pid, True
         w.num_pages, w.page_size, w.max_num_seqs = num_pages, page_size, max_num_seqs
 
@@ -277,11 +232,12 @@ class PDEngine:
         if pre is None or dec is None:
             raise RuntimeError(f"no live {'prefill' if pre is None else 'decode'} worker: "
                                "the disaggregated engine cannot take requests")
-        tag = next(self._tags) % USER_TAG_LIMIT
+        tag = next(self._tags) * TAG_STRIDE % (USER_TAG_LIMIT - TAG_STRIDE)  # tag + group
         self.tracks[rid] = _Track(req, pre.rank, dec.rank, tag)
         pre.prefilling += 1
         dec.decoding += 1
-        self._send(pre, W.Add(rid, list(prompt_ids), params, prompt, dec.rank, tag))
+        self._send(pre, W.Add(rid, list(prompt_ids), params, prompt, dec.rank, tag,
+                              self.layer_groups))
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -290,6 +246,8 @@ class PDEngine:
             return False
         t.req.abort()
         self._untrack(t)
+        if t.announced and t.phase == "prefill":   # its sends are posted: the decode worker
+            self._send(self.workers[t.decode], W.Abort(request_id))   # receives and drops them
         # NOTE: one worker holds it. Still on the prefill worker: its export may already be on
         # its way here; then ``_handle`` forwards it to the decode worker with an Abort behind
         # it, so the decode worker drains the segment and the prefill worker's send settles.
@@ -298,7 +256,13 @@ class PDEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.tracks)
+        """Requests in flight, or a worker still settling transfers or freeing pages: the async
+        engine keeps stepping (reading the workers' events) until they report idle, so the
+        metrics end at zero."""
+        return bool(self.tracks) or any(
+            w.alive and w.stats is not None and (w.stats.pages_used or w.stats.staging_used
+                                                 or w.stats.sends or w.stats.recvs)
+            for w in self.workers)
 
     def output(self, req: Request):
         return Engine.output(self, req)
@@ -309,7 +273,7 @@ class PDEngine:
         self._check_procs()
         conns = {w.conn.conn: w for w in self.workers if w.alive and w.conn is not None}
         outs: list[StepOutput] = []
-        for c in wait(list(conns), timeout=0.02 if self.tracks else 0) if conns else []:
+        for c in wait(list(conns), timeout=0.02) if conns else []:
             w = conns[c]
             try:
                 while w.alive and w.conn.poll():
@@ -347,7 +311,7 @@ class PDEngine:
             pass
 
     # ------------------------------------------------------------------------------- internals
-    def _pick(self, role: str) -> _Worker | None:
+    def _pick(self, role: str) -> Worker | None:
         cands = [w for w in self.workers if w.alive and w.ready and w.role == role
                  and w.draining_to is None]
         if not cands:
@@ -355,7 +319,7 @@ class PDEngine:
         load = (lambda w: w.prefilling) if role == PREFILL else (lambda w: w.decoding)
         return min(cands, key=lambda w: (load(w), w.rank))
 
-    def _send(self, w: _Worker, msg) -> None:
+    def _send(self, w: Worker, msg) -> None:
         if not w.alive or w.conn is None:
             return
         try:
@@ -368,32 +332,54 @@ class PDEngine:
             self.workers[t.prefill].prefilling -= 1
         self.workers[t.decode].decoding -= 1
 
-    def _handle(self, w: _Worker, msg, outs: list[StepOutput]) -> None:
+    def _handle(self, w: Worker, msg, outs: list[StepOutput]) -> None:
         if isinstance(msg, W.Stats):
             w.stats = msg
             return
         if isinstance(msg, tuple) and msg and msg[0] == "error":
             self._lost(w, f"it raised:\n{msg[2]}")
             return
+        if isinstance(msg, W.Consumed):
+            self._send(self.workers[msg.src], W.Release(msg.offset))
+            return
         rid = getattr(msg, "request_id", None) or msg.snap.request_id
         t = self.tracks.get(rid)
         if t is None:                 # aborted or failed already
-            if isinstance(msg, W.Exported) and self.workers[msg.dst].alive:
-                # its segment is on the way: the decode worker receives and drops it
-                self._send(self.workers[msg.dst], W.Import(msg.snap, w.rank, msg.tag))
+            if isinstance(msg, W.Announce) and self.workers[msg.dst].alive:
+                # its sends will be posted: the decode worker receives and drops them
+                self._send(self.workers[msg.dst], W.Expect(rid, w.rank, msg.tag,
+                                                           msg.canvas_len, msg.groups))
                 self._send(self.workers[msg.dst], W.Abort(rid))
+            if isinstance(msg, W.Exported) and msg.groups == 1:   # (pipelined: its layer
+                if self.workers[msg.dst].alive:                   # groups drained already)
+                    # its segment is on the way: the decode worker receives and drops it
+                    self._send(self.workers[msg.dst], W.Import(msg.snap, w.rank, msg.tag,
+                                                               msg.offset))
+                    self._send(self.workers[msg.dst], W.Abort(rid))
+                elif msg.offset is not None:
+                    self._send(w, W.Release(msg.offset))
             return
         if isinstance(msg, W.Out):
+            if msg.finished and t.announced and t.phase == "prefill":
+                # finished in its first step, its layer groups already sent: drop them there
+                self._send(self.workers[t.decode], W.Abort(rid))
             outs.append(self._out(t, msg))
+        elif isinstance(msg, W.Announce):
+            t.announced = True
+            dec = self.workers[t.decode]
+            if dec.alive:
+                self._send(dec, W.Expect(rid, t.prefill, msg.tag, msg.canvas_len, msg.groups))
         elif isinstance(msg, W.Exported):
             dec = self.workers[t.decode]
             if t.phase == "prefill":
                 self.workers[t.prefill].prefilling -= 1
-            t.phase, t.sent_at = "transit", time.monotonic()
+            t.phase, t.sent_at, t.offset = "transit", time.monotonic(), msg.offset
             if not dec.alive:
                 self._fail(t, f"its decode worker {dec.rank} is gone", outs)
+                if msg.offset is not None:
+                    self._send(w, W.Release(msg.offset))
                 return
-            self._send(dec, W.Import(msg.snap, t.prefill, t.tag))
+            self._send(dec, W.Import(msg.snap, t.prefill, t.tag, msg.offset))
         elif isinstance(msg, W.Imported):
             t.phase = "decode"
             self.pd["transfers"] += 1
@@ -443,7 +429,7 @@ class PDEngine:
                                        "any, is above)")
                 self._lost(w, f"its process exited with code {w.proc.returncode}")
 
-    def _lost(self, w: _Worker, why: str) -> None:
+    def _lost(self, w: Worker, why: str) -> None:
         """A dead worker: its requests fail now; nothing is sent to it again."""
         if not w.alive:
             return
@@ -452,6 +438,8 @@ class PDEngine:
         self.error = f"worker {w.rank} ({w.role}) lost: {why}"
         outs = self._late
         for t in list(self.tracks.values()):
+            if t.phase == "transit" and t.decode == w.rank and t.offset is not None:
+                self._send(self.workers[t.prefill], W.Release(t.offset))   # never to be read
             if (t.phase == "prefill" and t.prefill == w.rank) or t.decode == w.rank:
                 self._fail(t, f"{w.role} worker {w.rank} was lost ({why.splitlines()[0]})", outs)
 

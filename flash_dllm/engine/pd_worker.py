@@ -21,13 +21,16 @@ NOTE (faults): every transfer has a deadline (``timeout_s``); past it the reques
 handle is settled (gloo cannot withdraw a posted receive: a late segment would otherwise land in
 the next request's staging slice). An abort frees the request's pages and staging at once, or as
 soon as its transfer settled.
+
+NOTE (size): one file over ~400 lines because the two-sided path (a posted receive into a staging
+slice) and the CUDA IPC path (a read from the peer's staging) share one state machine per incoming
+request (queued -> posted -> landed, abort and deadline in each state); split, each half would
+have to re-derive the other's invariants.
 """
 from __future__ import annotations
 
-import os
-import pickle
+import math
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,116 +39,12 @@ import torch
 from flash_dllm.distributed.segment_allocator import SegmentAllocator
 from flash_dllm.distributed.transport import TransferError, Transport
 from flash_dllm.engine import migrate
+from flash_dllm.engine.pd_messages import (Abort, Add, Consumed, Expect, Exported, Failed,
+                                           Import, Imported, Out, Peers, Release, Stats, Stop)
 from flash_dllm.engine.engine import Engine
+from flash_dllm.kernels.kv_pages import packed_shape
 
 STAGING_ALIGN = 4096
-
-
-class Channel:
-    """A control connection that pickles with the plain pickler: ``Connection.send`` uses
-    multiprocessing's, for which torch registers tensor reductions through shared-memory file
-    descriptors (a handshake of its own that the peer's authkey would have to match)."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def send(self, obj) -> None:
-        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self):
-        return pickle.loads(self.conn.recv_bytes())
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-# --------------------------------------------------------------------------- messages (picklable)
-@dataclass(frozen=True)
-class Add:
-    """Front end -> prefill worker: run this request's first step, then move it to ``dst``
-    (``None``: keep it here to the end)."""
-
-    request_id: str
-    prompt_ids: list
-    params: object
-    prompt: str | None
-    dst: int | None
-    tag: int
-
-
-@dataclass(frozen=True)
-class Import:
-    """Front end -> decode worker: ``snap``'s segment comes from worker ``src`` with ``tag``."""
-
-    snap: migrate.RequestSnapshot
-    src: int
-    tag: int
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class Out:
-    """Worker -> front end: a request's committed prefix grew, or it finished."""
-
-    request_id: str
-    new_ids: list
-    num_tokens: int
-    num_forwards: int
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class Exported:
-    """Prefill worker -> front end: the request left; forward ``snap`` to ``dst``."""
-
-    snap: migrate.RequestSnapshot
-    dst: int
-    tag: int
-
-
-@dataclass(frozen=True)
-class Imported:
-    """Decode worker -> front end: the request's segment landed; it runs here now."""
-
-    request_id: str
-    seconds: float             # from the Import message to the unpacked pages
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Worker -> front end: this request failed (a transfer error or timeout); others go on."""
-
-    request_id: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Stats:
-    rank: int
-    running: int
-    waiting: int
-    pages_used: int
-    pages_total: int
-    staging_used: int          # staging segments held (receives in flight + stranded)
-    sends: int                 # sends in flight
-    recvs: int                 # receives posted or queued
-    steps: int
-    step_seconds: float
-    prefill_steps: int
 
 
 # ------------------------------------------------------------------------------------- the worker
@@ -160,21 +59,32 @@ class _Send:
 
 @dataclass(eq=False)
 class _Recv:
-    msg: Import
+    """One incoming request: queued (waiting for room) -> posted -> landed -> imported."""
+
+    rid: str
+    src: int
+    tag: int
+    nbytes: int
+    kv_shape: tuple
     arrived: float
     deadline: float
+    snap: migrate.RequestSnapshot | None = None   # (pipelined: arrives after the receives)
+    groups: list | None = None       # pipelined: the layer ranges, one receive each
+    src_offset: int | None = None    # CUDA IPC: where it lies in the sender's staging
     pages: list | None = None
     offset: int | None = None
-    handle: object = None
+    handles: list = field(default_factory=list)
     aborted: bool = False
 
 
 class Worker:
     """The worker loop over an engine, a transport and a control connection (``conn``: anything
-    with ``send``/``recv``/``poll``)."""
+    with ``send``/``recv``/``poll``). ``layer_groups`` > 1: pipelined sends
+    (``engine/pd_pipeline.py``)."""
 
     def __init__(self, engine: Engine, transport: Transport, conn, *, timeout_s: float = 30.0,
-                 staging_bytes: int = 64 << 20, wire_device: torch.device | None = None) -> None:
+                 staging_bytes: int = 64 << 20, wire_device: torch.device | None = None,
+                 ipc: bool = False, layer_groups: int = 1) -> None:
         self.engine = engine
         self.transport = transport
         self.conn = conn
@@ -188,7 +98,17 @@ class Worker:
                                    pin_memory=self.wire.type == "cpu"
                                    and engine.device.type == "cuda")
         self.alloc = SegmentAllocator(cap, STAGING_ALIGN)
+        # NOTE (CUDA IPC, workers sharing a GPU): the staging buffer holds OUTGOING segments;
+        # the decode worker unpacks straight from the prefill worker's buffer (one-sided read,
+        # no copy in between) and the front end relays its ``Consumed`` as a ``Release``
+        self.ipc = ipc
+        self.peers: dict[int, torch.Tensor] = {}
         self.exports: dict[str, tuple[int, int]] = {}     # request id -> (dst, tag)
+        self.pipeline = None
+        if layer_groups > 1 and not ipc:
+            from flash_dllm.engine.pd_pipeline import LayerSender
+            self.pipeline = LayerSender(self, layer_groups)
+            engine.runner.layer_hook = self.pipeline
         self.sends: list[_Send] = []
         self.queued: deque[_Recv] = deque()               # waiting for pages / staging
         self.recvs: dict[str, _Recv] = {}                 # posted
@@ -202,10 +122,8 @@ class Worker:
     def run(self) -> None:
         with torch.inference_mode():
             while not (self.stopping and self._idle()):
-                busy = self.engine.has_unfinished() or self.sends or self.queued or self.recvs \
-                    or self.stranded or self.landed
                 try:
-                    self._commands(timeout=0 if busy else 0.05)
+                    self._commands(timeout=0 if self._busy() else 0.05)
                 except (EOFError, OSError):     # the front end is gone: nobody to answer
                     return
                 self._transfers()
@@ -214,6 +132,10 @@ class Worker:
                 elif self.sends or self.recvs or self.stranded:
                     time.sleep(0.0005)       # transfers only: let them progress
                 self._report_stats()
+
+    def _busy(self) -> bool:
+        return bool(self.engine.has_unfinished() or self.sends or self.queued or self.recvs
+                    or self.stranded or self.landed)
 
     def _idle(self) -> bool:
         return not (self.engine.has_unfinished() or self.sends or self.recvs or self.queued
@@ -232,10 +154,17 @@ class Worker:
             if isinstance(msg, Add):
                 self._add(msg)
             elif isinstance(msg, Import):
-                now = time.monotonic()
-                self.queued.append(_Recv(msg, now, now + self.timeout_s))
+                self._import(msg)
+            elif isinstance(msg, Expect):
+                self._expect(msg)
             elif isinstance(msg, Abort):
                 self._abort(msg.request_id)
+            elif isinstance(msg, Release):
+                self.alloc.free(msg.offset)
+            elif isinstance(msg, Peers):
+                from torch.multiprocessing.reductions import rebuild_cuda_tensor
+                self.peers = {r: rebuild_cuda_tensor(*args) for r, args in msg.handles.items()
+                              if r != self.rank}
             elif isinstance(msg, Stop):
                 self.stopping = True
             else:
@@ -249,36 +178,63 @@ class Worker:
             self._emit(Failed(msg.request_id, str(e)))
             return
         if msg.dst is not None:
-            self.exports[msg.request_id] = (msg.dst, msg.tag)
+            if self.pipeline is not None and msg.groups > 1:
+                self.pipeline.pending[msg.request_id] = (msg.dst, msg.tag)
+            else:
+                self.exports[msg.request_id] = (msg.dst, msg.tag)
+
+    def _find(self, rid: str) -> _Recv | None:
+        for r in (*self.queued, *self.recvs.values(), *self.landed):
+            if r.rid == rid:
+                return r
+        return None
+
+    def _import(self, msg: Import) -> None:
+        snap, now = msg.snap, time.monotonic()
+        r = self._find(snap.request_id)
+        if r is not None:                # pipelined: its receives were posted at the Announce
+            if snap.kv_nbytes != r.nbytes or r.snap is not None:
+                self._fail_recv(r, "its snapshot does not match the announced segment")
+                return
+            # (``arrived`` restarts: ``Imported.seconds`` is what stays visible after the step)
+            r.snap, r.deadline, r.arrived = snap, now + self.timeout_s, now
+            return
+        self.queued.append(_Recv(snap.request_id, msg.src, msg.tag, snap.kv_nbytes,
+                                 tuple(snap.kv_shape), now, now + self.timeout_s, snap=snap,
+                                 src_offset=msg.offset))
+
+    def _expect(self, msg: Expect) -> None:
+        kv = self.engine.runner.kv
+        shape = tuple(packed_shape(kv.shape, self.engine.kv_manager.pages_for(msg.canvas_len)))
+        now = time.monotonic()
+        self.queued.append(_Recv(msg.request_id, msg.src, msg.tag,
+                                 math.prod(shape) * kv.element_size(), shape, now,
+                                 now + self.timeout_s,
+                                 groups=migrate.layer_groups(kv.shape[0], msg.groups)))
 
     def _abort(self, rid: str) -> None:
         self.exports.pop(rid, None)
+        if self.pipeline is not None:
+            self.pipeline.forget(rid)
         if self.engine.abort(rid):
             return
-        for r in self.queued:
-            if r.msg.snap.request_id == rid:   # NOTE: still received (into staging only) and
-                r.aborted = True               # dropped, so the sender's buffer settles
-                if r.pages is not None:
-                    self.engine.kv_manager.free(rid, None)
-                    r.pages = None
-                return
-        r = self.recvs.get(rid) or next((x for x in self.landed
-                                         if x.msg.snap.request_id == rid), None)
-        if r is not None:
-            r.aborted = True
+        r = self._find(rid)
+        if r is not None:                # NOTE: still received (into staging only) and
+            r.aborted = True             # dropped, so the sender's buffers settle
             if r.pages is not None:
                 self.engine.kv_manager.free(rid, None)
                 r.pages = None
-        # (an unknown id: finished, failed, or never here; the front end sends an Import
-        # before the Abort of a request in transit, so nothing is remembered)
+        # (an unknown id: finished, failed, or never here; the front end sends an Import or
+        # an Expect before the Abort of a request in transit, so nothing is remembered)
 
     def _drop(self, r: _Recv) -> None:
         """Give up on an incoming request: its pages now, its staging once the receive settled."""
         if r.pages is not None:
-            self.engine.kv_manager.free(r.msg.snap.request_id, None)
+            self.engine.kv_manager.free(r.rid, None)
             r.pages = None
-        if r.handle is not None:
-            self.transport.cancel(r.handle)
+        if r.handles:
+            for h in r.handles:
+                self.transport.cancel(h)
             self.stranded.append(r)
         elif r.offset is not None:
             self.alloc.free(r.offset)
@@ -298,13 +254,29 @@ class Worker:
                                so.finish_reason))
             if so.finished:
                 self.exports.pop(so.request_id, None)
+                if self.pipeline is not None:
+                    self.pipeline.forget(so.request_id)
+        if self.pipeline is not None:            # its KV went during the forward: the rest
+            for rid, (dst, tag) in list(self.pipeline.sent.items()):
+                del self.pipeline.sent[rid]
+                if self.engine.scheduler.find(rid) is not None:
+                    snap = migrate.snapshot(self.engine, rid)
+                    migrate.detach(self.engine, rid)
+                    self._emit(Exported(snap, dst, tag, groups=len(self.pipeline.groups)))
         for rid in [r for r in self.exports
                     if (req := self.engine.scheduler.find(r)) is not None
                     and req in self.engine.running and req.num_forwards >= 1]:
             self._export(rid)
 
+    def track_send(self, handle, buf: torch.Tensor, rid: str) -> None:
+        # NOTE: 2x the timeout: the receiver gives up first (it knows when it posted)
+        self.sends.append(_Send(handle, buf, time.monotonic() + 2 * self.timeout_s, rid))
+
     def _export(self, rid: str) -> None:
         dst, tag = self.exports.pop(rid)
+        if self.ipc:
+            self._export_ipc(rid, dst, tag)
+            return
         snap, seg = migrate.export_request(self.engine, rid)
         buf = seg if seg.device == self.wire else seg.to(self.wire)
         if buf.device.type == "cuda":
@@ -314,9 +286,27 @@ class Worker:
         except (TransferError, ValueError, RuntimeError) as e:
             self._emit(Failed(rid, f"sending its KV to worker {dst} failed: {e}"))
             return
-        # NOTE: 2x the timeout: the receiver gives up first (it knows when it posted)
-        self.sends.append(_Send(h, buf, time.monotonic() + 2 * self.timeout_s, rid))
+        self.track_send(h, buf, rid)
         self._emit(Exported(snap, dst, tag))
+
+    def _export_ipc(self, rid: str, dst: int, tag: int) -> None:
+        kv = self.engine.runner.kv
+        shape = packed_shape(kv.shape, len(self.engine.kv_manager.pages(rid)))
+        n = math.prod(shape) * kv.element_size()
+        if n > self.alloc.capacity:
+            self.engine.abort(rid)
+            self._emit(Failed(rid, f"its KV segment ({n} bytes) is larger than worker "
+                                   f"{self.rank}'s staging buffer ({self.alloc.capacity} bytes): "
+                                   "raise --pd-staging-gb"))
+            return
+        off = self.alloc.alloc(n)
+        if off is None:                # staging full: it decodes here one more step, then retry
+            self.exports[rid] = (dst, tag)
+            return
+        out = self.staging[off:off + n].view(kv.dtype).view(shape)
+        snap, _ = migrate.export_request(self.engine, rid, out=out)
+        torch.cuda.current_stream(self.engine.device).synchronize()   # packed before it is read
+        self._emit(Exported(snap, dst, tag, off))
 
     # ---------------------------------------------------------------------------- transfers
     def _transfers(self) -> None:
@@ -342,28 +332,31 @@ class Worker:
         self._post_receives(now)
         for rid, r in list(self.recvs.items()):
             try:
-                done = self.transport.poll(r.handle)
+                done = all([self.transport.poll(h) for h in r.handles])
             except TransferError as e:
                 del self.recvs[rid]
-                self._fail_recv(r, f"receiving its KV from worker {r.msg.src} failed: {e}")
+                self._fail_recv(r, f"receiving its KV from worker {r.src} failed: {e}")
                 continue
             if done:
                 del self.recvs[rid]
                 self.landed.append(r)
             elif now > r.deadline:
                 del self.recvs[rid]
-                self._fail_recv(r, f"its KV from worker {r.msg.src} did not arrive within "
+                self._fail_recv(r, f"its KV from worker {r.src} did not arrive within "
                                    f"{self.timeout_s:.3g} s")
         waiting = []
         for r in self.landed:
-            if r.aborted or migrate.can_import(self.engine):
+            if r.aborted or (r.snap is not None and migrate.can_import(self.engine)):
                 self._land(r)
-            else:                  # a local request took the slot meanwhile: try next tick
+            elif r.snap is None and now > r.deadline:
+                self._fail_recv(r, f"its snapshot from worker {r.src} did not arrive within "
+                                   f"{self.timeout_s:.3g} s")
+            else:        # a local request took the slot meanwhile, or the snapshot is on its way
                 waiting.append(r)
         self.landed = waiting
         still = []
         for r in self.stranded:
-            if self.transport.settled(r.handle):
+            if all(self.transport.settled(h) for h in r.handles):
                 self.alloc.free(r.offset)
             else:
                 still.append(r)
@@ -372,23 +365,26 @@ class Worker:
     def _fail_recv(self, r: _Recv, message: str) -> None:
         self._drop(r)
         if not r.aborted:
-            self._emit(Failed(r.msg.snap.request_id, message))
+            self._emit(Failed(r.rid, message))
 
     def _post_receives(self, now: float) -> None:
         """Post queued receives in arrival order while pages, a staging slice and a running slot
         are free (NCCL matches a pair's transfers in posting order: never reorder them)."""
         while self.queued:
             r = self.queued[0]
-            snap = r.msg.snap
-            if now > r.deadline and not r.aborted:
+            if now > r.deadline:
                 self.queued.popleft()
-                self._fail_recv(r, f"no room for its KV within {self.timeout_s:.3g} s "
-                                   f"(pages or staging of worker {self.rank} stayed full)")
+                if not r.aborted:
+                    self._fail_recv(r, f"no room for its KV within {self.timeout_s:.3g} s "
+                                       f"(pages or staging of worker {self.rank} stayed full)")
+                self._consumed(r)
                 continue
-            n = snap.kv_nbytes
-            if now > r.deadline and r.aborted:
+            if r.src_offset is not None:       # CUDA IPC: read it where it lies
+                if not self._read_ipc(r):
+                    return
                 self.queued.popleft()
                 continue
+            n = r.nbytes
             try:
                 if n > self.alloc.capacity:
                     raise migrate.MigrationError(
@@ -398,7 +394,7 @@ class Worker:
                         + len(self.landed) >= self.engine.config.max_num_seqs:
                     return                     # a running slot for each posted receive
                 if r.pages is None and not r.aborted:
-                    r.pages = migrate.reserve(self.engine, snap)
+                    r.pages = self._reserve(r)
                     if r.pages is None:
                         return
             except migrate.MigrationError as e:
@@ -409,32 +405,78 @@ class Worker:
             if off is None:
                 return
             r.offset = off
+            slot = self.staging[off:off + n]
+            parts = [slot] if r.groups is None else migrate.group_views(
+                slot, r.kv_shape, self.engine.runner.kv.dtype, r.groups)
             try:
-                r.handle = self.transport.recv(r.msg.src, self.staging[off:off + n], r.msg.tag)
+                for g, part in enumerate(parts):
+                    r.handles.append(self.transport.recv(r.src, part.view(-1).view(torch.uint8)
+                                                         if part.dtype != torch.uint8 else part,
+                                                         r.tag + g))
             except (TransferError, ValueError, RuntimeError) as e:
                 self.queued.popleft()
                 self._fail_recv(r, f"receiving its KV failed: {e}")
                 continue
             self.queued.popleft()
-            self.recvs[snap.request_id] = r
+            self.recvs[r.rid] = r
+
+    def _reserve(self, r: _Recv) -> list | None:
+        if r.snap is not None:
+            return migrate.reserve(self.engine, r.snap)
+        return migrate.reserve_pages(self.engine, r.rid, r.kv_shape[0] * self.engine.kv_manager
+                                     .page_size)
+
+    def _consumed(self, r: _Recv) -> None:
+        if r.src_offset is not None:
+            self._emit(Consumed(r.src, r.src_offset))
+
+    def _read_ipc(self, r: _Recv) -> bool:
+        """Import a request straight from the prefill worker's staging (False: no room yet)."""
+        snap = r.snap
+        if not r.aborted:
+            if len(self.engine.scheduler.running) + len(self.landed) \
+                    >= self.engine.config.max_num_seqs:
+                return False
+            try:
+                r.pages = migrate.reserve(self.engine, snap)
+            except migrate.MigrationError as e:
+                self._emit(Failed(snap.request_id, str(e)))
+                self._consumed(r)
+                return True
+            if r.pages is None:
+                return False
+            peer = self.peers.get(r.src)
+            try:
+                if peer is None:
+                    raise migrate.MigrationError(f"worker {r.src}'s staging buffer is not "
+                                                 "shared with this worker")
+                seg = peer[r.src_offset:r.src_offset + r.nbytes]
+                migrate.import_request(self.engine, snap, seg, r.pages)
+                torch.cuda.current_stream(self.engine.device).synchronize()   # read, then free
+                self._emit(Imported(snap.request_id, time.monotonic() - r.arrived, r.nbytes))
+            except migrate.MigrationError as e:
+                self.engine.kv_manager.free(snap.request_id, None)
+                self._emit(Failed(snap.request_id, str(e)))
+        self._consumed(r)
+        return True
 
     def _land(self, r: _Recv) -> None:
-        snap = r.msg.snap
-        n = snap.kv_nbytes
+        n = r.nbytes
         if r.aborted:                            # received only so the sender settles
             self.alloc.free(r.offset)
             return
         seg = self.staging[r.offset:r.offset + n]
         try:
-            migrate.import_request(self.engine, snap, seg, r.pages)
+            migrate.import_request(self.engine, r.snap, seg, r.pages, groups=r.groups)
         except migrate.MigrationError as e:
             self.alloc.free(r.offset)
-            self._emit(Failed(snap.request_id, str(e)))
+            self.engine.kv_manager.free(r.rid, None)
+            self._emit(Failed(r.rid, str(e)))
             return
         if self.engine.device.type == "cuda":     # the unpack read the slice: then reuse it
             torch.cuda.current_stream(self.engine.device).synchronize()
         self.alloc.free(r.offset)
-        self._emit(Imported(snap.request_id, time.monotonic() - r.arrived, n))
+        self._emit(Imported(r.rid, time.monotonic() - r.arrived, n))
 
     # ------------------------------------------------------------------------------- stats
     def stats(self) -> Stats:
@@ -450,88 +492,3 @@ class Worker:
         if key != self._last_stats or s.steps % 16 == 0:
             self._last_stats = key
             self._emit(s)
-
-
-# ------------------------------------------------------------------------------- the process
-@dataclass
-class WorkerSpec:
-    """What a spawned worker needs (pickled to it by the front end)."""
-
-    rank: int
-    world: int
-    init_method: str
-    address: tuple
-    authkey: bytes
-    args: object                      # EngineArgs
-    config_override: dict = field(default_factory=dict)
-    device: str = "cpu"
-    backend: str = "gloo"
-    timeout_s: float = 30.0
-    staging_bytes: int = 64 << 20
-    warmup: str = "none"
-    model_shape: str | None = None
-
-
-def worker_main(spec: WorkerSpec) -> None:
-    """A spawned worker process (``distributed/launch.spawn``): join the KV transport's group,
-    load the engine, say hello, serve the front end until it says stop."""
-    from datetime import timedelta
-    from multiprocessing.connection import Client
-
-    import torch.distributed as dist
-
-    from flash_dllm.distributed.torch_transport import TorchDistTransport
-
-    dev = torch.device(spec.device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    else:
-        share = max(1, (os.cpu_count() or 1) // max(1, spec.world))
-        torch.set_num_threads(min(torch.get_num_threads(), share))
-    conn = Channel(Client(spec.address, authkey=spec.authkey))
-    try:
-        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank,
-                                world_size=spec.world,
-                                timeout=timedelta(seconds=max(300, 4 * spec.timeout_s)))
-        transport = TorchDistTransport(device=dev if spec.backend == "nccl" else "cpu")
-        engine = _load(spec, dev)
-        wire = dev if spec.backend == "nccl" else torch.device("cpu")
-        worker = Worker(engine, transport, conn, timeout_s=spec.timeout_s,
-                        staging_bytes=spec.staging_bytes, wire_device=wire)
-        _warm_up(engine, spec.warmup)
-        conn.send(("ready", spec.rank, os.getpid(), engine.pool.num_pages, engine.pool.page_size,
-                   engine.config.max_num_seqs))
-        worker.run()
-    except BaseException:     # noqa: BLE001 - the front end must hear why
-        try:
-            conn.send(("error", spec.rank, traceback.format_exc()))
-        except OSError:
-            pass
-        raise
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _load(spec: WorkerSpec, dev: torch.device) -> Engine:
-    import dataclasses
-
-    from flash_dllm.entrypoints.loader import load_engine, load_random_engine
-
-    args = dataclasses.replace(spec.args, device=str(dev), tensor_parallel_size=1)
-    if spec.model_shape:
-        return load_random_engine(spec.model_shape, args, **spec.config_override).engine
-    return load_engine(args, **spec.config_override).engine
-
-
-def _warm_up(engine: Engine, level: str) -> None:
-    if level == "none":
-        return
-    from flash_dllm.engine.warmup import warm_up
-
-    filler = [t for t in range(5, 200) if t != engine.cfg.mask_token_id
-              and t not in engine.cfg.eos_token_ids and t < engine.cfg.vocab_size]
-    warm_up(engine, level, filler, lambda line: None)
-

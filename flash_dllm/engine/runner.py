@@ -92,6 +92,7 @@ class ModelRunner:
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
                                              cfg.head_dim, cfg.rope_theta, tp=self.tp)
         self.graph_cache = GraphCache(config.max_cuda_graphs)
+        self.graph_cache.set_model(sum(p.numel() for p in model.parameters()))
         # set by the engine when its placement policy uses attention evidence (``kv_manager``)
         self.collect_page_mass = False
         if self.device.type == "cuda":
@@ -124,6 +125,9 @@ class ModelRunner:
                                        self.compat)
         self._last_plan: StepPlan | None = None     # the last plan and its requests' states
         self._last_states: list[SeqState] = []
+        # disaggregation (``engine/pd_worker.py``): an object with ``wants(plan)`` and
+        # ``__call__(plan, layer)``, called after each layer's attention of the plans it wants
+        self.layer_hook = None
         # benchmarks: when True, CUDA events (or host times) bracket each step's forward
         self.time_forward = False
         self.forward_events: list = []
@@ -223,7 +227,9 @@ class ModelRunner:
         else:
             states = [self.seq(s.req, s.pages) for s in plan.seqs]
             self._last_plan, self._last_states = plan, states
-        if self.step_graphs is not None and self.step_graphs.eligible_plan(plan, states):
+        if self.step_graphs is not None and not (self.layer_hook is not None
+                                                 and self.layer_hook.wants(plan)) \
+                and self.step_graphs.eligible_plan(plan, states):
             blocks = self.step_graphs.run(self, plan)
             if blocks is not None:
                 return StepResult(blocks)
@@ -275,6 +281,22 @@ class ModelRunner:
         return out
 
     def _forward(self, ids, positions, meta) -> torch.Tensor:
+        hook = self.layer_hook
+        if hook is not None and hook.wants(self._last_plan):
+            # disaggregation's pipelined send: ``hook(plan, layer)`` runs once each layer's K/V
+            # are in their pages, so early layer groups travel while later layers compute (an
+            # eager forward: a graph replay has no point between layers)
+            attend, plan = meta.attention, self._last_plan
+
+            def attention(module, layer, x, pos):
+                out = attend(module, layer, x, pos)
+                hook(plan, layer)
+                return out
+            meta.attention = attention
+            try:
+                return self.model.hidden(ids, positions, meta)
+            finally:
+                del meta.attention
         if self.forward_graphs is not None:
             return self.forward_graphs.forward(ids, positions, meta)
         return self.model.hidden(ids, positions, meta)

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from flash_dllm.engine.warmup import WARMUP_LEVELS
-from flash_dllm.entrypoints.args import CommandError, EngineArgs, positive_int
+from flash_dllm.entrypoints.args import CommandError, EngineArgs
+from flash_dllm.entrypoints.bench_pd import add_pd_parser
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
 
@@ -29,6 +30,10 @@ def add_parser(sub) -> None:
     s.add_argument("--sequential", action="store_true",
                    help="first send the same requests one after another; report the speed-up")
     s.add_argument("--api-key", default=None)
+    s.add_argument("--model-shape", default=None,
+                   help="the in-process server runs a random-init model of this shape "
+                        "(llada-8b, dream-7b, demo) instead of --model: real costs, noise "
+                        "answers")
     s.add_argument("--json", default=None, help="also write the report here")
     s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
                    help="the in-process server's warm-up before ready (see 'serve --help'; "
@@ -89,61 +94,7 @@ def add_parser(sub) -> None:
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
     _add_multiturn_parser(bsub)
-    _add_pd_parser(bsub)
-
-
-def _add_pd_parser(bsub) -> None:
-    from flash_dllm.bench.pd import PARTS
-
-    p = bsub.add_parser("pd", help="prefill/decode disaggregation: KV transfer layouts, the "
-                                   "staging allocator, role switching, and a mixed workload "
-                                   "served colocated against disaggregated (JSON report)")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
-                   help="which parts to run (default: all)")
-    p.add_argument("--transfer-tokens", type=positive_int, default=512,
-                   help="transfer: prompt tokens of LLaDA-8B-shaped KV moved (default: 512)")
-    p.add_argument("--transfer-backend", choices=["gloo", "nccl"], default="gloo",
-                   help="transfer: gloo (CPU processes) or nccl (needs 2 GPUs)")
-    p.add_argument("--prefill-workers", type=positive_int, default=1)
-    p.add_argument("--decode-workers", type=positive_int, default=1)
-    p.add_argument("--requests", type=positive_int, default=24, help="serve: requests")
-    p.add_argument("--rate", type=float, default=4.0, help="serve: arrivals per second")
-    p.add_argument("--long-frac", type=float, default=0.25,
-                   help="serve: share of long prompts (default: 0.25)")
-    p.add_argument("--long-prompt", type=positive_int, default=384,
-                   help="serve: tokens of a long prompt (default: 384)")
-    p.add_argument("--short-prompt", type=positive_int, default=16,
-                   help="serve: tokens of a short prompt (default: 16)")
-    p.add_argument("--max-tokens", type=positive_int, default=32)
-    p.add_argument("--block-length", type=positive_int, default=32)
-    p.add_argument("--model-shape", default=None,
-                   help="serve: a random-init model of this shape (llada-8b, dream-7b, demo) "
-                        "instead of --model")
-    p.add_argument("--pd-timeout", type=float, default=60.0)
-    p.add_argument("--json", default=None, help="write the report here")
-    EngineArgs.add_cli_args(p)
-    p.set_defaults(func=cmd_bench_pd)
-
-
-def cmd_bench_pd(a: argparse.Namespace) -> int:
-    from flash_dllm.bench.pd import run_pd_bench, table
-
-    if not a.rate > 0 or not 0 <= a.long_frac <= 1:
-        raise ValueError("--rate must be > 0 and --long-frac in [0, 1]")
-    args = EngineArgs.from_cli_args(a)
-    report = run_pd_bench(args, tuple(a.parts), device=args.device,
-                          transfer_tokens=a.transfer_tokens, transfer_backend=a.transfer_backend,
-                          log=lambda line: print(line, flush=True),
-                          prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
-                          requests=a.requests, rate=a.rate, long_frac=a.long_frac,
-                          long_len=a.long_prompt, short_len=a.short_prompt,
-                          max_tokens=a.max_tokens, block_length=a.block_length,
-                          model_shape=a.model_shape, timeout_s=a.pd_timeout)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(table(report))
-    return 0
+    add_pd_parser(bsub)
 
 
 def cmd_bench_memory(a: argparse.Namespace) -> int:

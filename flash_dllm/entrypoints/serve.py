@@ -68,6 +68,11 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     d.add_argument("--pd-staging-gb", type=float, default=0.25,
                    help="with --disaggregate: each worker's receive staging buffer in GiB; a "
                         "request's KV must fit it (default: 0.25)")
+    d.add_argument("--pd-layer-groups", type=positive_int, default=1,
+                   help="with --disaggregate: send a request's KV in this many layer groups "
+                        "while its first forward computes the later layers (pipelined; 1: one "
+                        "send after the forward; at most 16; not with CUDA IPC, where the "
+                        "decode worker reads the segment after the step) (default: 1)")
     d.add_argument("--pd-role-switching", action="store_true",
                    help="with --disaggregate: move workers between the prefill and decode roles "
                         "as the load shifts (drained first; at least one of each)")
@@ -133,8 +138,8 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
     from pathlib import Path
 
     from flash_dllm.engine.async_engine import AsyncEngine
-    from flash_dllm.engine.pd_engine import PDEngine
     from flash_dllm.engine.warmup import default_level
+    from flash_dllm.entrypoints.pd_launch import launch
     from flash_dllm.models.loader import DEMO_MODEL, default_model_path
     from flash_dllm.models.tokenizer import Tokenizer
 
@@ -143,9 +148,9 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
     dev = torch.device(args.device if args.device != "auto" else
                        ("cuda" if torch.cuda.is_available() else "cpu"))
     level = getattr(a, "warmup", None) or default_level(dev)
-    pd = PDEngine.launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
+    pd = launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
                          staging_gb=a.pd_staging_gb, role_switching=a.pd_role_switching,
-                         model_shape=shape, warmup=level)
+                         model_shape=shape, warmup=level, layer_groups=a.pd_layer_groups)
     folder = Path(shape) if shape else (Path(args.model) if args.model else default_model_path())
     tok = Tokenizer(DEMO_MODEL if shape else folder)
     aeng = AsyncEngine(pd)
