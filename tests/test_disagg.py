@@ -63,12 +63,16 @@ def _idle(pd) -> None:
         assert time.monotonic() < deadline, f"held after the requests ended: {ws}"
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one_send", "layer_groups"])
+@pytest.fixture(scope="module", params=[(None, 1), (None, 2), ("nixl", 1)],
+                ids=["one_send", "layer_groups", "nixl"])
 def pd(request):
     from flash_dllm.entrypoints.pd_launch import launch
 
-    eng = launch(EngineArgs(device=DEVICE), 1, 1, timeout_s=20.0, layer_groups=request.param,
-                 **CONFIG)
+    backend, groups = request.param
+    if backend == "nixl":
+        pytest.importorskip("nixl", reason="nixl does not import here")
+    eng = launch(EngineArgs(device=DEVICE), 1, 1, timeout_s=20.0, layer_groups=groups,
+                 backend=backend, **CONFIG)
     eng.wait_ready(300)
     yield eng
     eng.close()
@@ -128,7 +132,7 @@ def test_server_with_a_killed_decode_worker(tmp_path):
     ns = argparse.Namespace(**{**vars(EngineArgs()), "max_num_seqs": 4, "num_kv_pages": 256,
                                "disaggregate": True, "prefill_workers": 1, "decode_workers": 2,
                                "pd_timeout": 10.0, "pd_staging_gb": 0.05,
-                               "pd_role_switching": False, "pd_layer_groups": 1, "warmup": "none", "api_key": None,
+                               "pd_role_switching": False, "pd_layer_groups": 1, "pd_transport": "auto", "warmup": "none", "api_key": None,
                                "served_model_name": "demo", "model_shape": None})
     app, aeng, _ = build_server_app(ns)
     with InProcessServer(app, aeng) as srv:

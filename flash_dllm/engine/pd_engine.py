@@ -64,7 +64,7 @@ class Worker:
     prefilling: int = 0               # requests placed here for their first step
     decoding: int = 0                 # requests moving or moved here
     draining_to: str | None = None    # a role switch waiting for its old work to finish
-    ipc_handle: tuple | None = None   # CUDA IPC: its staging buffer, shareable
+    ipc_handle: tuple | None = None   # ("ipc", handle) | ("nixl", metadata): how peers reach it
 
 
 @dataclass(eq=False)
@@ -193,7 +193,8 @@ class PDEngine:
                 raise TimeoutError(f"the disaggregated workers were not ready within "
                                    f"{timeout_s:.0f} s")
         handles = {w.rank: w.ipc_handle for w in self.workers if w.ipc_handle is not None}
-        if handles:                    # CUDA IPC: every worker may read every other's staging
+        if handles:                    # CUDA IPC handles or NIXL metadata: every worker meets
+            #                            every other before the first request
             for w in self.workers:
                 self._send(w, W.Peers(handles))
         return None

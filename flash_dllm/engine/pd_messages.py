@@ -62,7 +62,8 @@ class Import:
 
 @dataclass(frozen=True)
 class Peers:
-    """Front end -> every worker (CUDA IPC): each worker's staging buffer, shareable."""
+    """Front end -> every worker: how to reach each worker, ``rank -> (kind, payload)``: its
+    staging buffer as a CUDA IPC handle, or its NIXL agent's metadata."""
 
     handles: dict
 

@@ -162,13 +162,25 @@ class Worker:
             elif isinstance(msg, Release):
                 self.alloc.free(msg.offset)
             elif isinstance(msg, Peers):
-                from torch.multiprocessing.reductions import rebuild_cuda_tensor
-                self.peers = {r: rebuild_cuda_tensor(*args) for r, args in msg.handles.items()
-                              if r != self.rank}
+                self._meet(msg.handles)
             elif isinstance(msg, Stop):
                 self.stopping = True
             else:
                 raise TypeError(f"worker {self.rank}: unknown control message {msg!r}")
+
+    def _meet(self, shares: dict) -> None:
+        """The other workers' ``(kind, payload)``: a CUDA IPC handle of their staging buffer,
+        or their NIXL agent's metadata."""
+        for r, (kind, payload) in shares.items():
+            if r == self.rank:
+                continue
+            if kind == "ipc":
+                from torch.multiprocessing.reductions import rebuild_cuda_tensor
+                self.peers[r] = rebuild_cuda_tensor(*payload)
+            elif kind == "nixl":
+                self.transport.add_peer(r, payload)
+            else:
+                raise TypeError(f"worker {self.rank}: unknown peer share {kind!r}")
 
     def _add(self, msg: Add) -> None:
         try:

@@ -40,6 +40,8 @@ def add_pd_parser(bsub) -> None:
     p.add_argument("--pd-staging-gb", type=float, default=0.25,
                    help="serve: each worker's staging buffer; a request's KV must fit "
                         "(default: 0.25)")
+    p.add_argument("--pd-transport", choices=["auto", "gloo", "nccl", "ipc", "nixl"],
+                   default="auto", help="serve: how KV moves between workers (see serve)")
     p.add_argument("--pd-layer-groups", type=positive_int, default=1,
                    help="serve: pipelined sends in this many layer groups (default: 1)")
     p.add_argument("--json", default=None, help="write the report here")
@@ -64,7 +66,8 @@ def cmd_bench_pd(a: argparse.Namespace) -> int:
     def disaggregated():
         return launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
                       staging_gb=a.pd_staging_gb, model_shape=a.model_shape,
-                      layer_groups=a.pd_layer_groups)
+                      layer_groups=a.pd_layer_groups,
+                      backend=None if a.pd_transport == "auto" else a.pd_transport)
 
     report = run_pd_bench(tuple(a.parts), device=args.device,
                           transfer_tokens=a.transfer_tokens, transfer_backend=a.transfer_backend,

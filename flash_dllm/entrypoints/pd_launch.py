@@ -29,7 +29,8 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
     """Spawn the workers (ranks 0..P-1 prefill, P..P+D-1 decode). Devices: the CPU for all,
     or GPU ``rank % visible`` each. KV transport (``backend``; default by devices): gloo on the
     CPU, NCCL when every worker has its own GPU, CUDA IPC when workers share a GPU (the decode
-    worker unpacks straight from the prefill worker's staging buffer)."""
+    worker unpacks straight from the prefill worker's staging buffer); ``backend="nixl"``: NIXL
+    (UCX) one-sided writes between workers, e.g. across hosts."""
     import torch
 
     from flash_dllm.distributed.launch import free_port, spawn
@@ -68,8 +69,12 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
     if backend is None:            # NCCL needs a GPU per rank; workers sharing one read
         backend = ("gloo" if devices[0] == "cpu"     # each other's staging over CUDA IPC
                    else "nccl" if len(set(devices)) == world else "ipc")
-    if backend not in ("gloo", "nccl", "ipc"):
-        raise ValueError(f"backend must be gloo, nccl or ipc, got {backend!r}")
+    if backend not in ("gloo", "nccl", "ipc", "nixl"):
+        raise ValueError(f"backend must be gloo, nccl, ipc or nixl, got {backend!r}")
+    if backend == "nixl":
+        from flash_dllm.distributed.nixl_transport import nixl_available
+        if not nixl_available():
+            raise ValueError("the NIXL transport needs `pip install nixl` (it does not import)")
     if backend == "ipc" and devices[0] == "cpu":
         raise ValueError("the CUDA IPC transport needs CUDA devices")
     authkey = os.urandom(16)
@@ -132,25 +137,33 @@ def worker_main(spec: WorkerSpec) -> None:
         share = max(1, (os.cpu_count() or 1) // max(1, spec.world))
         torch.set_num_threads(min(torch.get_num_threads(), share))
     conn = Channel(Client(spec.address, authkey=spec.authkey))
+    transport = None
     try:
-        ipc = spec.backend == "ipc"
+        ipc, nixl = spec.backend == "ipc", spec.backend == "nixl"
         backend = "gloo" if ipc else spec.backend
-        dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
-                                world_size=spec.world,
-                                timeout=timedelta(seconds=max(300, 4 * spec.timeout_s)))
-        transport = TorchDistTransport(device=dev if backend == "nccl" else "cpu")
+        if nixl:                         # one-sided WRITEs over UCX; no process group needed
+            from flash_dllm.distributed.nixl_transport import NixlTransport
+            transport = NixlTransport(spec.rank, spec.world)
+        else:
+            dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
+                                    world_size=spec.world,
+                                    timeout=timedelta(seconds=max(300, 4 * spec.timeout_s)))
+            transport = TorchDistTransport(device=dev if backend == "nccl" else "cpu")
         engine = _load(spec, dev)
         wire = dev if backend == "nccl" or ipc else torch.device("cpu")
         worker = Worker(engine, transport, conn, timeout_s=spec.timeout_s,
                         staging_bytes=spec.staging_bytes, wire_device=wire, ipc=ipc,
                         layer_groups=spec.layer_groups)
         _warm_up(engine, spec.warmup)
-        handle = None
+        share = None                     # what the other workers need to reach this one
         if ipc:
             from torch.multiprocessing.reductions import reduce_tensor
-            handle = reduce_tensor(worker.staging)[1]
+            share = ("ipc", reduce_tensor(worker.staging)[1])
+        elif nixl:                       # registered before the metadata goes out
+            transport.register(worker.staging)
+            share = ("nixl", transport.metadata())
         conn.send(("ready", spec.rank, os.getpid(), engine.pool.num_pages, engine.pool.page_size,
-                   engine.config.max_num_seqs, handle))
+                   engine.config.max_num_seqs, share))
         worker.run()
     except BaseException:     # noqa: BLE001 - the front end must hear why
         try:
@@ -159,6 +172,8 @@ def worker_main(spec: WorkerSpec) -> None:
             pass
         raise
     finally:
+        if transport is not None and spec.backend == "nixl":
+            transport.close()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001

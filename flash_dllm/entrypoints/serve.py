@@ -73,6 +73,11 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                         "while its first forward computes the later layers (pipelined; 1: one "
                         "send after the forward; at most 16; not with CUDA IPC, where the "
                         "decode worker reads the segment after the step) (default: 1)")
+    d.add_argument("--pd-transport", choices=["auto", "gloo", "nccl", "ipc", "nixl"],
+                   default="auto",
+                   help="with --disaggregate: how KV moves between workers. auto: gloo on the "
+                        "CPU, NCCL with a GPU per worker, CUDA IPC when workers share a GPU; "
+                        "nixl: NIXL/UCX one-sided writes (pip install nixl)")
     d.add_argument("--pd-role-switching", action="store_true",
                    help="with --disaggregate: move workers between the prefill and decode roles "
                         "as the load shifts (drained first; at least one of each)")
@@ -150,7 +155,8 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
     level = getattr(a, "warmup", None) or default_level(dev)
     pd = launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
                          staging_gb=a.pd_staging_gb, role_switching=a.pd_role_switching,
-                         model_shape=shape, warmup=level, layer_groups=a.pd_layer_groups)
+                         model_shape=shape, warmup=level, layer_groups=a.pd_layer_groups,
+                         backend=None if a.pd_transport == "auto" else a.pd_transport)
     folder = Path(shape) if shape else (Path(args.model) if args.model else default_model_path())
     tok = Tokenizer(DEMO_MODEL if shape else folder)
     aeng = AsyncEngine(pd)
