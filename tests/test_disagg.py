@@ -132,7 +132,8 @@ def test_server_with_a_killed_decode_worker(tmp_path):
     ns = argparse.Namespace(**{**vars(EngineArgs()), "max_num_seqs": 4, "num_kv_pages": 256,
                                "disaggregate": True, "prefill_workers": 1, "decode_workers": 2,
                                "pd_timeout": 10.0, "pd_staging_gb": 0.05,
-                               "pd_role_switching": False, "pd_layer_groups": 1, "pd_transport": "auto", "warmup": "none", "api_key": None,
+                               "pd_role_switching": False, "pd_layer_groups": 1, "pd_transport": "auto",
+                               "warmup": "none", "api_key": None,
                                "served_model_name": "demo", "model_shape": None})
     app, aeng, _ = build_server_app(ns)
     with InProcessServer(app, aeng) as srv:
@@ -302,6 +303,27 @@ def test_failed_transfer_fails_its_request():
     for _ in range(5):
         p.tick()
     assert p.held()[1][:2] == (0, 0)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_corrupted_segment_is_never_served(groups):
+    """A segment that arrives with a flipped byte fails its request with a named error, leaves
+    nothing held on the decode side, and the request next to it is served."""
+    p = _Pair(groups=groups)
+    p.net.corrupt_tag(5 * 16 + groups - 1)             # (pipelined: the last layer group)
+    p.add("bad", 5)
+    p.add("good", 6)
+    for _ in range(300):
+        p.tick()
+        if "bad" in p.failed and "good" in p.finished:
+            break
+    assert "checksum mismatch" in p.failed["bad"] and "not served" in p.failed["bad"]
+    assert p.w[1].checksum_failures == 1
+    assert "good" in p.finished and "good" not in p.failed
+    assert p.w[1].engine.scheduler.find("bad") is None            # never ran on the decode side
+    for _ in range(5):
+        p.tick()
+    assert p.held() == [(0, 0, 0, 0, 0)] * 2
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -4,7 +4,8 @@ A send and a receive with the same (src, dst, tag) are *matched* in posting orde
 posted; a matched transfer completes after ``polls_to_complete`` polls (from either side) and then
 copies the sender's bytes into the receiver's tensor (a size mismatch fails both sides, as gloo
 does). Switches make the next N matched transfers, or every transfer with a tag, fail (both sides
-raise ``TransferError``) or hang (never complete: a ``wait`` ends in ``TransferTimeout``).
+raise ``TransferError``), hang (never complete: a ``wait`` ends in ``TransferTimeout``), or
+arrive corrupted (``corrupt_tag``: done, with one byte flipped).
 
 Cancelling a matched transfer fails the other side with ``TransferError`` and copies nothing, so a
 cancelled handle is settled at once (stricter than gloo, where a posted receive cannot be taken
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from flash_dllm.distributed.transport import TransferError, TransferHandle, Transport, as_bytes
 
-_OK, _FAIL, _HANG = "ok", "fail", "hang"
+_OK, _FAIL, _HANG, _CORRUPT = "ok", "fail", "hang", "corrupt"
 
 
 @dataclass(eq=False)
@@ -49,6 +50,7 @@ class FakeNetwork:
         self._fail_next = self._hang_next = 0
         self._fail_tags: set[int] = set()
         self._hang_tags: set[int] = set()
+        self._corrupt_tags: set[int] = set()
         self.matched = 0            # transfers matched so far (for tests)
         self._endpoints = [FakeTransport(self, r) for r in range(world_size)]
 
@@ -84,11 +86,18 @@ class FakeNetwork:
         with self._lock:
             self._hang_tags.add(tag)
 
+    def corrupt_tag(self, tag: int) -> None:
+        """Every transfer with ``tag`` (matched from now on) completes, with one byte flipped:
+        what a torn or corrupted copy looks like to the receiver."""
+        with self._lock:
+            self._corrupt_tags.add(tag)
+
     def clear_faults(self) -> None:
         with self._lock:
             self._fail_next = self._hang_next = 0
             self._fail_tags.clear()
             self._hang_tags.clear()
+            self._corrupt_tags.clear()
 
     @staticmethod
     def _check_count(n) -> int:
@@ -122,6 +131,8 @@ class FakeNetwork:
             return _FAIL
         if tag in self._hang_tags:
             return _HANG
+        if tag in self._corrupt_tags:
+            return _CORRUPT
         return _OK
 
     def _poll(self, h: TransferHandle) -> bool:
@@ -145,6 +156,9 @@ class FakeNetwork:
                                           f"receiver {w.recv.nbytes} bytes")
         else:
             as_bytes(w.recv.tensor).copy_(as_bytes(w.send.tensor))
+            if w.fate == _CORRUPT and w.recv.nbytes:
+                b = as_bytes(w.recv.tensor)
+                b[b.numel() // 2] ^= 0x10
             w.state = "done"
 
     def _cancel(self, rank: int, h: TransferHandle) -> None:

@@ -14,10 +14,12 @@ token; sampled requests carry their generator's state):
   and the runner's per-request device state (Flash-Verify drafts, the KV sentinel's history and
   pending refresh, ``cache="flash"``'s attention mass, sampling generators), copied to the host.
 
-``export_request`` packs and detaches (or, pipelined, the worker packs layer groups during the
-step's forward: ``layer_groups``, ``group_views``, and ``import_request(..., groups=...)``) (the request's pages and device state are freed at once:
+``export_request`` packs and detaches (the request's pages and device state are freed at once:
 the segment is a copy); ``import_request`` allocates pages, unpacks and puts the request in the
-running batch. Both run between steps, on the engine's thread.
+running batch. Both run between steps, on the engine's thread. Pipelined, the worker packs layer
+groups during the step's forward instead (``layer_groups``, ``group_views``,
+``import_request(..., groups=...)``). ``segment_checksum`` travels in the snapshot: the receiver
+checks the bytes before it unpacks them.
 
 NOTE: the receiver keeps the sender's ``reused_len`` (prompt positions never recomputed), so its
 windows are the sender's. Imported pages are private (not in the receiver's prefix tree) and are
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flash_dllm.cache.checksum import device_checksum, xxh3_64
 from flash_dllm.config import SamplingParams
 from flash_dllm.engine.request import Request
 from flash_dllm.kernels.kv_pages import pack_pages, packed_shape, unpack_pages
@@ -58,6 +61,7 @@ class RequestSnapshot:
     kv_shape: tuple[int, ...]             # the segment: packed_shape(pool, num_pages)
     kv_dtype: str
     device_state: dict = field(default_factory=dict)   # name -> CPU tensor (or None)
+    kv_checksum: tuple | None = None      # segment_checksum of the segment as it was sent
 
     @property
     def kv_nbytes(self) -> int:
@@ -69,6 +73,19 @@ class RequestSnapshot:
 
 class MigrationError(RuntimeError):
     """A request cannot move: unknown, finished, or its pages do not match the receiver's."""
+
+
+class CorruptSegment(MigrationError):
+    """A segment's bytes do not match the checksum its sender took: never unpacked."""
+
+
+def segment_checksum(buf: torch.Tensor) -> tuple:
+    """A checksum of a segment's bytes where they are: xxh3 on the host, the device checksum
+    kernel on a GPU (one host sync for its 16 bytes). The receiver checks the bytes it got
+    against the sender's before unpacking: a torn or corrupted segment is never served."""
+    if buf.device.type == "cpu":
+        return ("xxh3", xxh3_64(buf.contiguous().view(torch.uint8).view(-1)))
+    return ("device", tuple(device_checksum(buf.contiguous().view(torch.uint8)).tolist()))
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -117,11 +134,7 @@ def detach(engine, request_id: str) -> None:
     req = engine.scheduler.find(request_id)
     if req is None:
         return
-    sched = engine.scheduler
-    sched.running = [r for r in sched.running if r is not req]
-    sched.waiting = type(sched.waiting)(r for r in sched.waiting if r is not req)
-    sched._plans.pop(request_id, None)
-    sched.invalidate()
+    engine.scheduler.remove(req)
     engine._block_mass.pop(request_id, None)
     engine._mass_steps.pop(request_id, None)
     engine.kv_manager.free(request_id, None)

@@ -47,7 +47,7 @@ class WorkerLost(RuntimeError):
 
 
 @dataclass(eq=False)
-class Worker:
+class WorkerHandle:
     """The front end's view of one worker process."""
 
     rank: int
@@ -127,10 +127,10 @@ class _WaitingView:
 
 class PDEngine:
     """The front end of ``P`` prefill and ``D`` decode workers (see the module docstring).
-    Start one with ``entrypoints.pd_launch.launch``; call ``wait_ready`` before use (the server does it as its
-    warm-up, so ``/ready`` answers 503 until every worker has loaded)."""
+    Start one with ``entrypoints.pd_launch.launch``; call ``wait_ready`` before use (the server
+    does it as its warm-up, so ``/ready`` answers 503 until every worker has loaded)."""
 
-    def __init__(self, cfg, config: EngineConfig, workers: list[Worker], listener: Listener,
+    def __init__(self, cfg, config: EngineConfig, workers: list[WorkerHandle], listener: Listener,
                  timeout_s: float, controller=None, layer_groups: int = 1) -> None:
         self.cfg = cfg
         self.base_config = config
@@ -156,7 +156,8 @@ class PDEngine:
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0}
         self.pd = {"transfers": 0, "transfer_bytes": 0, "transfer_seconds": 0.0,
-                   "transfer_failures": 0, "failed_requests": 0, "worker_deaths": 0,
+                   "transfer_failures": 0, "checksum_failures": 0, "failed_requests": 0,
+                   "worker_deaths": 0,
                    "role_switches": 0}
         self.steps_run = 0
 
@@ -312,7 +313,7 @@ class PDEngine:
             pass
 
     # ------------------------------------------------------------------------------- internals
-    def _pick(self, role: str) -> Worker | None:
+    def _pick(self, role: str) -> WorkerHandle | None:
         cands = [w for w in self.workers if w.alive and w.ready and w.role == role
                  and w.draining_to is None]
         if not cands:
@@ -320,7 +321,7 @@ class PDEngine:
         load = (lambda w: w.prefilling) if role == PREFILL else (lambda w: w.decoding)
         return min(cands, key=lambda w: (load(w), w.rank))
 
-    def _send(self, w: Worker, msg) -> None:
+    def _send(self, w: WorkerHandle, msg) -> None:
         if not w.alive or w.conn is None:
             return
         try:
@@ -333,7 +334,7 @@ class PDEngine:
             self.workers[t.prefill].prefilling -= 1
         self.workers[t.decode].decoding -= 1
 
-    def _handle(self, w: Worker, msg, outs: list[StepOutput]) -> None:
+    def _handle(self, w: WorkerHandle, msg, outs: list[StepOutput]) -> None:
         if isinstance(msg, W.Stats):
             w.stats = msg
             return
@@ -387,7 +388,8 @@ class PDEngine:
             self.pd["transfer_bytes"] += msg.nbytes
             self.pd["transfer_seconds"] += msg.seconds
         elif isinstance(msg, W.Failed):
-            self.pd["transfer_failures"] += "KV" in msg.message
+            self.pd["transfer_failures"] += msg.kind != "request"
+            self.pd["checksum_failures"] += msg.kind == "checksum"
             self._fail(t, msg.message, outs)
             for rank in {t.prefill, t.decode} - {w.rank}:
                 self._send(self.workers[rank], W.Abort(rid))
@@ -430,7 +432,7 @@ class PDEngine:
                                        "any, is above)")
                 self._lost(w, f"its process exited with code {w.proc.returncode}")
 
-    def _lost(self, w: Worker, why: str) -> None:
+    def _lost(self, w: WorkerHandle, why: str) -> None:
         """A dead worker: its requests fail now; nothing is sent to it again."""
         if not w.alive:
             return

@@ -154,6 +154,7 @@ class Failed:
 
     request_id: str
     message: str
+    kind: str = "transfer"      # "transfer" | "checksum" (arrived corrupted) | "request"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ in its first step, is received and dropped there, never left hanging.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -33,8 +32,9 @@ class LayerSender:
         self.groups = migrate.layer_groups(eng.cfg.num_layers, groups)
         self.ends = {l1 - 1: g for g, (_, l1) in enumerate(self.groups)}
         self.pending: dict[str, tuple[int, int]] = {}     # request id -> (dst, tag)
-        self.active: dict[str, tuple] = {}                # in this forward: (dst, tag, ids, parts)
-        self.sent: dict[str, tuple[int, int]] = {}        # every group posted: export after it
+        self.active: dict[str, tuple] = {}   # in this forward: (dst, tag, ids, parts, sends, buf)
+        self.sent: dict[str, tuple] = {}   # every group posted: (dst, tag, checksum), exported
+        #                                    after the step
 
     def wants(self, plan) -> bool:
         return plan is not None and any(r.request_id in self.pending and r.num_forwards == 0
@@ -47,7 +47,7 @@ class LayerSender:
         if g is None or not self.active:
             return
         w = self.worker
-        for rid, (dst, tag, ids, parts, sends) in self.active.items():
+        for rid, (dst, tag, ids, parts, sends, _) in self.active.items():
             if sends is None:              # its send failed: nothing more for it
                 continue
             l0, l1 = self.groups[g]
@@ -57,13 +57,14 @@ class LayerSender:
                 sends.append(w.transport.send(dst, buf, tag + g))
             except (TransferError, ValueError, RuntimeError) as e:
                 w._emit(Failed(rid, f"sending its KV to worker {dst} failed: {e}"))
-                self.active[rid] = (dst, tag, ids, parts, None)
+                self.active[rid] = (dst, tag, ids, parts, None, None)
                 continue
             w.track_send(sends[-1], buf, rid)
         if g == len(self.groups) - 1:
-            for rid, (dst, tag, _, _, sends) in self.active.items():
-                if sends is not None:
-                    self.sent[rid] = (dst, tag)
+            for rid, (dst, tag, _, _, sends, buf) in self.active.items():
+                if sends is not None:        # the whole segment (the parts are views of it)
+                    self.sent[rid] = (dst, tag, migrate.segment_checksum(
+                        buf if buf.device == w.wire else buf.to(w.wire)))
             self.active = {}
 
     def _start(self, plan) -> None:
@@ -82,9 +83,8 @@ class LayerSender:
                               device=eng.device)
             parts = migrate.group_views(buf, shape, kv.dtype, self.groups)
             ids = torch.tensor(pages, dtype=torch.int32, device=eng.device)
-            self.active[rid] = (dst, tag, ids, parts, [])
+            self.active[rid] = (dst, tag, ids, parts, [], buf)
             w._emit(Announce(rid, dst, tag, r.canvas_len, len(self.groups)))
-        self.t0 = time.monotonic()
 
     def forget(self, rid: str) -> None:
         self.pending.pop(rid, None)

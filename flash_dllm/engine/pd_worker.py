@@ -77,6 +77,10 @@ class _Recv:
     aborted: bool = False
 
 
+def _kind(e: migrate.MigrationError) -> str:
+    return "checksum" if isinstance(e, migrate.CorruptSegment) else "request"
+
+
 class Worker:
     """The worker loop over an engine, a transport and a control connection (``conn``: anything
     with ``send``/``recv``/``poll``). ``layer_groups`` > 1: pipelined sends
@@ -116,6 +120,7 @@ class Worker:
         self.stranded: list[_Recv] = []                   # cancelled, not yet settled
         self.stopping = False
         self.prefill_steps = 0
+        self.checksum_failures = 0
         self._last_stats = None
 
     # ------------------------------------------------------------------------------- loop
@@ -187,7 +192,7 @@ class Worker:
             self.engine.add_request(msg.prompt_ids, msg.params, request_id=msg.request_id,
                                     prompt=msg.prompt)
         except ValueError as e:
-            self._emit(Failed(msg.request_id, str(e)))
+            self._emit(Failed(msg.request_id, str(e), "request"))
             return
         if msg.dst is not None:
             if self.pipeline is not None and msg.groups > 1:
@@ -269,10 +274,11 @@ class Worker:
                 if self.pipeline is not None:
                     self.pipeline.forget(so.request_id)
         if self.pipeline is not None:            # its KV went during the forward: the rest
-            for rid, (dst, tag) in list(self.pipeline.sent.items()):
+            for rid, (dst, tag, checksum) in list(self.pipeline.sent.items()):
                 del self.pipeline.sent[rid]
                 if self.engine.scheduler.find(rid) is not None:
                     snap = migrate.snapshot(self.engine, rid)
+                    snap.kv_checksum = checksum
                     migrate.detach(self.engine, rid)
                     self._emit(Exported(snap, dst, tag, groups=len(self.pipeline.groups)))
         for rid in [r for r in self.exports
@@ -291,8 +297,7 @@ class Worker:
             return
         snap, seg = migrate.export_request(self.engine, rid)
         buf = seg if seg.device == self.wire else seg.to(self.wire)
-        if buf.device.type == "cuda":
-            torch.cuda.current_stream(buf.device).synchronize()   # the pack, before NCCL reads
+        snap.kv_checksum = migrate.segment_checksum(buf)     # (on a GPU: syncs after the pack)
         try:
             h = self.transport.send(dst, buf, tag)
         except (TransferError, ValueError, RuntimeError) as e:
@@ -309,7 +314,7 @@ class Worker:
             self.engine.abort(rid)
             self._emit(Failed(rid, f"its KV segment ({n} bytes) is larger than worker "
                                    f"{self.rank}'s staging buffer ({self.alloc.capacity} bytes): "
-                                   "raise --pd-staging-gb"))
+                                   "raise --pd-staging-gb", "request"))
             return
         off = self.alloc.alloc(n)
         if off is None:                # staging full: it decodes here one more step, then retry
@@ -317,7 +322,7 @@ class Worker:
             return
         out = self.staging[off:off + n].view(kv.dtype).view(shape)
         snap, _ = migrate.export_request(self.engine, rid, out=out)
-        torch.cuda.current_stream(self.engine.device).synchronize()   # packed before it is read
+        snap.kv_checksum = migrate.segment_checksum(out)   # (syncs: packed before it is read)
         self._emit(Exported(snap, dst, tag, off))
 
     # ---------------------------------------------------------------------------- transfers
@@ -452,7 +457,7 @@ class Worker:
             try:
                 r.pages = migrate.reserve(self.engine, snap)
             except migrate.MigrationError as e:
-                self._emit(Failed(snap.request_id, str(e)))
+                self._emit(Failed(snap.request_id, str(e), _kind(e)))
                 self._consumed(r)
                 return True
             if r.pages is None:
@@ -463,14 +468,23 @@ class Worker:
                     raise migrate.MigrationError(f"worker {r.src}'s staging buffer is not "
                                                  "shared with this worker")
                 seg = peer[r.src_offset:r.src_offset + r.nbytes]
+                self._verify(snap, seg)
                 migrate.import_request(self.engine, snap, seg, r.pages)
                 torch.cuda.current_stream(self.engine.device).synchronize()   # read, then free
                 self._emit(Imported(snap.request_id, time.monotonic() - r.arrived, r.nbytes))
             except migrate.MigrationError as e:
                 self.engine.kv_manager.free(snap.request_id, None)
-                self._emit(Failed(snap.request_id, str(e)))
+                self._emit(Failed(snap.request_id, str(e), _kind(e)))
         self._consumed(r)
         return True
+
+    def _verify(self, snap, seg: torch.Tensor) -> None:
+        """Raise ``MigrationError`` (the request fails, nothing is served) unless ``seg`` holds
+        the bytes the sender checksummed."""
+        if snap.kv_checksum is not None and migrate.segment_checksum(seg) != snap.kv_checksum:
+            self.checksum_failures += 1
+            raise migrate.CorruptSegment("its KV segment arrived corrupted (checksum mismatch); "
+                                         "it was not served")
 
     def _land(self, r: _Recv) -> None:
         n = r.nbytes
@@ -479,11 +493,12 @@ class Worker:
             return
         seg = self.staging[r.offset:r.offset + n]
         try:
+            self._verify(r.snap, seg)
             migrate.import_request(self.engine, r.snap, seg, r.pages, groups=r.groups)
         except migrate.MigrationError as e:
             self.alloc.free(r.offset)
             self.engine.kv_manager.free(r.rid, None)
-            self._emit(Failed(r.rid, str(e)))
+            self._emit(Failed(r.rid, str(e), _kind(e)))
             return
         if self.engine.device.type == "cuda":     # the unpack read the slice: then reuse it
             torch.cuda.current_stream(self.engine.device).synchronize()
@@ -500,7 +515,10 @@ class Worker:
 
     def _report_stats(self) -> None:
         s = self.stats()
-        key = (s.running, s.waiting, s.pages_used, s.staging_used, s.sends, s.recvs)
-        if key != self._last_stats or s.steps % 16 == 0:
+        # on a change of what it holds, and every 16 forwards (the forward counters): an idle
+        # worker sends nothing (nobody reads its connection while the router is idle)
+        key = (s.running, s.waiting, s.pages_used, s.staging_used, s.sends, s.recvs,
+               s.steps // 16)
+        if key != self._last_stats:
             self._last_stats = key
             self._emit(s)

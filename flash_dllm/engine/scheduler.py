@@ -78,6 +78,13 @@ class Scheduler:
         self._last.ops = self.kv.take_ops()
         return self._last
 
+    def remove(self, req: Request) -> None:
+        """Take an unfinished request out (it moves to another engine: ``engine/migrate.py``)."""
+        self.running = [r for r in self.running if r is not req]
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        self._plans.pop(req.request_id, None)
+        self._last = None
+
     def requeue(self, req: Request) -> None:
         """A running request goes back to the head of the queue (its admission was undone)."""
         self.running = [r for r in self.running if r is not req]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.pd_engine import DECODE, PREFILL, PDEngine, Worker as WorkerProc
+from flash_dllm.engine.pd_engine import DECODE, PREFILL, PDEngine, WorkerHandle
 from flash_dllm.engine.pd_messages import Channel
 from flash_dllm.engine.pd_worker import Worker
 
@@ -31,8 +31,6 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
     CPU, NCCL when every worker has its own GPU, CUDA IPC when workers share a GPU (the decode
     worker unpacks straight from the prefill worker's staging buffer); ``backend="nixl"``: NIXL
     (UCX) one-sided writes between workers, e.g. across hosts."""
-    import torch
-
     from flash_dllm.distributed.launch import free_port, spawn
     from flash_dllm.models.loader import default_model_path, read_config
 
@@ -44,6 +42,8 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
         raise ValueError(f"layer_groups must be an integer in [1, 16], got {layer_groups!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if not staging_gb > 0:
+        raise ValueError(f"staging_gb (--pd-staging-gb) must be > 0, got {staging_gb!r}")
     if args.tensor_parallel_size != 1:
         raise ValueError("disaggregation with tensor_parallel_size > 1 is not supported yet")
     config = args.engine_config(**config_override)
@@ -87,7 +87,7 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
                           device=devices[r], backend=backend, timeout_s=timeout_s,
                           staging_bytes=max(1 << 20, int(staging_gb * 2**30)),
                           warmup=warmup, model_shape=model_shape, layer_groups=layer_groups)
-        workers.append(WorkerProc(r, PREFILL if r < prefill_workers else DECODE,
+        workers.append(WorkerHandle(r, PREFILL if r < prefill_workers else DECODE,
                                   spawn(worker_main, spec)))
     controller = None
     if role_switching:

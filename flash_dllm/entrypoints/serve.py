@@ -145,14 +145,11 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
     from flash_dllm.engine.async_engine import AsyncEngine
     from flash_dllm.engine.warmup import default_level
     from flash_dllm.entrypoints.pd_launch import launch
-    from flash_dllm.models.loader import DEMO_MODEL, default_model_path
+    from flash_dllm.models.loader import DEMO_MODEL, default_model_path, resolve_device
     from flash_dllm.models.tokenizer import Tokenizer
 
     args = EngineArgs.from_cli_args(a)
-    import torch
-    dev = torch.device(args.device if args.device != "auto" else
-                       ("cuda" if torch.cuda.is_available() else "cpu"))
-    level = getattr(a, "warmup", None) or default_level(dev)
+    level = getattr(a, "warmup", None) or default_level(resolve_device(args.device))
     pd = launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
                          staging_gb=a.pd_staging_gb, role_switching=a.pd_role_switching,
                          model_shape=shape, warmup=level, layer_groups=a.pd_layer_groups,

@@ -241,7 +241,10 @@ class _DisaggCollector:
                           ("transfer_seconds", "Seconds from a decode worker's receipt of a "
                                                "snapshot to the request's unpacked pages, "
                                                "summed."),
-                          ("transfer_failures", "KV transfers that failed or timed out."),
+                          ("transfer_failures", "KV transfers that failed, timed out or "
+                                                "arrived corrupted."),
+                          ("checksum_failures", "KV segments that arrived corrupted (checksum "
+                                                "mismatch; never served)."),
                           ("failed_requests", "Requests failed by a transfer or a lost worker."),
                           ("worker_deaths", "Workers lost (exited or disconnected)."),
                           ("role_switches", "Workers moved between the prefill and decode "
