@@ -14,7 +14,7 @@
 #           sweep    fused QKV + RoPE + page-write tile sweep                     ~2 min
 #           kernels  kernel microbenchmarks                                       ~2 min
 #           gemm     skinny-GEMM study (cuBLAS vs TunableOp vs Triton)            ~3 min
-#           serve    HTTP serving at concurrency 1, 8, 32, 64 (demo model)        ~3 min
+#           serve    serving at c1, 8, 32, 64; first 64 after ready (demo, 8B)   ~6 min
 #           eval     accuracy matrix, exact-sampler accuracy, batch-1 verify      ~6 min
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
@@ -123,6 +123,14 @@ group_serve() {
   run serve_warmup_h200 300 "$OUT/serve_warmup_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --concurrency 1 8 32 64 --requests 128 --json "$OUT/serve_warmup_h200.json"
+  # the first 64 requests after ready against the next 64 (a fresh server each)
+  run serve_first64_h200 200 "$OUT/serve_first64_h200.json" \
+    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
+    --concurrency 32 32 --requests 64 --json "$OUT/serve_first64_h200.json"
+  run serve_first64_llada8b_h200 300 "$OUT/serve_first64_llada8b_h200.json" \
+    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full --dtype bfloat16 \
+    --model-shape llada-8b --max-tokens 64 --concurrency 32 32 1 --requests 64 \
+    --json "$OUT/serve_first64_llada8b_h200.json"
 }
 
 group_pd() {

@@ -148,11 +148,13 @@ class EngineConfig:
     # activations and CUDA graphs. Overrides kv_cache_gb; num_kv_pages overrides both.
     gpu_memory_utilization: float | None = None
     max_waiting: int = 256               # AsyncEngine: queued requests before new ones are refused
-    # CUDA only: replay the model forward from CUDA graphs (one graph per step shape,
-    # captured on its second sighting (third above cuda_graph_max_rows rows per request), at most
-    # max_cuda_graphs kept; steps above cuda_graph_max_tokens rows run eagerly).
+    # CUDA only: replay the model forward from CUDA graphs (one graph per padded step shape:
+    # rows, requests and query length rounded up to powers of two; captured on its second
+    # sighting (third above cuda_graph_max_rows rows per request), or by a server's warm-up,
+    # never after it; at most max_cuda_graphs kept; steps above cuda_graph_max_tokens rows run
+    # eagerly).
     cuda_graphs: bool = True
-    max_cuda_graphs: int = 32
+    max_cuda_graphs: int = 256
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
     cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
     # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM

@@ -168,13 +168,20 @@ async def bench(url: str, prompts: list[str], n_requests: int, concurrency: int,
     before = await scrape(url)
     run = await run_load(url, bodies, concurrency, endpoint, api_key)
     after = await wait_pages_free(url)
-    # stalls inside the timed run: kernels compiled and CUDA graphs captured while it ran
-    for name in ("kernel_compiles", "graph_captures"):
+    # stalls inside the timed run: kernels compiled and CUDA graphs captured while it ran; and
+    # how the steps ran (graph replays, eager forwards)
+    for name in ("kernel_compiles", "graph_captures", "graph_replays", "eager_forwards"):
         key = f"flash_dllm_{name}_total"
         if key in after:
             run[f"{name}_during_run"] = int(after[key] - before.get(key, 0))
-    fw = after.get("flash_dllm_forwards_total", 0) - before.get("flash_dllm_forwards_total", 0)
-    bs = (after.get("flash_dllm_batch_size_sum", 0) - before.get("flash_dllm_batch_size_sum", 0))
+    delta = lambda k: after.get(k, 0) - before.get(k, 0)   # noqa: E731
+    fw, bs = delta("flash_dllm_forwards_total"), delta("flash_dllm_batch_size_sum")
+    # the engine thread's share of the wall time: what is left is the server (HTTP, SSE,
+    # detokenising) and, with an in-process client, the client, all under the same GIL
+    busy, steps = delta("flash_dllm_step_seconds_sum"), delta("flash_dllm_step_seconds_count")
+    run.update(engine_step_s=round(busy, 4),
+               engine_busy_frac=round(busy / run["wall_s"], 3) if run["wall_s"] else None,
+               mean_step_ms=round(1e3 * busy / steps, 3) if steps else None)
     run.update(forwards=int(fw), mean_batch_size=round(bs / fw, 3) if fw else None,
                kv_pages_used_after=int(after.get("flash_dllm_kv_pages_used", -1)),
                kv_pages_total=int(after.get("flash_dllm_kv_pages_total", -1)),
@@ -188,6 +195,21 @@ async def bench(url: str, prompts: list[str], n_requests: int, concurrency: int,
         report.pop("texts", None)
         report.get("sequential", {}).pop("texts", None)
     return report
+
+
+def bench_in_subprocess(*args, **kwargs) -> dict[str, Any]:
+    """``bench(...)`` run by a fresh client process: the load generator then shares no GIL with
+    an in-process server's engine thread (a real client never does). Spawned, not forked: the
+    server process holds threads and perhaps a CUDA context."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_bench_sync, *args, **kwargs).result()
+
+
+def _bench_sync(*args, **kwargs) -> dict[str, Any]:
+    return asyncio.run(bench(*args, **kwargs))
 
 
 # ------------------------------------------------------------------------- in-process server
@@ -230,18 +252,21 @@ class InProcessServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the in-process server did not start")
             time.sleep(0.02)
-        # then its warm-up: the load starts when /ready says ready, as a load balancer would
+        # then its warm-up: the load starts when /ready says ready, as a load balancer would.
+        # NOTE: one client for all polls: ``httpx.get`` builds a client, hence a TLS context
+        # (~40 ms of CPU under this process's GIL), per call, which slowed the warm-up it polled
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while (r := httpx.get(self.url + "/ready", timeout=30)).status_code != 200:
-            if r.json().get("status") == "error":          # the engine (or its warm-up) failed
-                health = httpx.get(self.url + "/health", timeout=30).json()
-                self.__exit__()
-                raise RuntimeError(f"the in-process server's engine failed: "
-                                   f"{health.get('error', health)}")
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the in-process server was not ready within "
-                                   f"{READY_TIMEOUT_S} s")
-            time.sleep(0.1)
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while (r := client.get("/ready")).status_code != 200:
+                if r.json().get("status") == "error":      # the engine (or its warm-up) failed
+                    health = client.get("/health").json()
+                    self.__exit__()
+                    raise RuntimeError(f"the in-process server's engine failed: "
+                                       f"{health.get('error', health)}")
+                if not self.thread.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the in-process server was not ready within "
+                                       f"{READY_TIMEOUT_S} s")
+                time.sleep(0.1)
         return self
 
     def __exit__(self, *exc) -> None:

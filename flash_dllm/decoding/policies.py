@@ -37,15 +37,22 @@ def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds
         if end > start and k > 0:
             k = min(k, end - start)
             by_len.setdefault((length, k), []).append((start, end, k))
-    for (length, _), groups in by_len.items():
-        sel = [(r, s, e) for r, (s, e, _) in enumerate(groups)]
-        slot = h2d([i for _, s, e in sel for i in range(s, e)], torch.long, dev)
-        grow = h2d([r for r, s, e in sel for _ in range(s, e)], torch.long, dev)
+    # every batch's index vectors (slots, their row in the batch, each row's k) cross in ONE
+    # host->device copy (a copy per vector per batch cost 3 copies per distinct canvas length)
+    host, parts = [], []
+    for groups in by_len.values():
+        slot = [i for s, e, _ in groups for i in range(s, e)]
+        grow = [r for r, (s, e, _) in enumerate(groups) for _ in range(s, e)]
+        parts.append((len(host), len(slot)))
+        host += slot + grow + [k for _, _, k in groups]
+    dev_all = h2d(host, torch.long, dev) if host else None
+    for ((length, _), groups), (a, n) in zip(by_len.items(), parts):
+        slot, grow = dev_all[a:a + n], dev_all[a + n:a + 2 * n]
+        ks = dev_all[a + 2 * n:a + 2 * n + len(groups)]
         rows = torch.full((len(groups), length), float("-inf"), dtype=confidence.dtype, device=dev)
         rows[grow, positions[slot]] = confidence[slot]
         kmax = max(k for _, _, k in groups)
         chosen = torch.topk(rows, kmax, dim=-1).indices                  # [G, kmax] positions
-        ks = h2d([k for _, _, k in groups], torch.long, dev)
         valid = torch.arange(kmax, device=dev)[None, :] < ks[:, None]
         # topk indices of a row are distinct, so scattering the valid flags never collides
         local = torch.zeros((len(groups), length), dtype=torch.bool, device=dev)

@@ -16,7 +16,6 @@ Requests at different blocks, steps, cache modes and policies share the same for
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import time
 
@@ -120,6 +119,11 @@ class Engine:
         self.scheduler.invalidate()
         return True
 
+    def graphs_ready(self) -> None:
+        """A warm-up made the engine ready: from now on no CUDA graph is captured (a shape
+        without one runs eagerly)."""
+        self.runner.graph_cache.ready = True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -221,13 +225,19 @@ class Engine:
         committed = int((req.tokens[req.prompt_len:] != self.cfg.mask_token_id).sum())
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time, "committed_slots": committed,
-                   **copy.deepcopy(req.counters)}
+                   **_copy_counters(req.counters)}
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_ids, text=None,
                              token_ids=req.generated_ids(), num_forwards=req.num_forwards,
                              finish_reason=req.finish_reason, finished=req.finished,
                              early_stopped=req.early_stopped, metrics=metrics,
                              error=req.error)
+
+
+def _copy_counters(counters: dict) -> dict:
+    """A copy of a ``new_counters`` dict (flat, or one level of dicts): an output is built per
+    request per step while serving, where ``copy.deepcopy`` was a visible share of the step."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in counters.items()}
 
 
 def run_to_completion(engine: Engine, requests: list[Request], on_finish=None,

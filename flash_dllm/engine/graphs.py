@@ -11,11 +11,23 @@ The runner has two capture modes, both keyed by ``GraphKey`` in one ``GraphCache
 
 A shape is captured at its ``first_capture``-th sighting (default the second: a shape that never
 comes back costs no capture); a ``large`` one (more rows per request than a decode step, whose
-shape follows the prompt lengths) one sighting later, and never once a warm-up made the server
-ready; steps of more than ``max_tokens`` rows in
+shape follows the prompt lengths) one sighting later; steps of more than ``max_tokens`` rows in
 all never (a captured graph would hold their activations in the pool for good, and at that size
-launches cost nothing next to the GEMMs). At most ``max_graphs`` are kept, the least recently used
-dropped. All graphs share one memory pool: they never run at the same time.
+launches cost nothing next to the GEMMs). Once a warm-up made the server ready (``ready``),
+nothing is captured any more: a shape without a graph runs eagerly (issue 21: a capture costs
+about two forwards while the whole batch waits). At most ``max_graphs`` are kept, the least
+recently used dropped. All graphs share one memory pool: they never run at the same time.
+
+**Padded forward shapes.** A forward graph is keyed on buckets, not on the step's exact shape, so
+that a few graphs captured before ready serve every step after it: rows ``T`` rounded up to a
+power of two (only while the forward is launch-bound, below ``GraphCache.heavy_tokens`` rows: a
+GEMM-bound forward would pay for its padding rows and gains nothing from a graph), requests ``B``
+to a power of two, the longest query ``max_q`` to a power of two (the attention grid; programs
+past a request's rows exit at once). The real requests fill the first ``B`` request slots, the
+slots after them are empty (no rows, no keys), and one last **dummy request** owns the padding
+rows ``[T, T_pad)``: they write their K/V to a scratch page no request owns (the pool has one more
+page than its ledger) and attend only to it. Every layer works row by row outside attention, so
+padding rows never touch a real row; the caller gets the first ``T`` rows back.
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ from typing import Callable
 import torch
 
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES
+from flash_dllm.kernels._triton import next_pow2
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
 
 log = logging.getLogger("flash_dllm.compile")
@@ -58,6 +71,8 @@ class GraphCache:
         self.pool = None                 # the shared memory pool, created at the first capture
         # rows from which a forward is GEMM-bound (``set_model``); never by default
         self.heavy_tokens: float = float("inf")
+        # set when a warm-up made the server ready: from then on nothing is captured
+        self.ready = False
 
     def set_model(self, num_params: int) -> None:
         """Rows from which a forward of a ``num_params``-parameter model is GEMM-bound."""
@@ -73,13 +88,12 @@ class GraphCache:
     def sighted(self, key: GraphKey, large: bool = False, tokens: int = 0) -> bool:
         """Count one more sighting of the uncaptured shape ``key`` (a step of ``tokens`` rows);
         True when it is time to capture it."""
-        if large and KERNEL_COMPILES.ready and tokens >= self.heavy_tokens:
-            # NOTE: after a warm-up made the server ready, a large shape (a refresh whose rows
-            # follow the prompt lengths) whose forward is GEMM-bound runs eagerly: measured on
-            # the LLaDA-8B shape, capturing them kept stalling the batch (a capture costs about
-            # two forwards) and evicted the decode graphs that do come back, while at 1-2K rows
-            # launches cost nothing next to the GEMMs. A small model's refresh is launch-bound
-            # at any size here: those are still captured (the demo model: 51 vs 35 req/s)
+        if self.ready:
+            # NOTE: after a warm-up made the server ready nothing is captured: a capture stalls
+            # the whole batch for about two forwards (measured on the LLaDA-8B shape, captures
+            # of refresh shapes also evicted decode graphs that do come back). The warm-up
+            # captured the padded buckets serving needs (``ForwardGraphs.warm``); a shape
+            # outside them runs eagerly and is counted (``eager_forwards``)
             return False
         if len(self.seen) >= self.MAX_SEEN:
             self.seen.clear()
@@ -92,7 +106,7 @@ class GraphCache:
         dropped = None
         while len(self.graphs) > self.max_graphs:
             dropped = self.graphs.popitem(last=False)[0]
-        if KERNEL_COMPILES.ready:      # a capture while requests wait: say which shape, and why
+        if self.ready or KERNEL_COMPILES.ready:   # a capture while requests wait: say which
             log.warning("CUDA graph captured after ready: %s (%d kept%s)", _describe(key),
                         len(self.graphs), "" if dropped is None else
                         f"; dropped the least recently used {_describe(dropped)}")
@@ -115,6 +129,57 @@ class GraphCache:
         return first, graph, out
 
 
+@dataclass(frozen=True)
+class PaddedShape:
+    """The bucket a forward graph is captured for (see the module's NOTE on padding)."""
+
+    T: int            # rows
+    B: int            # request slots for real requests (the dummy request comes after them)
+    max_q: int        # attention grid bound on each request's rows
+    max_k: int        # bound on key counts (already a power of two, or 0)
+
+
+MIN_ROWS = 16         # the smallest row bucket
+
+
+def padded_shape(T: int, B: int, max_q: int, max_k: int, heavy_tokens: float = float("inf"),
+                 max_tokens: int | None = None) -> PaddedShape:
+    """The bucket of a step of ``T`` rows over ``B`` requests: rows to a power of two while below
+    ``heavy_tokens`` (and ``max_tokens``), else exact; requests and ``max_q`` to powers of two."""
+    Tp = next_pow2(max(T, MIN_ROWS))
+    if T >= heavy_tokens or (max_tokens is not None and Tp > max_tokens):
+        Tp = T
+    return PaddedShape(Tp, next_pow2(max(B, 1)), next_pow2(max(max_q, MIN_ROWS)), max_k)
+
+
+def pad_step(ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
+             shape: PaddedShape, scratch_page: int):
+    """New tensors: the step ``(ids, positions, meta)`` padded to ``shape``; padding rows and the
+    dummy request use ``scratch_page`` (which no request owns). Returns (ids, positions, meta)."""
+    T, B = ids.shape[0], meta.seq_lens.shape[0]
+    if shape.T < T or shape.B < B or shape.max_q < meta.max_q:
+        raise ValueError(f"pad_step: a step of {T} rows, {B} requests, max_q {meta.max_q} does "
+                         f"not fit the bucket {shape}")
+    ps, dev = meta.kv.shape[3], ids.device
+    n = shape.T - T
+    i32 = dict(dtype=torch.int32, device=dev)
+    ids_p = torch.cat([ids, torch.zeros(n, dtype=ids.dtype, device=dev)])
+    pos_p = torch.cat([positions, torch.zeros(n, dtype=positions.dtype, device=dev)])
+    slots = torch.cat([meta.slots, torch.full((n,), scratch_page * ps, dtype=meta.slots.dtype,
+                                              device=dev)])
+    # empty request slots B..shape.B-1 (their cu entries all T), then the dummy's end
+    cu = torch.cat([meta.cu_q.to(torch.int32), torch.full((shape.B - B,), T, **i32),
+                    torch.full((1,), shape.T, **i32)])
+    lens = torch.cat([meta.seq_lens.to(torch.int32), torch.zeros(shape.B - B, **i32),
+                      torch.ones(1, **i32)])
+    width = meta.block_table.shape[1]
+    table = torch.cat([meta.block_table.to(torch.int32),
+                       torch.full((shape.B - B + 1, width), scratch_page, **i32)])
+    meta_p = replace(meta, slots=slots, cu_q=cu, seq_lens=lens, block_table=table,
+                     max_q=shape.max_q, max_k=shape.max_k, segments=[], mass=None)
+    return ids_p, pos_p, meta_p
+
+
 @dataclass
 class _ForwardGraph:
     graph: torch.cuda.CUDAGraph
@@ -122,31 +187,43 @@ class _ForwardGraph:
     positions: torch.Tensor
     meta: PagedAttentionMetadata   # static index tensors
     out: torch.Tensor              # [T, d] pre-norm hidden states, overwritten by each replay
+    pads: bool = False             # captured padded (a dummy request owns the padding rows)
 
 
 class ForwardGraphs:
     """The ``forward`` capture mode: ``forward(ids, positions, meta)`` returns the model's hidden
-    states for a step, from a graph when one is captured for its shape (``meta.mass`` is set as an
-    eager run sets it)."""
+    states for a step, from a graph when one is captured for its padded shape (``meta.mass`` is
+    set as an eager run sets it)."""
 
     def __init__(self, model, cache: GraphCache, max_rows: int = 128,
-                 max_tokens: int = 8192) -> None:
+                 max_tokens: int = 8192, scratch_page: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.max_rows = max_rows
         self.max_tokens = max_tokens
+        # a page of the pool no request owns: padding rows write their K/V there (None: no
+        # padding, every graph keyed on the exact shape)
+        self.scratch_page = scratch_page
         self.stats = {"graph_replays": 0, "graph_captures": 0, "eager_forwards": 0}
 
+    def shape(self, ids: torch.Tensor, meta: PagedAttentionMetadata) -> PaddedShape:
+        T, B = ids.shape[0], meta.seq_lens.shape[0]
+        if self.scratch_page is None:
+            return PaddedShape(T, B, meta.max_q, meta.max_k)
+        return padded_shape(T, B, meta.max_q, meta.max_k, self.cache.heavy_tokens,
+                            self.max_tokens)
+
     @staticmethod
-    def key(ids: torch.Tensor, meta: PagedAttentionMetadata) -> GraphKey:
-        return GraphKey("forward", (ids.shape[0], meta.cu_q.shape[0], meta.block_table.shape[1],
-                                    meta.max_q, meta.max_k, meta.mass_layer))
+    def key(shape: PaddedShape, meta: PagedAttentionMetadata) -> GraphKey:
+        return GraphKey("forward", (shape.T, shape.B, meta.block_table.shape[1], shape.max_q,
+                                    shape.max_k, meta.mass_layer))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 meta: PagedAttentionMetadata) -> torch.Tensor:
         if meta.special or not ids.is_cuda or ids.shape[0] > self.max_tokens:
             return self.eager(ids, positions, meta)
-        key = self.key(ids, meta)
+        shape = self.shape(ids, meta)
+        key = self.key(shape, meta)
         g = self.cache.get(key)
         if g is None:
             # NOTE: a decode-sized step (<= max_rows rows per request) is captured when its shape
@@ -156,34 +233,73 @@ class ForwardGraphs:
             if not self.cache.sighted(key, large=meta.max_q > self.max_rows,
                                       tokens=ids.shape[0]):
                 return self.eager(ids, positions, meta)
-            g = self._capture(key, ids, positions, meta)
+            g = self._capture(key, shape, ids, positions, meta)
         else:
             self._load(g, ids, positions, meta)
         g.graph.replay()
         self.stats["graph_replays"] += 1
-        meta.mass = g.meta.mass
-        return g.out
+        T, B = ids.shape[0], meta.seq_lens.shape[0]
+        meta.mass = None if g.meta.mass is None else g.meta.mass[:B]
+        return g.out[:T]
 
     def eager(self, ids, positions, meta) -> torch.Tensor:
         self.stats["eager_forwards"] += 1
         return self.model.hidden(ids, positions, meta)
 
-    @staticmethod
-    def _load(g: _ForwardGraph, ids, positions, meta: PagedAttentionMetadata) -> None:
-        g.ids.copy_(ids)
-        g.positions.copy_(positions)
-        for name in ("slots", "cu_q", "seq_lens", "block_table"):
-            getattr(g.meta, name).copy_(getattr(meta, name))
+    def _load(self, g: _ForwardGraph, ids, positions, meta: PagedAttentionMetadata) -> None:
+        """Copy a step into the graph's static inputs; padding rows and empty request slots are
+        reset (stale slots would make the padding rows write into a real request's page)."""
+        T, B = ids.shape[0], meta.seq_lens.shape[0]
+        s = g.meta
+        g.ids[:T].copy_(ids)
+        g.positions[:T].copy_(positions)
+        s.slots[:T].copy_(meta.slots)
+        s.cu_q[:B + 1].copy_(meta.cu_q)
+        s.seq_lens[:B].copy_(meta.seq_lens)
+        s.block_table[:B].copy_(meta.block_table)
+        if g.pads:
+            ps = s.kv.shape[3]
+            s.slots[T:].fill_(self.scratch_page * ps)
+            s.cu_q[B + 1:-1].fill_(T)           # empty slots; the last entry (the dummy's end)
+            s.seq_lens[B:-1].fill_(0)           # and the dummy's key count never change
 
-    def _capture(self, key: GraphKey, ids, positions, meta: PagedAttentionMetadata
-                 ) -> _ForwardGraph:
-        static = replace(meta, slots=meta.slots.clone(), cu_q=meta.cu_q.clone(),
-                         seq_lens=meta.seq_lens.clone(), block_table=meta.block_table.clone(),
-                         segments=[], mass=None)
-        s_ids, s_pos = ids.clone(), positions.clone()
+    def _capture(self, key: GraphKey, shape: PaddedShape, ids, positions,
+                 meta: PagedAttentionMetadata) -> _ForwardGraph:
+        pads = self.scratch_page is not None
+        if pads:
+            s_ids, s_pos, static = pad_step(ids, positions, meta, shape, self.scratch_page)
+        else:
+            static = replace(meta, slots=meta.slots.clone(), cu_q=meta.cu_q.clone(),
+                             seq_lens=meta.seq_lens.clone(), block_table=meta.block_table.clone(),
+                             segments=[], mass=None)
+            s_ids, s_pos = ids.clone(), positions.clone()
         # the warm-up writes this step's own K/V; the replay that follows rewrites the same
         _, graph, out = self.cache.capture(lambda: self.model.hidden(s_ids, s_pos, static))
-        g = _ForwardGraph(graph, s_ids, s_pos, static, out)
+        g = _ForwardGraph(graph, s_ids, s_pos, static, out, pads)
         self.cache.add(key, g)
         self.stats["graph_captures"] += 1
         return g
+
+    def warm(self, shapes: list[PaddedShape], template: PagedAttentionMetadata,
+             mass_layer: int | None = None) -> int:
+        """Capture graphs for ``shapes`` not captured yet, from steps of dummy rows only (all on
+        the scratch page): the warm-up's way to cover buckets its requests did not reach.
+        ``template``: any step's metadata (pool, block-table width, rotary, tensor parallelism).
+        Returns the number captured."""
+        if self.scratch_page is None:
+            return 0
+        dev = template.kv.device
+        n = 0
+        for shape in shapes:
+            empty = replace(template, slots=torch.zeros(0, dtype=torch.int32, device=dev),
+                            cu_q=torch.zeros(1, dtype=torch.int32, device=dev),
+                            seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+                            block_table=template.block_table[:0], max_q=1,
+                            segments=[], mass_layer=mass_layer, mass=None)
+            key = self.key(shape, empty)
+            if key in self.cache.graphs or shape.T > self.max_tokens:
+                continue
+            ids = torch.zeros(0, dtype=torch.long, device=dev)
+            self._capture(key, shape, ids, ids, empty)
+            n += 1
+        return n

@@ -87,8 +87,11 @@ class ModelRunner:
             self.num_pages = self.tp.group.min_int(self.num_pages, self.device)
         self.page_size = config.page_size
         self.table_width = -(-cfg.max_position // self.page_size)
-        layout = PagedKVLayout(cfg.num_layers, self.num_pages, self.page_size, self.kv_heads,
-                               cfg.head_dim, self.dtype)
+        # CUDA graphs pad a step's shape to a bucket (``engine/graphs.py``): the padding rows
+        # write their K/V to one more page than the ledger hands out
+        graphs = self.device.type == "cuda" and config.cuda_graphs
+        layout = PagedKVLayout(cfg.num_layers, self.num_pages + graphs, self.page_size,
+                               self.kv_heads, cfg.head_dim, self.dtype)
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
                                              cfg.head_dim, cfg.rope_theta, tp=self.tp)
         self.graph_cache = GraphCache(config.max_cuda_graphs)
@@ -98,10 +101,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             KERNEL_COMPILES.install()          # count Triton compiles (server metrics, warm-up)
         self.forward_graphs: ForwardGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if graphs:
             self.forward_graphs = ForwardGraphs(model, self.graph_cache,
                                                 config.cuda_graph_max_rows,
-                                                config.cuda_graph_max_tokens)
+                                                config.cuda_graph_max_tokens,
+                                                scratch_page=self.num_pages)
         self.step_graphs: StepGraphs | None = None
         fused = config.fused_step
         if fused or (fused is None and self.forward_graphs is not None):
@@ -300,6 +304,17 @@ class ModelRunner:
         if self.forward_graphs is not None:
             return self.forward_graphs.forward(ids, positions, meta)
         return self.model.hidden(ids, positions, meta)
+
+    @torch.inference_mode()
+    def warm_graphs(self, shapes) -> int:
+        """Capture the forward graphs of ``shapes`` (``graphs.PaddedShape``) that are missing,
+        from steps of dummy rows (the warm-up); returns how many were captured."""
+        if self.forward_graphs is None:
+            return 0
+        template = self.backend.build(np.zeros((1, self.table_width), dtype=np.int32), [1],
+                                      torch.zeros(1, dtype=torch.long, device=self.device),
+                                      np.zeros(1, dtype=np.int64), [0, 1], [])
+        return self.forward_graphs.warm(shapes, template)
 
     def forward_seconds(self) -> float | None:
         """The last timed forward's seconds (``time_forward``; None if no forward ran since the

@@ -59,6 +59,10 @@ class TPEngine(Engine):
             self._cmds.append(("abort", request_id))
         return done
 
+    def graphs_ready(self) -> None:
+        super().graphs_ready()
+        self._cmds.append(("graphs_ready",))    # every rank stops capturing at the same step
+
     def step(self):
         if self.closed:
             raise RuntimeError("this tensor-parallel engine was closed (its other ranks stopped)")
@@ -124,6 +128,8 @@ def follow(engine: Engine, control=None) -> None:
             if cmd[0] == "add":
                 _, ids, params, rid, prompt = cmd
                 engine.add_request(ids, params, request_id=rid, prompt=prompt)
+            elif cmd[0] == "graphs_ready":
+                engine.graphs_ready()
             else:
                 engine.abort(cmd[1])
         with torch.inference_mode():

@@ -18,6 +18,12 @@ Levels (``--warmup``):
   ``max_num_seqs`` (and ``max_num_seqs``);
 - ``minimal``: the default request at the two short prompts, batch 1 and ``max_num_seqs``;
 - ``none``: nothing (the CPU default: no Triton compiles, no graphs, nothing to warm).
+
+Then (``full`` and ``minimal``, one device) the forward graphs of the padded buckets serving
+reaches (``engine/graphs.py``: rows, requests and query length rounded up to powers of two) are
+captured from steps of dummy rows (``graph_grid``): the request cases above reach only some of
+them. After the warm-up nothing is captured any more (``Engine.graphs_ready``): a step outside
+every bucket runs eagerly.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from typing import Callable
 
 from flash_dllm.config import SamplingParams
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES, graph_counts
+from flash_dllm.engine.graphs import MIN_ROWS, PaddedShape
+from flash_dllm.kernels._triton import next_pow2
+from flash_dllm.kernels.paged_attention import seqlen_bound
 
 WARMUP_LEVELS = ("full", "minimal", "none")
 STEPS_PER_CASE = 6          # dual: a refresh, then decode steps (captured at their 2nd sighting)
@@ -64,6 +73,35 @@ def batch_sizes(level: str, max_num_seqs: int) -> list[int]:
         b *= 2
     sizes.add(max_num_seqs)
     return sorted(sizes)
+
+
+# query-length buckets of the graph grid: a decode step of a 32-token block (dual cache), and
+# whole canvases of up to 128 and 256 positions (the default request, no cache: a prompt + 64
+# tokens; the demo's character tokenizer makes an arith question 67-89 tokens)
+GRID_MAX_Q = (32, 128, 256)
+
+
+def graph_grid(engine, level: str) -> list[PaddedShape]:
+    """The padded forward shapes the warm-up captures with dummy rows: for every request bucket
+    of ``batch_sizes`` and query bucket of ``GRID_MAX_Q``, every row bucket such a step can
+    round up to (rows >= requests and > half the query bucket, <= requests x query bucket,
+    launch-bound: below ``GraphCache.heavy_tokens``, at most ``cuda_graph_max_tokens``).
+    Empty without forward graphs and under tensor parallelism (every rank would have to
+    capture in step: the request cases still warm it)."""
+    runner = engine.runner
+    fg = getattr(runner, "forward_graphs", None)
+    if level == "none" or fg is None or fg.scratch_page is None or runner.tp is not None:
+        return []
+    heavy = runner.graph_cache.heavy_tokens
+    max_k = seqlen_bound(min(engine.cfg.max_position, 256))
+    out = []
+    for b in sorted({next_pow2(n) for n in batch_sizes(level, engine.config.max_num_seqs)}):
+        for q in GRID_MAX_Q:
+            t = next_pow2(max(MIN_ROWS, q // 2 + 1, b // 2 + 1))
+            while t <= min(next_pow2(b * q), fg.max_tokens) and t // 2 < heavy:
+                out.append(PaddedShape(t, b, q, max_k))
+                t *= 2
+    return out
 
 
 def cases(level: str) -> list[SamplingParams]:
@@ -128,11 +166,18 @@ def warm_up(engine, level: str, filler_ids: list[int],
             if log is not None:
                 log(f"warm-up {i}/{len(plan)}: {name} "
                     f"({time.perf_counter() - t0:.1f} s)")
+        grid = graph_grid(engine, level)
+        if grid:
+            n = engine.runner.warm_graphs(grid)
+            if log is not None:
+                log(f"warm-up: {n} forward graphs of padded shapes captured "
+                    f"({len(grid) - n} already were) ({time.perf_counter() - t0:.1f} s)")
     finally:
         engine.stats.clear()
         engine.stats.update(stats)
         engine.kv_manager.stats.clear()
         engine.kv_manager.stats.update(kv_stats)
+    engine.graphs_ready()          # nothing is captured from now on
     rep.seconds = time.perf_counter() - t0
     rep.kernel_compiles = KERNEL_COMPILES.snapshot()["compiles"] - compiles0
     rep.graph_captures = graph_counts(engine.runner)["graph_captures"] - captures0

@@ -30,6 +30,11 @@ def add_parser(sub) -> None:
     s.add_argument("--sequential", action="store_true",
                    help="first send the same requests one after another; report the speed-up")
     s.add_argument("--api-key", default=None)
+    s.add_argument("--client-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="with the in-process server, run the load generator in a process of "
+                        "its own, as a real client is (default); --no-client-process runs it "
+                        "in the server's process, where it competes with the engine thread for "
+                        "the GIL")
     s.add_argument("--model-shape", default=None,
                    help="the in-process server runs a random-init model of this shape "
                         "(llada-8b, dream-7b, demo) instead of --model: real costs, noise "
@@ -181,7 +186,8 @@ def _prompts(a: argparse.Namespace) -> list[str]:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from flash_dllm.bench.serve import InProcessServer, bench, startup_report
+    from flash_dllm.bench.serve import (InProcessServer, bench, bench_in_subprocess,
+                                        startup_report)
     from flash_dllm.entrypoints.serve import build_server_app
 
     if min(a.concurrency) < 1 or a.requests < 1:
@@ -192,14 +198,18 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
              if v is not None}
     prompts = _prompts(a)
 
-    def go(url: str) -> dict:
-        async def runs():
-            out = [await bench(url, prompts, a.requests, c, a.endpoint, knobs, a.api_key,
-                               a.sequential) for c in a.concurrency]
-            start = await startup_report(url)
-            return out, start
+    in_process_client = a.url is not None or not a.client_process
 
-        out, start = asyncio.run(runs())
+    def go(url: str) -> dict:
+        if in_process_client:
+            async def runs():
+                return [await bench(url, prompts, a.requests, c, a.endpoint, knobs, a.api_key,
+                                    a.sequential) for c in a.concurrency]
+            out = asyncio.run(runs())
+        else:
+            out = [bench_in_subprocess(url, prompts, a.requests, c, a.endpoint, knobs,
+                                       a.api_key, a.sequential) for c in a.concurrency]
+        start = asyncio.run(startup_report(url))
         if len(out) == 1:
             report = out[0]
         else:
@@ -217,6 +227,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
             report = go(srv.url)
         report["model"] = name
         report["server"] = "in-process"
+        report["client"] = "in-process" if in_process_client else "own process"
     text = json.dumps(report, indent=2)
     print(text)
     if a.json:
