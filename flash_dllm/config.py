@@ -178,6 +178,11 @@ class EngineConfig:
     kv_disk_gb: float = 0.0              # L2 size
     kv_offload_dtype: str = "bf16"       # pages below L0: "bf16" (the pool's, exact), fp8, int8
     kv_placement: str = "lru"            # which cached pages leave a tier first
+    # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
+    # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
+    # GPU benchmark shows it pays (on the CPU it helped one host-tier size and hurt another:
+    # benchmarks/results/prefetch_multiturn_cpu.json)
+    kv_prefetch: bool = False
     # ema / kag (cache/access_graph.py): neighbours kept per page, and when a request's
     # attention evidence is handed over: "every-block" or "every-N-steps" (N >= 1)
     kag_top_k: int = 8
@@ -210,7 +215,7 @@ class EngineConfig:
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float))
                               or not 0.0 < u < 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1) or None, got {u!r}")
-        for name in ("prefix_reuse", "kv_tier_stress"):
+        for name in ("prefix_reuse", "kv_tier_stress", "kv_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("kv_cpu_gb", "kv_disk_gb"):

@@ -104,6 +104,8 @@ def test_counter_deltas():
         'flash_dllm_kv_bytes_moved_total{direction="down",tier="l1"} 4096.0\n'
         'flash_dllm_kv_bytes_moved_total{direction="up",tier="l1"} 2048.0\n'
         'flash_dllm_kv_tier_slower_than_recompute_total 1.0\n'
+        'flash_dllm_kv_prefetch_pages_total{outcome="issued"} 3.0\n'
+        'flash_dllm_kv_prefetch_pages_total{outcome="on_time"} 2.0\n'
         'flash_dllm_kv_pages_used 0.0\nflash_dllm_kv_pages_cached{tier="l0"} 7.0\n'
         'flash_dllm_forwards_total 15.0\nflash_dllm_batch_size_sum 25.0\n')
     d = counter_deltas(before, after)
@@ -113,6 +115,7 @@ def test_counter_deltas():
     assert d["kv_bytes_moved"] == {"l1:down": 4096, "l1:up": 2048}
     assert d["kv_bytes_moved_total"] == 6144 and d["kv_bytes_moved_per_hit_token"] == 20.48
     assert d["kv_tier_slower_than_recompute"] == 1 and all(d["exported"].values())
+    assert d["kv_prefetch_pages"] == {"issued": 3, "on_time": 2}
     assert d["kv_pages_used_after"] == 0 and d["kv_pages_cached_after"] == {"l0": 7}
     assert d["forwards"] == 10 and d["mean_batch_size"] == 2.0
     empty = counter_deltas({}, {})

@@ -215,7 +215,8 @@ class KVManagerMachine(RuleBasedStateMachine):
     # NOTE: one rule draws the action. With one rule per action, hypothesis' swarm testing
     # switches off a random subset of rules in each example, and in about half of them ``step``
     # is off: nothing is ever computed, published or reused.
-    ACTIONS = ("step", "step", "step", "submit", "submit", "submit", "abort", "drain", "corrupt")
+    ACTIONS = ("step", "step", "step", "submit", "submit", "submit", "abort", "drain", "corrupt",
+               "prefetch")
 
     @rule(data=st.data())
     def act(self, data):
@@ -228,7 +229,16 @@ class KVManagerMachine(RuleBasedStateMachine):
             what = "step"
         if what == "corrupt" and not (self.kv.l1_slots or self.kv.l2_slots):
             what = "step"
+        if what == "prefetch" and not self.waiting:
+            what = "step"
         getattr(self, what)(data)
+
+    def prefetch(self, data):
+        """Queue-ahead prefetch for a waiting request (its disk hits start moving to host
+        memory; the ops run at the next step like any other)."""
+        req = data.draw(st.sampled_from(self.waiting), label="prefetch")
+        if req.reuse:
+            self.kv.prefetch(req.rid, req.prompt, req.mode)
 
     def submit(self, data):
         """A new request: a stem's or an earlier canvas's prefix (mostly long, so page-aligned
@@ -261,6 +271,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.t += 1
         held = rid in self.running
         assert self.kv.free(rid) is held                  # a waiting request holds nothing
+        self.kv.cancel_prefetch(rid)
         assert self.kv.pages(rid) is None
         self.running.pop(rid, None)
         self.waiting = [r for r in self.waiting if r.rid != rid]

@@ -192,3 +192,95 @@ def test_a_stale_host_record_of_another_block_is_never_served():
     assert r2.reused_len <= 2 * PS
     assert eng.kv_manager.num_used == 0
     check_ledger(eng)
+
+
+def _disk_engine(tmp_path, **kw):
+    model = tiny("llada", seed=3)
+    eng = Engine(model, model.cfg, EngineConfig(
+        prefix_reuse=True, page_size=PS, num_kv_pages=24, kv_cpu_gb=0.00005,
+        kv_disk_path=str(tmp_path / "kv.bin"), kv_disk_gb=0.01, **kw))
+    return model, eng
+
+
+def _prefix_on_disk(eng, params):
+    """The first turn, then unrelated traffic that pushes its pages down to disk; the follow-up
+    prompt."""
+    first = _run(eng, [PROMPT], params)[0]
+    _run(eng, OTHERS, params)
+    eng.kv_manager.ops_done(eng.runner.offload.drain())
+    return first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
+
+
+def test_queue_ahead_prefetch_reads_disk_while_the_request_waits(tmp_path):
+    """One running slot, busy with another request: the follow-up turn waits, and meanwhile its
+    prefix's disk copies move to host memory; at admission it loads those from host memory (L1
+    hits instead of L2), with the same tokens as without prefetch (``kv_prefetch=False``)."""
+    params = _params()
+    seen = {}
+    for on in (True, False):
+        model, eng = _disk_engine(tmp_path / str(on), max_num_seqs=1, kv_prefetch=on)
+        p2 = _prefix_on_disk(eng, params)
+        kv = eng.kv_manager
+        hits0 = list(kv.stats["hit_tokens"])
+        busy = eng.add_request(OTHERS[2][:30], params)
+        r2 = eng.add_request(p2, params)
+        while eng.has_unfinished():
+            eng.step()
+        kv.ops_done(eng.runner.offload.drain())
+        assert busy.finished and r2.finished and r2.reused_len > 0
+        hits = [a - b for a, b in zip(kv.stats["hit_tokens"], hits0)]
+        pf = kv.stats["prefetch"]
+        if on:
+            # (at most half the host slots hold prefetched pages: the rest comes from disk)
+            assert pf["issued"] >= 1 and pf["on_time"] == pf["issued"], pf
+            assert pf["late"] == pf["useless"] == 0
+            assert hits[1] >= pf["on_time"] * PS, (hits, pf)
+        else:
+            assert pf == {"issued": 0, "on_time": 0, "late": 0, "useless": 0}
+        assert kv.num_used == 0 and not kv._prefetched and not kv._prefetch_for
+        check_ledger(eng)
+        seen[on] = (r2.tokens.tolist(), r2.reused_len, hits[2])
+    assert seen[True][:2] == seen[False][:2]
+    assert 0 < seen[True][2] < seen[False][2]      # what was prefetched no longer came from disk
+
+
+def test_prefetch_still_reading_is_late_and_an_unused_one_is_useless(tmp_path):
+    """A request admitted while its prefetch still reads recomputes from there (late: nothing
+    in flight is served); a prefetched copy evicted before any request used it is useless."""
+    params = _params()
+    model, eng = _disk_engine(tmp_path / "a")
+    p2 = _prefix_on_disk(eng, params)
+    kv, off = eng.kv_manager, eng.runner.offload
+    assert kv.prefetch("late", p2, "dual") >= 1
+    pending = kv.take_ops()                       # issued, not run: still reading
+    alloc = kv.allocate("late", len(p2) + 16, p2, mode="dual")
+    assert alloc is not None and alloc.reused_len == 0
+    assert kv.stats["prefetch"]["late"] == 1
+    kv.ops_done(off.run(pending + kv.take_ops()))
+    kv.ops_done(off.drain())
+    kv.free("late")
+    assert kv.num_used == 0
+    check_ledger(eng)
+    # a prefetch that completes, then unrelated traffic that needs the host slots
+    model, eng = _disk_engine(tmp_path / "b")
+    p2 = _prefix_on_disk(eng, params)
+    kv, off = eng.kv_manager, eng.runner.offload
+    n = kv.prefetch("later", p2, "dual")
+    kv.ops_done(off.run(kv.take_ops()))
+    kv.ops_done(off.drain())
+    assert n >= 1 and len(kv._prefetched) == n and all(kv._prefetched.values())
+    _run(eng, [[(7 * i + k) % 90 + 3 for i in range(40)] for k in range(4)], params)
+    kv.ops_done(off.drain())
+    pf = kv.stats["prefetch"]
+    assert pf["useless"] >= 1 and pf["on_time"] == 0 and pf["late"] == 0, pf
+    assert kv.num_used == 0
+    check_ledger(eng)
+
+
+def test_prefetch_is_a_no_op_without_a_disk_tier_or_for_short_prompts(tmp_path):
+    model = tiny("llada", seed=3)
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS,
+                                                num_kv_pages=24, kv_cpu_gb=0.0015))
+    assert eng.kv_manager.prefetch("a", PROMPT, "dual") == 0
+    _, eng = _disk_engine(tmp_path)
+    assert eng.kv_manager.prefetch("b", PROMPT[:6], "dual") == 0 and not eng.kv_manager._ops

@@ -47,6 +47,7 @@ def test_second_turn_reuses_the_history_and_metrics_show_it():
     for name in ("flash_dllm_kv_checksum_failures_total", "flash_dllm_l0_eviction_rate",
                  "flash_dllm_kv_tier_slower_than_recompute_total", "flash_dllm_l0_evictions_total",
                  'flash_dllm_kv_cached_bytes{tier="l1"}', "flash_dllm_kv_load_seconds_count",
-                 "flash_dllm_kv_store_seconds_count"):
+                 "flash_dllm_kv_store_seconds_count", "flash_dllm_kv_prefetch_on_time_rate",
+                 'flash_dllm_kv_prefetch_pages_total{outcome="issued"}'):
         assert name in m, name
     aeng.engine.stats  # noqa: B018 - the engine is alive

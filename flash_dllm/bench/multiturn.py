@@ -39,6 +39,7 @@ COUNTERS = {
     "prefix_cache_hit_tokens": "flash_dllm_prefix_cache_hit_tokens_total",
     "kv_bytes_moved": "flash_dllm_kv_bytes_moved_total",
     "kv_tier_slower_than_recompute": "flash_dllm_kv_tier_slower_than_recompute_total",
+    "kv_prefetch_pages": "flash_dllm_kv_prefetch_pages_total",
 }
 TIERS = ("l0", "l1", "l2")
 # Chat-template tokens around one message (role header, separators, end of turn): a margin for the
@@ -225,6 +226,8 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     d["kv_bytes_moved_per_hit_token"] = round(total_moved / hits["total"], 2) \
         if hits["total"] else None
     d["kv_tier_slower_than_recompute"] = int(sum(per["kv_tier_slower_than_recompute"].values()))
+    d["kv_prefetch_pages"] = {dict(labels).get("outcome", "all"): int(v)
+                              for labels, v in sorted(per["kv_prefetch_pages"].items())}
     fw = after.get("flash_dllm_forwards_total", 0) - before.get("flash_dllm_forwards_total", 0)
     bs = after.get("flash_dllm_batch_size_sum", 0) - before.get("flash_dllm_batch_size_sum", 0)
     d["forwards"] = int(fw)

@@ -245,6 +245,11 @@ class DiskStore:
         self.compat = bytes(compat)
         self.nonce = os.urandom(16)
         sb = self._superblock()
+        parent = os.path.dirname(os.path.abspath(self.path))
+        try:
+            os.makedirs(parent, exist_ok=True)       # as a user expects of --kv-disk-path
+        except OSError as e:
+            raise StoreError(f"cannot create the disk store's folder {parent}: {e}") from None
         try:
             self._fd, self.direct = _open_file(self.path, direct, lock=True, first_block=sb)
             try:

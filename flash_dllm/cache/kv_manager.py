@@ -49,7 +49,11 @@ class Allocation:
 def _stats() -> dict:
     return {"query_tokens": 0, "hit_tokens": [0, 0, 0], "bytes_moved": {}, "l0_evictions": 0,
             "checksum_failures": 0, "load_failures": 0, "dropped_blocks": 0,
-            "published_pages": 0}
+            "published_pages": 0,
+            # queue-ahead prefetch (``prefetch``), in pages: fetched; in host memory when their
+            # request was admitted (on time); still reading from disk then (late: recomputed);
+            # evicted from host memory, or their fetch failed, before any request used them
+            "prefetch": {"issued": 0, "on_time": 0, "late": 0, "useless": 0}}
 
 
 class KVCacheManager:
@@ -83,6 +87,10 @@ class KVCacheManager:
         self.page_bytes = page_bytes
         self.clock = clock
         self.stats = _stats()
+        # blocks fetched ahead from disk for a waiting request: block -> True once in L1; and
+        # the blocks fetched for each waiting request
+        self._prefetched: dict[Block, bool] = {}
+        self._prefetch_for: dict[str, list[Block]] = {}
 
     # ------------------------------------------------------------------------------- queries
     @property
@@ -136,7 +144,7 @@ class KVCacheManager:
         reuse = (reuse and self.prefix_reuse and bool(prompt_ids)
                  and n_total > self.SHORT_PAGES)
         tree = self.tree(mode) if reuse else None
-        nodes = self._match(tree, prompt_ids) if reuse else []
+        nodes = self._match(tree, prompt_ids, admit=True) if reuse else []
         protect = {nd.block for nd in nodes}
         # a disk hit is fetched into a host slot first: reserve them now (the reuse stops at the
         # first disk hit that gets none)
@@ -162,6 +170,8 @@ class KVCacheManager:
         for nd in nodes:
             b = nd.block
             tier = b.tier
+            if self._prefetched.pop(b, False):
+                self.stats["prefetch"]["on_time"] += 1
             alloc.hit_tiers.append(tier)
             if tier != L0:
                 page = new.pop()
@@ -186,24 +196,91 @@ class KVCacheManager:
         self._pages[request_id] = alloc.pages
         if reuse:
             self.stats["query_tokens"] += len(prompt_ids)
+        self.cancel_prefetch(request_id)
         for t in alloc.hit_tiers:
             self.stats["hit_tokens"][t] += self.page_size
         return alloc
 
-    def _match(self, tree, prompt_ids: list[int]) -> list:
+    def _match(self, tree, prompt_ids: list[int], admit: bool = False,
+               prefetching: bool = False) -> list:
         """The reusable prefix: full pages strictly before the last prompt token (the step that
         decodes the first block recomputes from there), stopping at the first block that has no
-        usable copy or whose load the cost model says loses to recomputing."""
+        usable copy or whose load the cost model says loses to recomputing. ``admit``: for an
+        admission (a prefetch still reading then counts as late). ``prefetching``: a disk copy
+        is judged by the cost of loading it from host memory (the disk read happens while the
+        request waits, off its critical path)."""
         limit = (len(prompt_ids) - 1) // self.page_size
         out = []
         for nd in tree.match(prompt_ids[:limit * self.page_size]):
             b = nd.block
             if b is None or b.lost or b.busy or b.tier is None:
+                if admit and b is not None and self._prefetched.get(b) is False:
+                    del self._prefetched[b]
+                    self.stats["prefetch"]["late"] += 1       # still reading: recomputed
                 break
-            if b.tier != L0 and not self.cost.worth_loading(1, b.tier):
+            tier = L1 if prefetching and b.tier == L2 else b.tier
+            if tier != L0 and not self.cost.worth_loading(1, tier):
                 break
             out.append(nd)
         return out
+
+    # ------------------------------------------------------------------------------ prefetch
+    def prefetch(self, request_id: str, prompt_ids: list[int], mode: str,
+                 max_pages: int = 64) -> int:
+        """Queue-ahead prefetch for a request that waits for admission: read the disk copies of
+        its reusable prefix into host memory now (``Fetch`` ops, run in the background), so
+        that admission only has to load them from host memory. Only free host slots, or
+        slots of host copies that also have a disk copy, are used; never L0 pages. Returns the
+        pages fetched (at most ``max_pages``, fewer when host slots run out). What the
+        request's admission does not use (or ``cancel_prefetch``) counts as useless.
+
+        NOTE: when a background read completes depends on the disk, so what an admission
+        reuses does too: not for replicated scheduling (tensor parallelism refuses the tiers)."""
+        if not (self.prefix_reuse and self.l1_slots and self.l2_slots and prompt_ids
+                and self.pool.pages_for(len(prompt_ids)) > self.SHORT_PAGES):
+            return 0
+        # NOTE: prefetched pages hold at most half the host slots: the admissions ahead of
+        # them need host slots too (their own disk hits are staged there) and took them back
+        # at once when prefetches could fill the tier (bench multiturn on the CPU, 30 host
+        # slots: 150 pages prefetched, every one evicted before use)
+        budget = min(max_pages, self.l1_slots // 2 - len(self._prefetched))
+        nodes = self._match(self.tree(mode), prompt_ids, prefetching=True)
+        protect = {nd.block for nd in nodes}
+        n = 0
+        mine = self._prefetch_for.setdefault(request_id, [])
+        for nd in nodes:
+            b = nd.block
+            if b.tier != L2:
+                continue
+            if n >= budget:
+                break
+            # NOTE: never at the cost of another waiting request's prefetched pages
+            slot = self._l1_slot_spare(protect | set(self._prefetched))
+            if slot is None:
+                break
+            b.pending_l1 = slot
+            self._ops.append(Fetch(b, b.l2, slot))
+            self._prefetched[b] = False
+            mine.append(b)
+            n += 1
+        self.stats["prefetch"]["issued"] += n
+        return n
+
+    def cancel_prefetch(self, request_id: str) -> None:
+        """The request was admitted (or left the queue): its prefetched pages that no
+        admission used are useless (their host copies stay, as any cached copy)."""
+        for b in self._prefetch_for.pop(request_id, []):
+            if self._prefetched.pop(b, None) is not None:
+                self.stats["prefetch"]["useless"] += 1
+
+    def _l1_slot_spare(self, protect: set) -> int | None:
+        """A host slot for a prefetch: a free one, else one whose block keeps a disk copy
+        (a prefetch never drops a block's only copy)."""
+        if not self._l1_free:
+            if not any(b.l1 is not None and b.l2 is not None and not b.busy
+                       and b not in protect for b in self._blocks):
+                return None
+        return self._l1_slot(protect)
 
     # ------------------------------------------------------------------------------ eviction
     def _make_room(self, pages: int, protect: set) -> None:
@@ -243,9 +320,14 @@ class KVCacheManager:
         if not self._l1_free:
             cands = [b for b in self._blocks if b.l1 is not None and not b.busy
                      and b not in protect]
-            for b in sorted(self.policy.order(cands), key=lambda b: b.l2 is None):
+            # a copy that is only here goes last, and before it one prefetched for a waiting
+            # request (it is about to be used)
+            for b in sorted(self.policy.order(cands),
+                            key=lambda b: (b.l2 is None, b in self._prefetched)):
                 self._l1_free.append(b.l1)
                 b.l1 = None
+                if self._prefetched.pop(b, None) is not None:
+                    self.stats["prefetch"]["useless"] += 1
                 if b.l0 is None and b.l2 is None:
                     self._drop(b)
                 break
@@ -276,6 +358,7 @@ class KVCacheManager:
             parent = node.parent
             if node.block is not None:
                 self._blocks.discard(node.block)
+                self._prefetched.pop(node.block, None)
                 self.policy.forget(node.block)
             tree.remove(node)
             node = parent
@@ -399,6 +482,12 @@ class KVCacheManager:
                         self._drop(b)
             elif isinstance(op, Fetch):
                 b.pending_l1 = None
+                if b in self._prefetched:
+                    if ok:
+                        self._prefetched[b] = True
+                    else:
+                        del self._prefetched[b]
+                        self.stats["prefetch"]["useless"] += 1
                 if ok:
                     b.l1 = op.slot
                     self._count_bytes(L2, "up", moved)

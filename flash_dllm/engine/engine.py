@@ -51,7 +51,8 @@ class Engine:
             l2_slots=off.l2_slots if off is not None else 0,
             placement=self.config.kv_placement, placement_top_k=self.config.kag_top_k,
             page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
-        self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift,
+                                   prefetch=self.config.kv_prefetch)
         # placement by attention (kv_placement ema / kag): the runner reports each flash step's
         # mass per page; it is summed over a request's block and handed over when the block ends
         self.runner.collect_page_mass = self.kv_manager.wants_mass

@@ -98,6 +98,7 @@ class KVOffloader:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: list[_Pending] = []
         self._spills: list = []                      # (op, future, t0)
+        self._fetches: list = []                     # (op, future, t0): disk -> host reads
         self.stats = {"stores": 0, "loads": 0}
         self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}  # s per page
 
@@ -131,13 +132,17 @@ class KVOffloader:
                 self._spills.append((op, self.disk.write_async(op.disk_slot, op.block.key,
                                                                payload), time.perf_counter()))
             elif isinstance(op, Fetch):
-                t0 = time.perf_counter()
-                got = self.disk.read(op.disk_slot, op.block.key, out=self.host.view(op.slot))
-                done.append((op, got is not None, time.perf_counter() - t0))
+                # NOTE: reads run on the disk store's I/O threads, all of a step's at once; a
+                # fetch no load of this step waits for (a prefetch for a waiting request)
+                # completes in the background and is reported by a later ``poll``
+                self._fetches.append((op, self.disk.read_async(
+                    op.disk_slot, op.block.key, out=self.host.view(op.slot)),
+                    time.perf_counter()))
+        loads = [op for op in ops if isinstance(op, Load)]
+        done += self._poll_fetches(wait_for={op.slot for op in loads})
         # NOTE: a load from a host slot whose fetch failed is never attempted (the slot holds
         # whatever it held before, which may be another block's valid record)
         fetched_bad = {op.slot for op, ok, _ in done if isinstance(op, Fetch) and not ok}
-        loads = [op for op in ops if isinstance(op, Load)]
         run = [op for op in loads if op.slot not in fetched_bad]
         done += [(op, False, 0.0) for op in loads if op.slot in fetched_bad]
         if run:
@@ -147,9 +152,28 @@ class KVOffloader:
             done += [(op, good, t) for op, good in zip(run, ok)]
         return done + (self.poll() if stores else [])
 
+    def _poll_fetches(self, wait_for: set | frozenset = frozenset()) -> list:
+        """Fetches that completed (waiting first for those into a host slot of ``wait_for``):
+        ``(op, ok, seconds)``, ok when the record came back verified."""
+        done, still = [], []
+        for op, fut, t0 in self._fetches:
+            if op.slot in wait_for:
+                fut.exception()                   # waits; a failure is reported, not raised
+            if fut.done():
+                ok = fut.exception() is None and fut.result() is not None
+                done.append((op, ok, time.perf_counter() - t0))
+            else:
+                still.append((op, fut, t0))
+        self._fetches = still
+        return done
+
+    @property
+    def fetches_in_flight(self) -> int:
+        return len(self._fetches)
+
     def poll(self) -> list:
-        """Stores whose copies completed, and finished spills."""
-        done = []
+        """Stores whose copies completed, finished spills and finished fetches."""
+        done = self._poll_fetches()
         still = []
         for p in self._pending:
             if p.event is None or p.event.query():
@@ -173,7 +197,7 @@ class KVOffloader:
         """Wait for every store and spill in flight (shutdown, tests)."""
         if self.cuda:
             self.stream.synchronize()
-        for _, fut, _ in self._spills:
+        for _, fut, _ in self._spills + self._fetches:
             fut.exception()
         return self.poll()
 

@@ -17,9 +17,15 @@ from flash_dllm.engine.request import Request
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, kv: KVCacheManager, logit_shift: int) -> None:
+    # waiting requests (from the head of the queue) whose prefix is prefetched from disk
+    PREFETCH_AHEAD = 8
+
+    def __init__(self, max_num_seqs: int, kv: KVCacheManager, logit_shift: int,
+                 prefetch: bool = False) -> None:
         self.max_num_seqs = max_num_seqs
         self.kv = kv
+        self.prefetch = prefetch
+        self._prefetched: set[str] = set()       # waiting requests whose prefetch was issued
         self.logit_shift = logit_shift
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -59,10 +65,28 @@ class Scheduler:
             if alloc is None:
                 self.waiting.appendleft(req)
                 break
+            self._prefetched.discard(req.request_id)
             req.reused_len = alloc.reused_len
             self.running.append(req)
             admitted.append(req)
+        if self.prefetch and self.kv.l2_slots and (self.waiting or self._prefetched):
+            self._prefetch_waiting()
         return admitted
+
+    def _prefetch_waiting(self) -> None:
+        """Queue-ahead prefetch: the disk copies of the reusable prefixes of the first
+        ``PREFETCH_AHEAD`` waiting requests start moving to host memory while they wait
+        (``KVCacheManager.prefetch``), once per request."""
+        gone = self._prefetched - {r.request_id for r in self.waiting if not r.finished}
+        for rid in gone:                            # aborted while waiting
+            self.kv.cancel_prefetch(rid)
+        self._prefetched -= gone
+        for req in itertools.islice(self.waiting, self.PREFETCH_AHEAD):
+            if (req.finished or req.params.cache == "none"
+                    or req.request_id in self._prefetched):
+                continue
+            self._prefetched.add(req.request_id)
+            self.kv.prefetch(req.request_id, req.prompt_ids, req.params.cache)
 
     def invalidate(self) -> None:
         """A running request finished, was aborted, or entered a new block or refresh state."""

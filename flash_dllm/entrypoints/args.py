@@ -99,6 +99,11 @@ class EngineArgs:
                               "PageRank); ema and kag learn from cache=flash steps only "
                               "(default: %(default)s)",
                               choices=["lru", "ema", "kag"])
+    kv_prefetch: bool = _knob("kv_prefetch", bool,
+                              "with a disk tier: read the disk copies of waiting requests' "
+                              "reusable prefixes into host memory while they wait, so that "
+                              "admission loads them from host memory (default: off; "
+                              "measured on the CPU only)")
     kag_top_k: int = _knob("kag_top_k", int, "ema / kag: neighbours kept per page in the KV "
                                              "access graph (default: %(default)s)")
     kag_update: str = _knob("kag_update", str, "ema / kag: hand a request's attention evidence "

@@ -175,6 +175,23 @@ class _TierCollector:
         yield _counter("kv_tier_slower_than_recompute", "Lower-tier hits whose load took longer "
                        "than recomputing them would have.", kv.cost.slower_than_recompute)
         yield _counter("l0_evictions", "Cached pages evicted from GPU memory.", st["l0_evictions"])
+        pf = _read(lambda: dict(st["prefetch"]), {})
+        fam = CounterMetricFamily(PREFIX + "kv_prefetch_pages",
+                                  "Queue-ahead prefetch (disk -> host memory for waiting "
+                                  "requests), in pages: issued; on time (in host memory at "
+                                  "admission), late (still reading: recomputed), useless "
+                                  "(not used by the admission, evicted or failed first).",
+                                  labels=["outcome"])
+        for outcome in ("issued", "on_time", "late", "useless"):
+            fam.add_metric([outcome], pf.get(outcome, 0))
+        yield fam
+        used = pf.get("on_time", 0) + pf.get("late", 0)
+        on_time = GaugeMetricFamily(PREFIX + "kv_prefetch_on_time_rate",
+                                    "Prefetched pages in host memory when their request was "
+                                    "admitted / those whose request was admitted (1 before "
+                                    "any).")
+        on_time.add_metric([], pf.get("on_time", 0) / used if used else 1.0)
+        yield on_time
         kag = getattr(kv.policy, "stats", None) or {}
         ratio = GaugeMetricFamily(PREFIX + "kag_stability_ratio",
                                   "Share of the most central cached pages (KV access graph, "
