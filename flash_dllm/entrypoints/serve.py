@@ -44,14 +44,16 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                         "accepting the others at their neutral value (presence_penalty 0, ...)")
     s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
                    help="before /ready says ready, run synthetic batches so that kernels "
-                        "compile and CUDA graphs are captured while no request waits. full: "
-                        "the default request and threshold+dual, three prompt lengths, every "
-                        "power-of-two batch up to --max-num-seqs (about 15 s for the demo "
-                        "model on a fresh H200; the time is logged and exported); minimal: the "
-                        "default request at "
-                        "batch 1 and --max-num-seqs; none: start at once, and the first "
-                        "requests of each new shape pay the compiles (default: full on a GPU, "
-                        "none on the CPU, where nothing compiles)")
+                        "compile and CUDA graphs are captured while no request waits; after "
+                        "it nothing is captured (a step outside the captured shapes runs "
+                        "eagerly). full: the default request and threshold+dual, three prompt "
+                        "lengths, and the graphs of every power-of-two batch up to "
+                        "--max-num-seqs (5-15 s for the demo model on an H200; the time is "
+                        "logged and exported); minimal: the default request and graphs at "
+                        "batch 1 and --max-num-seqs only (other batch sizes run eagerly); "
+                        "none: start at once, and the first requests of each new shape pay "
+                        "the compiles and captures (default: full on a GPU, none on the CPU, "
+                        "where nothing compiles)")
     d = s.add_argument_group("prefill/decode disaggregation")
     d.add_argument("--disaggregate", action="store_true",
                    help="run the model in worker processes: prefill workers run each request's "
