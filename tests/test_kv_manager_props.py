@@ -641,3 +641,36 @@ def test_disk_copies_are_evicted_least_recently_used_first():
     assert z.tier == L1
     assert y.tier is not None or x.tier is None, (
         f"Y (used at t=3) was dropped while X (t=1, never used since) keeps disk slot {x.l2}")
+
+
+def test_a_failed_prefetch_loses_its_block_and_the_prefix_can_be_cached_again():
+    """A prefetch has no load behind it: when its disk read fails, the block is left without
+    any copy, so it must be lost (a stale record in the tree would stop every later match there
+    and keep a recomputed page from being cached again)."""
+    ps, n = 4, 6
+    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=4, l2_slots=8, clock=lambda: 0.0)
+    prompt = list(range(1, 4 * ps + 2))
+    assert kv.allocate("a", n * ps, prompt) is not None
+    kv.free("a", prompt[:4 * ps])
+    assert kv.allocate("x", n * ps, list(range(100, 100 + n * ps)), reuse=False) is not None
+    _run_ops(kv)
+    kv.free("x")
+    chain = [nd.block for nd in kv.tree("dual").match(prompt)]
+    for b in chain:                      # host copies gone, disk copies left
+        if b.l1 is not None and b.l2 is not None:
+            kv._l1_free.append(b.l1)
+            b.l1 = None
+    assert [b.tier for b in chain] == [L2] * 4
+    assert kv.prefetch("w", prompt, "dual") >= 1
+    _run_ops(kv, fail=(Fetch,))
+    failed = [b for b in chain if b.tier is None]
+    assert failed and all(b.lost for b in failed)
+    kv.cancel_prefetch("w")
+    assert kv.stats["prefetch"]["useless"] == len(failed) and not kv._prefetched
+    a = kv.allocate("b", n * ps, prompt)
+    assert a is not None and a.reused_len == 0
+    _run_ops(kv)
+    kv.free("b", prompt[:4 * ps])
+    assert [b.tier for b in (nd.block for nd in kv.tree("dual").match(prompt))][0] == L0
+    _slots_balance(kv)
+    _pool_balance(kv)

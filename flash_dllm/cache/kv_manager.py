@@ -196,7 +196,7 @@ class KVCacheManager:
         self._pages[request_id] = alloc.pages
         if reuse:
             self.stats["query_tokens"] += len(prompt_ids)
-        self.cancel_prefetch(request_id)
+        self.cancel_prefetch(request_id, admitted=True)
         for t in alloc.hit_tiers:
             self.stats["hit_tokens"][t] += self.page_size
         return alloc
@@ -261,17 +261,22 @@ class KVCacheManager:
             b.pending_l1 = slot
             self._ops.append(Fetch(b, b.l2, slot))
             self._prefetched[b] = False
+            for rid, blocks in self._prefetch_for.items():    # one owner per prefetched block
+                if rid != request_id and b in blocks:
+                    blocks.remove(b)
             mine.append(b)
             n += 1
         self.stats["prefetch"]["issued"] += n
         return n
 
-    def cancel_prefetch(self, request_id: str) -> None:
-        """The request was admitted (or left the queue): its prefetched pages that no
-        admission used are useless (their host copies stay, as any cached copy)."""
+    def cancel_prefetch(self, request_id: str, admitted: bool = False) -> None:
+        """The request was admitted (``admitted``) or left the queue: its prefetched pages that
+        its admission did not use are late when still reading at admission, else useless
+        (their host copies stay, as any cached copy)."""
         for b in self._prefetch_for.pop(request_id, []):
-            if self._prefetched.pop(b, None) is not None:
-                self.stats["prefetch"]["useless"] += 1
+            ready = self._prefetched.pop(b, None)
+            if ready is not None:
+                self.stats["prefetch"]["late" if admitted and not ready else "useless"] += 1
 
     def _l1_slot_spare(self, protect: set) -> int | None:
         """A host slot for a prefetch: a free one, else one whose block keeps a disk copy
@@ -496,6 +501,11 @@ class KVCacheManager:
                     self._l2_free.append(op.disk_slot)
                     b.l2 = None
                     self.stats["checksum_failures"] += 1
+                    # a prefetch has no load behind it: a block left without any copy is lost
+                    # (so a recompute can cache its page again); an admission's load still
+                    # runs (``loading``) and fails, and ``load_failed`` drops it
+                    if b.l0 is None and b.l1 is None and not b.busy:
+                        self._drop(b)
             elif isinstance(op, Load):
                 b.loading = False
                 if ok:
@@ -503,6 +513,7 @@ class KVCacheManager:
                     if seconds:
                         self.cost.observe_load(1, L1 if b.l2 is None else L2, seconds)
                 else:                    # corrupt host copy: never served, never kept
+                    self._prefetched.pop(b, None)
                     self.stats["checksum_failures"] += 1
                     self.stats["load_failures"] += 1
                     if b.l1 is not None:
