@@ -289,17 +289,18 @@ class ForwardGraphs:
         if self.scratch_page is None:
             return 0
         dev = template.kv.device
+        # a step of no real request: pad_step makes every row the dummy request's
+        empty = replace(template, slots=torch.zeros(0, dtype=torch.int32, device=dev),
+                        cu_q=torch.zeros(1, dtype=torch.int32, device=dev),
+                        seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+                        block_table=template.block_table[:0], max_q=1,
+                        segments=[], mass_layer=mass_layer, mass=None)
+        ids = torch.zeros(0, dtype=torch.long, device=dev)
         n = 0
         for shape in shapes:
-            empty = replace(template, slots=torch.zeros(0, dtype=torch.int32, device=dev),
-                            cu_q=torch.zeros(1, dtype=torch.int32, device=dev),
-                            seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-                            block_table=template.block_table[:0], max_q=1,
-                            segments=[], mass_layer=mass_layer, mass=None)
             key = self.key(shape, empty)
             if key in self.cache.graphs or shape.T > self.max_tokens:
                 continue
-            ids = torch.zeros(0, dtype=torch.long, device=dev)
             self._capture(key, shape, ids, ids, empty)
             n += 1
         return n

@@ -77,10 +77,11 @@ class Scheduler:
         """Queue-ahead prefetch: the disk copies of the reusable prefixes of the first
         ``PREFETCH_AHEAD`` waiting requests start moving to host memory while they wait
         (``KVCacheManager.prefetch``), once per request."""
-        gone = self._prefetched - {r.request_id for r in self.waiting if not r.finished}
-        for rid in gone:                            # aborted while waiting
-            self.kv.cancel_prefetch(rid)
-        self._prefetched -= gone
+        if self._prefetched:
+            gone = self._prefetched - {r.request_id for r in self.waiting if not r.finished}
+            for rid in gone:                        # aborted while waiting
+                self.kv.cancel_prefetch(rid)
+            self._prefetched -= gone
         for req in itertools.islice(self.waiting, self.PREFETCH_AHEAD):
             if (req.finished or req.params.cache == "none"
                     or req.request_id in self._prefetched):

@@ -112,6 +112,13 @@ def cases(level: str) -> list[SamplingParams]:
                                     threshold=0.9, cache="dual")]
 
 
+def filler(cfg, ids) -> list[int]:
+    """The token ids of ``ids`` a warm-up prompt may use: not MASK, not an end-of-answer id,
+    inside the vocabulary."""
+    return [t for t in ids if t != cfg.mask_token_id and t not in cfg.eos_token_ids
+            and 0 <= t < cfg.vocab_size]
+
+
 def warm_up(engine, level: str, filler_ids: list[int],
             log: Callable[[str], None] | None = None) -> WarmupReport:
     """Run the warm-up of ``level`` on ``engine`` (which must have no requests); returns what it

@@ -194,9 +194,7 @@ def _load(spec: WorkerSpec, dev: torch.device) -> Engine:
 def _warm_up(engine: Engine, level: str) -> None:
     if level == "none":
         return
-    from flash_dllm.engine.warmup import warm_up
+    from flash_dllm.engine.warmup import filler, warm_up
 
-    filler = [t for t in range(5, 200) if t != engine.cfg.mask_token_id
-              and t not in engine.cfg.eos_token_ids and t < engine.cfg.vocab_size]
-    warm_up(engine, level, filler, lambda line: None)
+    warm_up(engine, level, filler(engine.cfg, range(5, 200)), lambda line: None)
 

@@ -177,20 +177,19 @@ WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vi
 def attach_warmup(aeng, tokenizer, level: str | None) -> str:
     """Give the async engine its warm-up (``engine/warmup.py``); ``level`` None: the device's
     default. Returns the level."""
-    from flash_dllm.engine.warmup import default_level, warm_up
+    from flash_dllm.engine.warmup import default_level, filler, warm_up
 
     level = level or default_level(aeng.engine.runner.device)
     if level == "none":
         return level
-    filler = [t for t in tokenizer.encode(WARMUP_TEXT)
-              if t != aeng.engine.cfg.mask_token_id and t not in aeng.engine.cfg.eos_token_ids]
+    filler_ids = filler(aeng.engine.cfg, tokenizer.encode(WARMUP_TEXT))
 
     def log(line: str) -> None:
         print(f"flash-dllm: {line}", file=sys.stderr, flush=True)
 
     def run_warmup(engine):
         log(f"warming up ({level}): compiling kernels and capturing CUDA graphs before ready")
-        rep = warm_up(engine, level, filler, log)
+        rep = warm_up(engine, level, filler_ids, log)
         log(f"ready after a {rep.seconds:.1f} s warm-up ({rep.cases} cases, "
             f"{rep.kernel_compiles} kernel compiles, {rep.graph_captures} graph captures"
             + (f"; skipped {len(rep.skipped)}: {rep.skipped[0]}" if rep.skipped else "") + ")")
