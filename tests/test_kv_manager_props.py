@@ -674,3 +674,27 @@ def test_a_failed_prefetch_loses_its_block_and_the_prefix_can_be_cached_again():
     assert [b.tier for b in (nd.block for nd in kv.tree("dual").match(prompt))][0] == L0
     _slots_balance(kv)
     _pool_balance(kv)
+
+
+def test_demoting_many_pages_frees_host_slots_in_one_pass():
+    """Admitting a long prompt over a full host tier demotes hundreds of cached pages; their
+    host slots are freed in one pass over the cached blocks, not one pass (and sort) per page,
+    which made an admission quadratic in the cached pages (issue 13's oversubscription run)."""
+    calls = []
+
+    class Counting(LRUPolicy):
+        def order(self, candidates):
+            calls.append(len(candidates))
+            return super().order(candidates)
+
+    m = KVCacheManager(64, 4, prefix_reuse=True, l1_slots=96, page_bytes=1)
+    m.policy = Counting()
+    for u in range(4):                       # 4 x 40 pages cached: 64 in L0 fill, then L1
+        prompt = [u + 1] * 160
+        assert m.allocate(f"r{u}", 160, prompt) is not None
+        m.ops_done([(op, True, 0.0) for op in m.take_ops()])
+        m.free(f"r{u}", prompt)
+    calls.clear()
+    assert m.allocate("big", 60 * 4, [9] * 240) is not None      # demotes about 60 pages
+    assert sum(isinstance(op, Store) for op in m.take_ops()) > 30
+    assert len(calls) <= 3, calls            # not one per demoted page

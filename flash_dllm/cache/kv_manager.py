@@ -293,7 +293,17 @@ class KVCacheManager:
         policy's choice first (to L1 when it has room, else dropped)."""
         cands = [b for b in self._blocks if b.l0 is not None and not b.busy
                  and b not in protect and b.node.ref == 0]
-        for b in self.policy.order(cands)[:pages]:
+        victims = self.policy.order(cands)[:pages]
+        # NOTE: the host (and disk) slots the demotions need are freed in one pass over the
+        # cached blocks: one pass per demoted page made admitting a long prompt with full tiers
+        # quadratic (8 users x 12K-token histories over a full host tier: 35 s of host time for
+        # 32 requests, more than their GPU time)
+        need = sum(1 for b in victims if b.l1 is None and b.l2 is None)
+        keep = protect | set(victims)
+        self._free_l1(need, keep)
+        if self.l2_slots:
+            self._free_l2(need, keep)
+        for b in victims:
             self._demote_l0(b, protect)
 
     def _demote_l0(self, b: Block, protect: set) -> None:
@@ -320,35 +330,47 @@ class KVCacheManager:
         self.pool.free([page])
 
     def _l1_slot(self, protect: set) -> int | None:
-        """A free host slot, evicting a cached block's L1 copy if needed (one with a disk copy
-        first, else the policy's choice, dropped)."""
-        if not self._l1_free:
-            cands = [b for b in self._blocks if b.l1 is not None and not b.busy
-                     and b not in protect]
-            # a copy that is only here goes last, and before it one prefetched for a waiting
-            # request (it is about to be used)
-            for b in sorted(self.policy.order(cands),
-                            key=lambda b: (b.l2 is None, b in self._prefetched)):
-                self._l1_free.append(b.l1)
-                b.l1 = None
-                if self._prefetched.pop(b, None) is not None:
-                    self.stats["prefetch"]["useless"] += 1
-                if b.l0 is None and b.l2 is None:
-                    self._drop(b)
-                break
+        """A free host slot, evicting a cached block's L1 copy if needed (``_free_l1``)."""
+        self._free_l1(1, protect)
         return self._l1_free.pop() if self._l1_free else None
 
+    def _free_l1(self, n: int, protect: set) -> None:
+        """Evict cached L1 copies until ``n`` host slots are free (or nothing evictable is
+        left): copies with a disk copy first, else the policy's choice (dropped)."""
+        short = n - len(self._l1_free)
+        if short <= 0:
+            return
+        cands = [b for b in self._blocks if b.l1 is not None and not b.busy
+                 and b not in protect]
+        # a copy that is only here goes last, and before it one prefetched for a waiting
+        # request (it is about to be used)
+        for b in sorted(self.policy.order(cands),
+                        key=lambda b: (b.l2 is None, b in self._prefetched))[:short]:
+            self._l1_free.append(b.l1)
+            b.l1 = None
+            if self._prefetched.pop(b, None) is not None:
+                self.stats["prefetch"]["useless"] += 1
+            if b.l0 is None and b.l2 is None:
+                self._drop(b)
+
     def _l2_slot(self, protect: set) -> int | None:
-        """A free disk slot, evicting the policy's choice of the disk copies not in use."""
-        if not self._l2_free and self.l2_slots:
-            cands = [b for b in self._blocks if b.l2 is not None and not b.busy
-                     and b not in protect]
-            for b in self.policy.order(cands)[:1]:
-                self._l2_free.append(b.l2)
-                b.l2 = None
-                if b.l0 is None and b.l1 is None:
-                    self._drop(b)
+        """A free disk slot, evicting a disk copy if needed (``_free_l2``)."""
+        self._free_l2(1, protect)
         return self._l2_free.pop() if self._l2_free else None
+
+    def _free_l2(self, n: int, protect: set) -> None:
+        """Evict the policy's choice of the disk copies not in use until ``n`` disk slots are
+        free (or nothing evictable is left)."""
+        short = n - len(self._l2_free)
+        if short <= 0 or not self.l2_slots:
+            return
+        cands = [b for b in self._blocks if b.l2 is not None and not b.busy
+                 and b not in protect]
+        for b in self.policy.order(cands)[:short]:
+            self._l2_free.append(b.l2)
+            b.l2 = None
+            if b.l0 is None and b.l1 is None:
+                self._drop(b)
 
     def _drop(self, b: Block) -> None:
         """No copy of ``b`` is left: lookups stop there; its node goes once it is a leaf."""
