@@ -177,6 +177,10 @@ class EngineConfig:
     kv_disk_path: str | None = None      # L2: a file for cached pages (None: none)
     kv_disk_gb: float = 0.0              # L2 size
     kv_offload_dtype: str = "bf16"       # pages below L0: "bf16" (the pool's, exact), fp8, int8
+    # pinned host memory for a request larger than the whole GPU pool (``engine/kv_overflow.py``):
+    # its pages that fit stay in the pool, the rest stream over PCIe layer by layer at every
+    # step; such a request runs alone. 0: refused (as before)
+    kv_overflow_gb: float = 0.0
     kv_placement: str = "lru"            # which cached pages leave a tier first
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
@@ -218,7 +222,7 @@ class EngineConfig:
         for name in ("prefix_reuse", "kv_tier_stress", "kv_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("kv_cpu_gb", "kv_disk_gb"):
+        for name in ("kv_cpu_gb", "kv_disk_gb", "kv_overflow_gb"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 << 20:
                 raise ValueError(f"{name} must be a number of GiB >= 0, got {v!r}")

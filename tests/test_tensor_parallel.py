@@ -110,6 +110,8 @@ def test_tiers_with_tensor_parallelism_are_refused(tmp_path):
     with pytest.raises(ValueError, match="KV tiers .* not supported with tensor_parallel_size"):
         LLM(tensor_parallel_size=2,
             engine_config=EngineConfig(prefix_reuse=True, kv_cpu_gb=0.01))
+    with pytest.raises(ValueError, match="--kv-overflow-gb .* tensor_parallel_size > 1"):
+        LLM(tensor_parallel_size=2, engine_config=EngineConfig(kv_overflow_gb=0.01))
 
 
 def test_torchrun_world_size_must_agree(monkeypatch):

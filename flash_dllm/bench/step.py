@@ -45,6 +45,18 @@ def shape_config(name: str) -> dict:
     return SHAPES[name]
 
 
+def with_max_len(raw: dict, n: int | None) -> dict:
+    """A shape's config with a maximum length of at least ``n`` positions (None: as it is):
+    random-weight timing runs longer than the checkpoint's own limit (RoPE has no table)."""
+    if n is None:
+        return raw
+    raw = dict(raw)
+    key = ("max_position_embeddings" if "max_position_embeddings" in raw
+           or raw.get("architectures", [""])[0].startswith("Dream") else "max_sequence_length")
+    raw[key] = max(int(raw.get(key, 0)), n)
+    return raw
+
+
 class _Timer:
     """Wall time of a callable: CUDA events on a GPU, perf_counter on the CPU."""
 

@@ -201,6 +201,24 @@ class KVCacheManager:
             self.stats["hit_tokens"][t] += self.page_size
         return alloc
 
+    def allocate_overflow(self, request_id: str, n_tokens: int) -> list[int] | None:
+        """A request larger than the pool (``engine/kv_overflow.py``): it runs alone and takes
+        every pool page (its last ones; the rest of its KV lives in host memory). Returns the
+        pool pages, or None while anything else holds pages or cached blocks cannot all be
+        evicted yet. No prefix reuse: nothing is matched, and ``free`` must not publish."""
+        if request_id in self._pages:
+            raise ValueError(f"request {request_id!r} already holds KV pages")
+        if self._pages or self.pool.can_ever_fit(n_tokens):
+            return None
+        want = self.pool.num_pages
+        if self.pool.num_free < want:
+            self._make_room(want - self.pool.num_free, set())
+        if self.pool.num_free < want:
+            return None
+        pages = self.pool.allocate(want * self.page_size)
+        self._pages[request_id] = pages
+        return pages
+
     def _match(self, tree, prompt_ids: list[int], admit: bool = False,
                prefetching: bool = False) -> list:
         """The reusable prefix: full pages strictly before the last prompt token (the step that

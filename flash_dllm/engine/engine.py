@@ -24,6 +24,7 @@ import torch
 
 from flash_dllm.cache.kv_manager import KVCacheManager
 from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.kv_overflow import overflow_unsupported
 from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request, RequestOutput, StepOutput
 from flash_dllm.engine.runner import ModelRunner
@@ -95,12 +96,30 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
                              f"{bad[:5]}")
-        # serving: a request bigger than the whole (empty) page pool would wait forever
+        # serving: a request bigger than the whole (empty) page pool would wait forever, unless
+        # it may stream its overflow from host memory (``engine/kv_overflow.py``)
         if not self.kv_manager.can_ever_fit(total):
-            raise ValueError(f"prompt + max_tokens = {total} tokens needs "
-                             f"{self.kv_manager.pages_for(total)} KV pages of "
-                             f"{self.kv_manager.page_size} tokens, but the pool has only "
-                             f"{self.kv_manager.num_pages}")
+            why = self._overflow_refusal(total, params)
+            if why is not None:
+                raise ValueError(f"prompt + max_tokens = {total} tokens needs "
+                                 f"{self.kv_manager.pages_for(total)} KV pages of "
+                                 f"{self.kv_manager.page_size} tokens, but the pool has only "
+                                 f"{self.kv_manager.num_pages}; {why}")
+
+    def _overflow_refusal(self, total: int, params: SamplingParams) -> str | None:
+        """Why a request larger than the pool cannot stream its overflow (None: it can)."""
+        ov = self.runner.overflow
+        if ov is None:
+            return "--kv-overflow-gb > 0 would stream the rest from host memory"
+        why = overflow_unsupported(params)
+        if why is not None:
+            return f"it cannot stream from host memory with {why}"
+        n = self.kv_manager.pages_for(total)
+        need = ov.host_bytes_for(n - self.kv_manager.num_pages)
+        if need > ov.host_bytes:
+            return (f"streaming the rest needs {need / 2**30:.2f} GiB of host memory, more than "
+                    f"--kv-overflow-gb ({ov.host_bytes / 2**30:.2f} GiB)")
+        return None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None) -> Request:
@@ -214,7 +233,7 @@ class Engine:
         self._mass_steps.pop(req.request_id, None)
         publish = None
         if (self.config.prefix_reuse and req.finish_reason != "abort"
-                and req.params.cache != "none"):
+                and req.params.cache != "none" and req.overflow is None):
             n = req.prompt_len + max(req.block - 1, 0) * req.params.block_length
             publish = req.tokens[:n].tolist()
         self.kv_manager.free(req.request_id, publish)

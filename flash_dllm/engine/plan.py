@@ -14,6 +14,20 @@ from flash_dllm.engine.request import Request
 
 
 @dataclass
+class OverflowPlan:
+    """Where a request larger than the GPU pool keeps its pages (``engine/kv_overflow.py``):
+    its first ``spill`` logical pages in host memory, the rest in the pool pages ``resident``
+    (in logical order)."""
+
+    spill: int
+    resident: list[int]
+
+    @property
+    def num_pages(self) -> int:
+        return self.spill + len(self.resident)
+
+
+@dataclass
 class SeqPlan:
     """One request's part of a step.
 
@@ -21,11 +35,16 @@ class SeqPlan:
     range, ``cache/modes.py``). The runner may add positions decided on the device from earlier
     steps' attention (``cache="flash"``'s top-k, the KV sentinel's refresh) and, for
     ``decode="verify"``, the verification rows of its pending drafts. ``pages``: the request's KV
-    pages, which must be resident for the step (its block table row)."""
+    pages, which must be resident for the step (its block table row), except for an overflow
+    request's."""
 
     req: Request
     window: tuple[int, int]
     pages: list[int]
+    # a request larger than the GPU pool (``engine/kv_overflow.py``): ``pages`` are then its
+    # logical page ids 0..n-1 (the stage's), this says which are in host memory and which pool
+    # pages hold the rest
+    overflow: OverflowPlan | None = None
 
 
 @dataclass

@@ -87,6 +87,8 @@ class Request:
         self.counters: dict = new_counters()       # decode="verify" and sentinels
         self.num_tokens = 0                        # committed answer prefix length
         self.reused_len = 0      # prompt tokens whose K/V came from the prefix cache (read-only)
+        # larger than the GPU pool: where its pages live (``engine/kv_overflow.OverflowPlan``)
+        self.overflow = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

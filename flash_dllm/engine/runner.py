@@ -28,6 +28,7 @@ from flash_dllm.cache.tiers import Load
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
 from flash_dllm.engine.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
+from flash_dllm.engine.kv_overflow import OverflowKV, OverflowMetadata
 from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
@@ -81,12 +82,20 @@ class ModelRunner:
         self.tp = getattr(model, "tp", None)
         world = 1 if self.tp is None else self.tp.world
         self.kv_heads = cfg.num_kv_heads // world
+        self.table_width = -(-cfg.max_position // config.page_size)
+        # requests larger than the pool: a stage of two layers of the longest canvas (allocated
+        # before the pool is sized, like the arena) and pinned host memory on demand
+        self.overflow: OverflowKV | None = None
+        self._overflow_req: tuple[str, torch.Tensor, torch.Tensor] | None = None
+        if config.kv_overflow_gb:
+            self.overflow = OverflowKV(cfg.num_layers, config.page_size, self.kv_heads,
+                                       cfg.head_dim, self.dtype, self.device, self.table_width,
+                                       int(config.kv_overflow_gb * 2**30))
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
             self.num_pages = self.tp.group.min_int(self.num_pages, self.device)
         self.page_size = config.page_size
-        self.table_width = -(-cfg.max_position // self.page_size)
         # CUDA graphs pad a step's shape to a bucket (``engine/graphs.py``): the padding rows
         # write their K/V to one more page than the ledger hands out
         graphs = self.device.type == "cuda" and config.cuda_graphs
@@ -187,6 +196,8 @@ class ModelRunner:
         st = self._states.pop(request_id, None)
         if st is not None:
             self._free_rows.append(st.arena_row)
+        if self._overflow_req is not None and self._overflow_req[0] == request_id:
+            self._overflow_req = None
         self._last_plan, self._last_states = None, []
         self.backend.release(request_id)
         # the step caches hold the last batch's requests (identity checks): let this one go
@@ -220,7 +231,8 @@ class ModelRunner:
         result = self._execute(plan)
         result.ops_done, result.failed = done, failed
         if self.config.kv_tier_stress:        # every page down to host memory and back
-            pages = sorted({p for s in plan.seqs for p in s.pages})
+            pages = sorted({p for s in plan.seqs
+                            for p in (s.pages if s.overflow is None else s.overflow.resident)})
             if not self.offload.roundtrip(pages):
                 raise RuntimeError("kv_tier_stress: a page came back corrupt")
         return result
@@ -231,6 +243,8 @@ class ModelRunner:
         else:
             states = [self.seq(s.req, s.pages) for s in plan.seqs]
             self._last_plan, self._last_states = plan, states
+        if plan.seqs[0].overflow is not None:     # larger than the pool: runs alone, eagerly
+            return self._general(plan, states)
         if self.step_graphs is not None and not (self.layer_hook is not None
                                                  and self.layer_hook.wants(plan)) \
                 and self.step_graphs.eligible_plan(plan, states):
@@ -242,6 +256,8 @@ class ModelRunner:
     def _general(self, plan: StepPlan, states: list[SeqState]) -> StepResult:
         batch = plan.requests
         step = inputs.pack_step(self, plan, states)
+        if plan.seqs[0].overflow is not None:
+            step.meta = self._overflow_meta(plan.seqs[0], step.meta)
         hidden = self.forward(step.ids, step.positions, step.meta)
         page_mass = None
         if step.flash:      # cache="flash": where this step's attention went, for the next top-k
@@ -264,6 +280,17 @@ class ModelRunner:
             if seg.probe is not None:
                 kv_consistency(req, st, seg.probe_weights, step.slot_pos[s:e], counters, i)
         return StepResult(blocks, counters, page_mass=page_mass)
+
+    def _overflow_meta(self, seq, meta) -> OverflowMetadata:
+        """An overflow request's step metadata (its host buffer and resident page index are
+        made at its first step and kept while it runs)."""
+        rid = seq.req.request_id
+        if self._overflow_req is None or self._overflow_req[0] != rid:
+            ov = seq.overflow
+            host = self.overflow.host_buffer(ov.spill)
+            self._overflow_req = (rid, host, h2d(ov.resident, torch.long, self.device))
+        _, host, resident = self._overflow_req
+        return self.overflow.step(meta, seq.overflow, host, seq.window, resident)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""
@@ -301,7 +328,7 @@ class ModelRunner:
                 return self.model.hidden(ids, positions, meta)
             finally:
                 del meta.attention
-        if self.forward_graphs is not None:
+        if self.forward_graphs is not None and not isinstance(meta, OverflowMetadata):
             return self.forward_graphs.forward(ids, positions, meta)
         return self.model.hidden(ids, positions, meta)
 

@@ -2,7 +2,8 @@
 
 NOTE: continuous batching happens at step granularity: requests join (admitted from ``waiting``
 when their whole canvas's pages fit and a running slot is free, first come first served) and leave
-(finished, aborted) between steps. The scheduler never touches the device; the query window of
+(finished, aborted) between steps. A request larger than the whole pool (``--kv-overflow-gb``)
+waits until nothing runs and then runs alone (``engine/kv_overflow.py``). The scheduler never touches the device; the query window of
 each request comes from its cache mode (``cache/modes.py``).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import deque
 
 from flash_dllm.cache.kv_manager import KVCacheManager
 from flash_dllm.cache.modes import query_range
-from flash_dllm.engine.plan import SeqPlan, StepPlan
+from flash_dllm.engine.plan import OverflowPlan, SeqPlan, StepPlan
 from flash_dllm.engine.request import Request
 
 
@@ -57,9 +58,26 @@ class Scheduler:
         first that does not fit blocks the ones behind it). Returns the admitted requests."""
         admitted = []
         while self.waiting and len(self.running) < self.max_num_seqs:
+            if any(r.overflow is not None for r in self.running):
+                break                 # a request larger than the pool runs alone
             req = self.waiting.popleft()
             if req.finished:          # aborted while waiting
                 continue
+            if not self.kv.can_ever_fit(req.canvas_len):
+                # larger than the pool (``engine/kv_overflow.py``; the engine validated it):
+                # waits until nothing runs, then takes the whole pool
+                pages = None if self.running else self.kv.allocate_overflow(req.request_id,
+                                                                            req.canvas_len)
+                if pages is None:
+                    self.waiting.appendleft(req)
+                    break
+                n = self.kv.pages_for(req.canvas_len)
+                req.overflow = OverflowPlan(n - len(pages), pages)
+                self._prefetched.discard(req.request_id)
+                req.reused_len = 0
+                self.running.append(req)
+                admitted.append(req)
+                break
             alloc = self.kv.allocate(req.request_id, req.canvas_len, req.prompt_ids,
                                      reuse=req.params.cache != "none", mode=req.params.cache)
             if alloc is None:
@@ -127,7 +145,10 @@ class Scheduler:
                              r.first_step, self.logit_shift, first_block=r.block == 0)
         # NOTE: reused pages are shared and read-only: nothing below reused_len is recomputed
         window = (max(q0, r.reused_len), q1)
-        plan = SeqPlan(r, window, self.kv.pages(r.request_id))
+        if r.overflow is not None:         # logical page ids: the runner's stage
+            plan = SeqPlan(r, window, list(range(r.overflow.num_pages)), overflow=r.overflow)
+        else:
+            plan = SeqPlan(r, window, self.kv.pages(r.request_id))
         self._plans[r.request_id] = (key, plan)
         return plan
 

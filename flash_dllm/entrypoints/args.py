@@ -92,6 +92,12 @@ class EngineArgs:
                                   "exact), fp8 (e4m3) or int8 (one scale per page, layer and "
                                   "head; half the bytes) (default: %(default)s)",
                                   choices=["bf16", "fp8", "int8"])
+    kv_overflow_gb: float = _knob("kv_overflow_gb", float,
+                                  "GiB of pinned host memory for a request whose KV is larger "
+                                  "than the whole GPU pool: the pages that fit stay on the GPU, "
+                                  "the rest are copied in layer by layer at every step (slow: "
+                                  "PCIe-bound), and the request runs alone; cache dual or prefix "
+                                  "(default: %(default)s, such requests are refused)")
     kv_placement: str = _knob("kv_placement", str,
                               "which cached pages leave a tier first: lru (least recently "
                               "used), ema (least attended: moving average of the attention mass "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import CommandError, EngineArgs
+from flash_dllm.entrypoints.bench_overflow import add_overflow_parser
 from flash_dllm.entrypoints.bench_pd import add_pd_parser
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
@@ -100,6 +101,7 @@ def add_parser(sub) -> None:
     t.set_defaults(func=cmd_bench_step)
     _add_multiturn_parser(bsub)
     add_pd_parser(bsub)
+    add_overflow_parser(bsub)
 
 
 def cmd_bench_memory(a: argparse.Namespace) -> int:
@@ -288,6 +290,9 @@ def _add_multiturn_parser(bsub) -> None:
     m.add_argument("--model-shape", default=None,
                    help="in-process only: serve a random-init model of this shape (llada-8b, "
                         "dream-7b) with the demo tokenizer, instead of --model (timing only)")
+    m.add_argument("--model-max-len", type=int, default=None,
+                   help="with --model-shape: at least this many positions (LLaDA-8B's config "
+                        "says 4096; longer histories need more)")
     EngineArgs.add_cli_args(m, defaults=SERVE_DEFAULTS)
     m.set_defaults(func=cmd_bench_multiturn)
 

@@ -60,12 +60,13 @@ def close_engine(engine) -> None:
         close()
 
 
-def load_random_engine(shape: str, args: EngineArgs | None = None,
+def load_random_engine(shape: str, args: EngineArgs | None = None, max_len: int | None = None,
                        **config_override) -> LoadedEngine:
     """An engine over a random-init model of a real shape (``llada-8b``, ``dream-7b``, ``demo``)
     with the demo model's tokenizer and chat template: what serving benchmarks time where no
-    checkpoint of that size can be shipped (its answers are noise; its costs are real)."""
-    from flash_dllm.bench.step import shape_config
+    checkpoint of that size can be shipped (its answers are noise; its costs are real).
+    ``max_len``: at least this many positions."""
+    from flash_dllm.bench.step import shape_config, with_max_len
     from flash_dllm.models.loader import DEMO_MODEL, build_model
 
     args = args or EngineArgs()
@@ -73,7 +74,7 @@ def load_random_engine(shape: str, args: EngineArgs | None = None,
         raise ValueError("a random-init model (--model-shape) runs on one device: tensor "
                          "parallelism needs a checkpoint folder (--model); for timings of a "
                          "split model use `flash-dllm bench step --tensor-parallel-size N`")
-    model = build_model(shape_config(shape), device=resolve_device(args.device),
+    model = build_model(with_max_len(shape_config(shape), max_len), device=resolve_device(args.device),
                         dtype=args.dtype, seed=0)
     return LoadedEngine(Engine(model, model.cfg, args.engine_config(**config_override)),
                         Tokenizer(DEMO_MODEL), Path(shape))

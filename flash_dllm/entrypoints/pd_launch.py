@@ -50,6 +50,9 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
     if config.kv_cpu_gb or config.kv_disk_path:
         raise ValueError("KV tiers (--kv-cpu-gb / --kv-disk-path) are not supported with "
                          "--disaggregate yet")
+    if config.kv_overflow_gb:
+        raise ValueError("--kv-overflow-gb (requests larger than the GPU pool) is not supported "
+                         "with --disaggregate yet")
     if model_shape:
         from flash_dllm.bench.step import shape_config
         from flash_dllm.models import registry

@@ -125,7 +125,8 @@ def build_server_app(a: argparse.Namespace):
     elif shape:                        # benchmarks: a random-init model of a real shape
         from flash_dllm.engine.async_engine import AsyncEngine
         from flash_dllm.entrypoints.loader import load_random_engine
-        loaded = load_random_engine(shape, EngineArgs.from_cli_args(a))
+        loaded = load_random_engine(shape, EngineArgs.from_cli_args(a),
+                                    max_len=getattr(a, "model_max_len", None))
         aeng, tok, folder = AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
     else:
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))

@@ -21,6 +21,9 @@ def check_supported(config) -> None:
                          "tensor_parallel_size > 1 yet: the ranks' offload copies finish at "
                          "different times, so their schedules could differ; prefix reuse in "
                          "GPU memory works")
+    if config.kv_overflow_gb:
+        raise ValueError("--kv-overflow-gb (requests larger than the GPU pool) is not supported "
+                         "with tensor_parallel_size > 1 yet")
 
 
 def _load(args, tp, dev):

@@ -109,6 +109,12 @@ class PagedAttentionMetadata:
         self.special = [s for s in self.segments if s.verify is not None or s.probe is not None]
 
     # ------------------------------------------------------------------------------ the layer
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pages ``[pages, page_size, kv_heads, head_dim]`` that layer ``layer``
+        writes and reads (the pool's; a request larger than the pool streams its own:
+        ``engine/kv_overflow.py``)."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
     def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
                   ) -> torch.Tensor:
         """``attn``'s attention for packed rows ``x`` [T, d] -> [T, H * D]."""
@@ -129,7 +135,7 @@ class PagedAttentionMetadata:
                          ) -> torch.Tensor:
         """From the layer's normed input ``x`` [T, d]: one kernel projects q/k/v, rotates q/k and
         writes k/v into their page slots (``kernels.qkv_rope_cache``)."""
-        kc, vc = self.kv[layer, 0], self.kv[layer, 1]
+        kc, vc = self.layer_kv(layer)
         qr = qkv_rope_cache_op.op(x, proj.weight, proj.bias, positions, kc, vc, self.slots,
                                   self.inv_freq, num_heads, num_kv_heads, rotary.apply_in_fp32)
         return self._attend_rotated(layer, qr)
@@ -141,7 +147,7 @@ class PagedAttentionMetadata:
         RoPE + page write run in row chunks, so the [T, (H + 2 Hkv) D] projection never exists
         whole (805 MB for batch 32 x 1024 rows of LLaDA-8B); only the rotated queries are kept
         for the attention, which runs once every key is in the pages."""
-        kc, vc = self.kv[layer, 0], self.kv[layer, 1]
+        kc, vc = self.layer_kv(layer)
         T, D = x.shape[0], kc.shape[-1]
         qr = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
         for i in range(0, T, chunk):
@@ -154,7 +160,7 @@ class PagedAttentionMetadata:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """From projected q [T, H, D], k/v [T, Hkv, D] (un-rotated)."""
-        kc, vc = self.kv[layer, 0], self.kv[layer, 1]             # [pages, page_size, Hkv, D]
+        kc, vc = self.layer_kv(layer)             # [pages, page_size, Hkv, D]
         qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots, self.inv_freq,
                               rotary.apply_in_fp32)                # rotated q; k/v now in pages
         out = self._attend_rotated(layer, qr)
@@ -164,7 +170,7 @@ class PagedAttentionMetadata:
 
     def _attend_rotated(self, layer: int, qr: torch.Tensor) -> torch.Tensor:
         """Paged attention of the rotated queries (their step's K/V already in the pages)."""
-        kc, vc = self.kv[layer, 0], self.kv[layer, 1]
+        kc, vc = self.layer_kv(layer)
         track = layer == self.mass_layer
         out = paged_attention_op.op(qr, kc, vc, self.cu_q, self.seq_lens, self.block_table,
                                     self.max_q, return_mass=track, max_seqlen_k=self.max_k or None)
@@ -182,8 +188,9 @@ class PagedAttentionMetadata:
         ps = self.kv.shape[3]
         n = -(-seg.length // ps)
         idx = seg.pages[:n].long()
-        ks = self.kv[layer, 0, idx].flatten(0, 1)[:seg.length]     # [canvas, Hkv, D] (a copy)
-        vs = self.kv[layer, 1, idx].flatten(0, 1)[:seg.length]
+        kc, vc = self.layer_kv(layer)
+        ks = kc[idx].flatten(0, 1)[:seg.length]                    # [canvas, Hkv, D] (a copy)
+        vs = vc[idx].flatten(0, 1)[:seg.length]
         if seg.verify is not None:
             vr = seg.verify
             d0, d1 = vr.start, vr.start + vr.num_keys

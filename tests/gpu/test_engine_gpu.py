@@ -139,3 +139,24 @@ def test_padded_graphs_after_the_warm_up(dtype, cache, decode):
           f"accuracy {acc}, {replays} replays, {eager_n} eager")
     assert agree >= 0.95, agree
     assert abs(acc[0] - acc[1]) <= 0.02, acc
+
+
+@pytest.mark.parametrize("dtype,cache,pages", [("bfloat16", "dual", 8), ("bfloat16", "prefix", 2),
+                                               ("float32", "dual", 1)])
+def test_overflow_request_on_cuda_equals_the_all_in_pool_run(dtype, cache, pages):
+    """A request larger than the pool (``engine/kv_overflow.py``) with the copy stream: host ->
+    stage loads under the compute, write-backs to the pool and to host memory; token for token
+    the all-in-pool run (same kernels, keys in the same order). One resident page: the active
+    block spills too (loads and write-backs in the same step)."""
+    prompt = list(range(3, 90)) * 4                        # 348 tokens + 64: 26 pages of 16
+    params = SamplingParams(max_tokens=64, block_length=32, cache=cache, decode="vanilla",
+                            early_stop=False)
+    ref = LLM(device="cuda", dtype=dtype, engine_config=EngineConfig(page_size=16))
+    want = ref.generate([prompt], params)[0].token_ids
+    llm = LLM(device="cuda", dtype=dtype, engine_config=EngineConfig(
+        page_size=16, num_kv_pages=pages, kv_overflow_gb=0.05))
+    for _ in range(2):                                     # the host buffer is reused
+        assert llm.generate([prompt], params)[0].token_ids == want
+    st = llm.engine.runner.overflow.stats
+    assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
+    assert llm.engine.kv_manager.num_used == 0

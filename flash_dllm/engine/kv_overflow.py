@@ -1,0 +1,226 @@
+"""Requests larger than the GPU page pool: the pages that fit stay in the pool, the rest stream
+over PCIe from pinned host memory, layer by layer, at every step (``--kv-overflow-gb``).
+
+A dual-cache step attends to every cached key of its request, so a request whose KV exceeds L0
+must bring its missing pages to the GPU at every step: tiers buy capacity here, not a faster step.
+The bound is the all-in-GPU step time plus the non-resident bytes over the pinned-copy rate
+(``flash-dllm bench overflow`` measures both in one run); this module's job is to stay close to
+it: each non-resident byte crosses once per step, and the copies run under the compute.
+
+Layout. Such a request (an **overflow request**, at most one running at a time, alone: see the
+scheduler) has ``n`` logical pages; the first ``spill`` live in a pinned host buffer laid out
+layer-major, ``[layers, 2, spill, page_size, kv_heads, head_dim]``, so one layer's K (or V) of
+every spilled page is ONE contiguous copy; the other ``n - spill`` are ordinary pool pages (the
+KV manager's ledger holds them). On the GPU a **stage** ``[2, 2, n_max, page_size, kv_heads,
+head_dim]`` holds one layer of the whole request in logical page order, twice (double buffer):
+the step's attention metadata points its block table at ``0..n-1`` and its slots at the canvas
+positions, and ``layer_kv(l)`` returns buffer ``l % 2``, so the kernels are the pool path's own.
+
+Per layer ``l`` (``OverflowStep.before`` / ``after``, around the layer's attention):
+
+1. on the copy stream, after the compute stream finished layer ``l - 1`` (whose buffer layer
+   ``l + 1`` reuses): the spilled pages of layer ``l + 1`` host -> stage (two copies);
+2. on the compute stream: the resident pages of layer ``l`` pool -> stage (a gather), then wait
+   for layer ``l``'s host copy;
+3. the layer's attention writes the step's fresh K/V into the stage and attends to it;
+4. written pages go home: resident ones stage -> pool on the compute stream, spilled ones stage
+   -> host on the copy stream (only steps that recompute the prompt: a block's first step).
+
+A step whose recomputed window covers every spilled position (the prefill) loads nothing.
+On the CPU the same code runs without streams (every copy in order).
+"""
+from __future__ import annotations
+
+import torch
+
+from flash_dllm.engine.plan import OverflowPlan
+from flash_dllm.layers.attention_backend import PagedAttentionMetadata
+
+# what an overflow request may use: its prompt K/V must stay cached between steps (a cache mode
+# that recomputes the whole canvas every step would write every page every step), and the
+# features that read the pool directly (verification rows, sentinel probes, flash's per-key
+# mass) are not wired to the stage
+OVERFLOW_CACHE_MODES = ("dual", "prefix")
+
+
+def overflow_unsupported(params) -> str | None:
+    """Why a request with these sampling params cannot run as an overflow request (None: it
+    can)."""
+    if params.cache not in OVERFLOW_CACHE_MODES:
+        return (f"cache={params.cache!r} (requests larger than the GPU KV pool run with cache "
+                f"{' or '.join(OVERFLOW_CACHE_MODES)})")
+    if params.decode == "verify":
+        return "decode='verify' (requests larger than the GPU KV pool do not verify drafts)"
+    if params.kv_jaccard_min is not None:
+        return "kv_jaccard_min (the KV sentinel does not run on requests larger than the pool)"
+    return None
+
+
+class OverflowKV:
+    """The runner's overflow machinery: the GPU stage (allocated with the runner, so the pool is
+    sized around it), one pinned host buffer (grown on demand, kept for the next overflow
+    request, at most ``host_bytes``) and the copy stream."""
+
+    def __init__(self, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, max_pages: int,
+                 host_bytes: int) -> None:
+        L, ps, H, D = num_layers, page_size, kv_heads, head_dim
+        self.num_layers = L
+        self.page_shape = (ps, H, D)
+        self.dtype, self.device = dtype, device
+        self.stage = torch.empty(2, 2, max_pages, ps, H, D, dtype=dtype, device=device)
+        self.page_layer_bytes = ps * H * D * self.stage.element_size() * 2        # K + V, one layer
+        self.host_bytes = host_bytes
+        self._host: torch.Tensor | None = None          # flat pinned bytes
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+
+    @property
+    def max_pages(self) -> int:
+        return self.stage.shape[2]
+
+    def host_bytes_for(self, spill: int) -> int:
+        return spill * self.num_layers * self.page_layer_bytes
+
+    def fits(self, num_pages: int, spill: int) -> bool:
+        return num_pages <= self.max_pages and self.host_bytes_for(spill) <= self.host_bytes
+
+    def host_buffer(self, spill: int) -> torch.Tensor:
+        """``[layers, 2, spill, page_size, kv_heads, head_dim]`` pinned (a view of the kept
+        buffer; its previous contents are garbage until the request's prefill writes them)."""
+        need = self.host_bytes_for(spill)
+        if need > self.host_bytes:
+            raise ValueError(f"an overflow of {spill} pages needs {need} bytes of host memory, "
+                             f"more than kv_overflow_gb allows ({self.host_bytes})")
+        if self._host is None or self._host.numel() < need:
+            self._host = None                                     # free the old one first
+            self._host = torch.empty(need, dtype=torch.uint8, pin_memory=self.cuda)
+        return self._host[:need].view(self.dtype).view(self.num_layers, 2, spill,
+                                                       *self.page_shape)
+
+    def step(self, meta: PagedAttentionMetadata, plan: OverflowPlan, host: torch.Tensor,
+             window: tuple[int, int], resident_idx: torch.Tensor) -> "OverflowMetadata":
+        """The step's metadata: ``meta`` (built over the logical page ids ``0..n-1``) reading and
+        writing the stage. ``window``: the positions the step recomputes (all of them are
+        written at every layer)."""
+        ps = self.page_shape[0]
+        p0, p1 = window[0] // ps, -(-window[1] // ps)
+        full = window[0] <= 0 and window[1] >= plan.spill * ps   # every spilled key rewritten
+        self.stats["steps"] += 1
+        return OverflowMetadata.wrap(meta, _StepCopies(self, plan, host, resident_idx,
+                                                        load_spill=not full, written=(p0, p1)))
+
+
+class _StepCopies:
+    """One step's copies around each layer's attention (see the module docstring)."""
+
+    def __init__(self, kv: OverflowKV, plan: OverflowPlan, host: torch.Tensor,
+                 resident_idx: torch.Tensor, load_spill: bool, written: tuple[int, int]) -> None:
+        self.kv, self.plan, self.host = kv, plan, host
+        self.res_idx = resident_idx                   # [n - spill] long: pool page per page
+        self.load_spill = load_spill and plan.spill > 0
+        s, n = plan.spill, plan.num_pages
+        p0, p1 = max(0, written[0]), min(n, written[1])
+        # written spilled pages [a, b) go to host, written resident pages [c, d) to the pool
+        self.spill_written = (p0, min(p1, s)) if p0 < s else None
+        self.res_written = (max(p0, s), p1) if p1 > s else None
+        self.loaded: dict[int, torch.cuda.Event] = {}
+
+    def kv_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        st = self.kv.stage[layer % 2]
+        return st[0], st[1]
+
+    def _load(self, layer: int) -> None:
+        """Host -> stage of layer ``layer``'s spilled pages (copy stream on CUDA)."""
+        if not self.load_spill or layer >= self.kv.num_layers:
+            return
+        s = self.plan.spill
+        st = self.kv.stage[layer % 2]
+        cs = self.kv.copy_stream
+        if cs is None:
+            st[:, :s].copy_(self.host[layer])
+        else:
+            cs.wait_stream(torch.cuda.current_stream(self.kv.device))
+            with torch.cuda.stream(cs):
+                st[0, :s].copy_(self.host[layer, 0], non_blocking=True)
+                st[1, :s].copy_(self.host[layer, 1], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(cs)
+            self.loaded[layer] = ev
+        self.kv.stats["h2d_bytes"] += s * self.kv.page_layer_bytes
+
+    def before(self, pool: torch.Tensor, layer: int) -> None:
+        if layer == 0:
+            self._load(0)
+        self._load(layer + 1)       # into the other buffer, once layer - 1 is done with it
+        s, n = self.plan.spill, self.plan.num_pages
+        st = self.kv.stage[layer % 2]
+        if n > s:                   # resident pages: pool -> stage (a gather on the device)
+            torch.index_select(pool[layer, 0], 0, self.res_idx, out=st[0, s:n])
+            torch.index_select(pool[layer, 1], 0, self.res_idx, out=st[1, s:n])
+        ev = self.loaded.pop(layer, None)
+        if ev is not None:
+            torch.cuda.current_stream(self.kv.device).wait_event(ev)
+
+    def after(self, pool: torch.Tensor, layer: int) -> None:
+        st = self.kv.stage[layer % 2]
+        s = self.plan.spill
+        if self.res_written is not None:          # written resident pages: stage -> pool
+            c, d = self.res_written
+            idx = self.res_idx[c - s:d - s]
+            pool[layer, 0].index_copy_(0, idx, st[0, c:d])
+            pool[layer, 1].index_copy_(0, idx, st[1, c:d])
+        if self.spill_written is not None:        # written spilled pages: stage -> host
+            a, b = self.spill_written
+            cs = self.kv.copy_stream
+            if cs is None:
+                self.host[layer, :, a:b].copy_(st[:, a:b])
+            else:
+                # NOTE: on the copy stream after this layer's compute; the buffer's next user
+                # (layer + 2) waits for it: its host copy is queued on the same stream later,
+                # and ``before`` makes the compute stream wait for that copy's event
+                cs.wait_stream(torch.cuda.current_stream(self.kv.device))
+                with torch.cuda.stream(cs):
+                    self.host[layer, 0, a:b].copy_(st[0, a:b], non_blocking=True)
+                    self.host[layer, 1, a:b].copy_(st[1, a:b], non_blocking=True)
+                    if not self.load_spill:      # nothing else orders the buffer's reuse
+                        ev = torch.cuda.Event()
+                        ev.record(cs)
+                        self.loaded[layer + 2] = ev
+            self.kv.stats["d2h_bytes"] += (b - a) * self.kv.page_layer_bytes
+
+    def finish(self) -> None:
+        """After the forward: the compute stream waits for the last write-backs (the next
+        step's loads read them; a request's release must not free a buffer in flight)."""
+        if self.kv.copy_stream is not None:
+            torch.cuda.current_stream(self.kv.device).wait_stream(self.kv.copy_stream)
+
+
+class OverflowMetadata(PagedAttentionMetadata):
+    """``PagedAttentionMetadata`` of an overflow request's step: every layer reads and writes the
+    stage (``_StepCopies``), with the copies around it."""
+
+    copies: _StepCopies
+
+    @classmethod
+    def wrap(cls, meta: PagedAttentionMetadata, copies: _StepCopies) -> "OverflowMetadata":
+        if meta.special or meta.mass_layer is not None:
+            raise ValueError("an overflow request's step has no verification, probe or "
+                             "mass rows")
+        out = cls.__new__(cls)
+        out.__dict__.update(meta.__dict__)
+        out.copies = copies
+        return out
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.copies.kv_of(layer)
+
+    def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
+                  ) -> torch.Tensor:
+        self.copies.before(self.kv, layer)
+        out = super().attention(attn, layer, x, positions)
+        self.copies.after(self.kv, layer)
+        if layer == self.copies.kv.num_layers - 1:
+            self.copies.finish()
+        return out

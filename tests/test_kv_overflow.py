@@ -1,0 +1,125 @@
+"""Requests larger than the GPU page pool (``--kv-overflow-gb``, ``engine/kv_overflow.py``), on the
+CPU: such a request keeps the pages that fit in the pool and streams the rest from host memory
+layer by layer, and its outputs equal token for token those of an engine whose pool holds it
+whole; it runs alone, other requests wait and then run, nothing leaks, and what cannot stream is
+refused with a message naming the reason."""
+from __future__ import annotations
+
+import pytest
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.engine import Engine
+from test_sampler import tiny
+from test_tiers import check_ledger
+
+PS = 4
+LONG = [(7 * i + 3) % 90 + 3 for i in range(70)]          # 70 + 16 = 86 tokens: 22 pages
+SHORT = [(5 * i + 1) % 90 + 3 for i in range(9)]
+
+
+def _params(cache="dual", decode="threshold", **kw):
+    return SamplingParams(max_tokens=16, block_length=8, cache=cache, decode=decode,
+                          threshold=0.5, **kw)
+
+
+def _run(eng, prompts, params):
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [r.tokens.tolist() for r in reqs], reqs
+
+
+@pytest.mark.parametrize("family,cache,decode,pages", [
+    ("llada", "dual", "threshold", 6),        # 16 of 22 pages in host memory
+    ("dream", "prefix", "vanilla", 6),        # (Dream: a logit shift, grouped KV heads)
+    ("llada", "dual", "vanilla", 20),         # 2 spilled pages
+    ("dream", "dual", "threshold", 1),        # one resident page: the active block spills too
+])
+def test_overflow_request_equals_the_all_in_pool_run(family, cache, decode, pages):
+    model = tiny(family, seed=5)
+    params = _params(cache, decode)
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(page_size=PS)), [LONG], params)
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=pages,
+                                                kv_overflow_gb=0.01))
+    got, reqs = _run(eng, [LONG], params)
+    assert got == ref
+    assert reqs[0].overflow is not None and reqs[0].overflow.spill == 22 - pages
+    ov = eng.runner.overflow
+    assert ov.stats["steps"] == reqs[0].num_forwards
+    # loads: every step but the two block refreshes (which rewrite every spilled page)
+    assert ov.stats["d2h_bytes"] > 0 and ov.stats["h2d_bytes"] > 0
+    check_ledger(eng)
+    assert eng.kv_manager.num_used == 0 and eng.runner._overflow_req is None
+
+
+def test_overflow_runs_alone_and_the_others_run_after_it():
+    model = tiny("llada", seed=6)
+    params = _params()
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(page_size=PS)), [SHORT, LONG, SHORT],
+                  params)
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=8,
+                                                kv_overflow_gb=0.01, prefix_reuse=True))
+    reqs = [eng.add_request(p, params) for p in (SHORT, LONG, SHORT)]
+    alone = []
+    while eng.has_unfinished():
+        eng.step()
+        if reqs[1] in eng.running:
+            alone.append(len(eng.running) == 1)
+    assert alone and all(alone)
+    assert [r.tokens.tolist() for r in reqs] == ref
+    # the overflow request published nothing (its pages were never all in the pool)
+    assert eng.kv_manager.stats["hit_tokens"] == [0, 0, 0]
+    check_ledger(eng)
+
+
+def test_abort_of_an_overflow_request_frees_everything():
+    model = tiny("llada", seed=7)
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6,
+                                                kv_overflow_gb=0.01))
+    req = eng.add_request(LONG, _params())
+    eng.step()
+    eng.step()
+    assert eng.abort(req.request_id)
+    assert eng.kv_manager.num_used == 0 and eng.runner._overflow_req is None
+    got, _ = _run(eng, [SHORT], _params())           # the engine goes on
+    check_ledger(eng)
+
+
+@pytest.mark.parametrize("config,params,match", [
+    (dict(), _params(), "--kv-overflow-gb > 0"),
+    (dict(kv_overflow_gb=1e-6), _params(), "more than --kv-overflow-gb"),
+    (dict(kv_overflow_gb=0.01), _params(cache="none"), "cache='none'"),
+    (dict(kv_overflow_gb=0.01), _params(cache="flash"), "cache='flash'"),
+    (dict(kv_overflow_gb=0.01), _params(decode="verify"), "decode='verify'"),
+    (dict(kv_overflow_gb=0.01), _params(kv_jaccard_min=0.5), "kv_jaccard_min"),
+])
+def test_what_cannot_stream_is_refused_with_the_reason(config, params, match):
+    model = tiny("llada", seed=8)
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6, **config))
+    with pytest.raises(ValueError, match=match):
+        eng.add_request(LONG, params)
+    with pytest.raises(ValueError, match="kv_overflow_gb must be"):
+        EngineConfig(kv_overflow_gb=-1)
+
+
+def test_overflow_is_refused_with_disaggregation_before_any_worker_starts():
+    from flash_dllm.entrypoints.args import EngineArgs
+    from flash_dllm.entrypoints.pd_launch import launch
+    with pytest.raises(ValueError, match="--kv-overflow-gb .* --disaggregate"):
+        launch(EngineArgs(kv_overflow_gb=0.01))
+
+
+def test_bench_overflow_on_the_cpu_runs_and_matches(tmp_path):
+    """``flash-dllm bench overflow`` end to end on the demo model (a small prompt): the report
+    says the request was refused without the flag, and its tokens equal the all-in-GPU run's."""
+    import json
+
+    from flash_dllm.cli import main
+    out = tmp_path / "ov.json"
+    assert main(["bench", "overflow", "--prompt-len", "120", "--gen-len", "16",
+                 "--block-length", "8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokens_equal"] and r["refused_without_overflow"]
+    assert r["spilled_pages"] == r["pages"] - r["resident_pages"] > 0
+    assert r["cases"]["overflow"]["steps"] == r["cases"]["all_in_gpu"]["steps"] == 16
+    assert r["step_bound_s"] > 0 and r["non_resident_bytes_per_step"] > 0
