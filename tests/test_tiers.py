@@ -285,3 +285,17 @@ def test_prefetch_is_a_no_op_without_a_disk_tier_or_for_short_prompts(tmp_path):
     assert eng.kv_manager.prefetch("a", PROMPT, "dual") == 0
     _, eng = _disk_engine(tmp_path)
     assert eng.kv_manager.prefetch("b", PROMPT[:6], "dual") == 0 and not eng.kv_manager._ops
+
+
+def test_prefill_sized_steps_teach_the_cost_model_its_recompute_rate():
+    """The cost model's recompute rate follows the engine's own prefill-sized steps (it started
+    from a fixed guess that nothing updated)."""
+    model = tiny("llada", seed=3)
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS))
+    eng.PREFILL_ROWS = 32
+    before = eng.kv_manager.cost.prefill_tokens_per_s
+    _run(eng, [PROMPT, OTHERS[0]], _params())
+    assert eng.kv_manager.cost.prefill_tokens_per_s != before
+    eng2 = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=PS))
+    _run(eng2, [PROMPT[:10]], _params())                  # 26-position canvases: no prefill step
+    assert eng2.kv_manager.cost.prefill_tokens_per_s == before

@@ -206,9 +206,25 @@ class Engine:
         self.stats["tokens_committed"] += committed
         self.stats["forwards"] += bool(reqs)
         self.steps_run += bool(reqs)
-        self.stats["step_seconds"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats["step_seconds"] += seconds
+        self._observe_prefill(plan, seconds)
         self.stats["last_batch_size"] = len(plan.seqs)
         return outputs
+
+    # a step recomputing at least this many positions is prefill-dominated: its rate is the
+    # cost model's recompute rate (``cache/tiers.CostModel``)
+    PREFILL_ROWS = 256
+
+    def _observe_prefill(self, plan: StepPlan, seconds: float) -> None:
+        """Feed a prefill-sized step's positions per second to the tiers' cost model, which
+        weighs loading a cached prefix against recomputing it. Steps that loaded pages are
+        left out (their time is not recompute time)."""
+        if plan.ops or not plan.seqs:
+            return
+        rows = sum(s.window[1] - s.window[0] for s in plan.seqs)
+        if rows >= self.PREFILL_ROWS:
+            self.kv_manager.cost.observe_prefill(rows, seconds)
 
     def _add_block_mass(self, req: Request, page_mass) -> None:
         """Sum a request's per-page attention mass over its block; at the block's end (or the

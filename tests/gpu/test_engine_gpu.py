@@ -160,3 +160,25 @@ def test_overflow_request_on_cuda_equals_the_all_in_pool_run(dtype, cache, pages
     st = llm.engine.runner.overflow.stats
     assert st["h2d_bytes"] > 0 and st["d2h_bytes"] > 0
     assert llm.engine.kv_manager.num_used == 0
+
+
+def test_reuse_from_host_memory_on_cuda_equals_reuse_from_the_pool():
+    """Stores (side stream) and loads on CUDA: a history reused from host memory (bf16,
+    exact) gives the same tokens as the same history reused from GPU memory."""
+    hist = list(range(3, 90)) * 4                          # 348 tokens: 21 full pages
+    other = [[(7 * i + k) % 90 + 3 for i in range(300)] for k in range(3)]
+    params = SamplingParams(max_tokens=32, block_length=32, cache="dual", decode="threshold")
+
+    def run(**cfg):
+        llm = LLM(device="cuda", dtype="bfloat16",
+                  engine_config=EngineConfig(page_size=16, prefix_reuse=True, **cfg))
+        first = llm.generate([hist], params)[0].token_ids
+        llm.generate(other, params)                        # pushes the history out of a small pool
+        second = llm.generate([hist + first + [5, 6, 7]], params)[0].token_ids
+        return llm, first, second
+
+    _, f_ref, s_ref = run()
+    llm, f, s = run(num_kv_pages=64, kv_cpu_gb=0.05)
+    hits = llm.engine.kv_manager.stats["hit_tokens"]
+    assert hits[1] >= 16 * 9, hits
+    assert (f, s) == (f_ref, s_ref)
