@@ -10,6 +10,7 @@ import pytest
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from test_sampler import tiny
+from test_server import metrics_of
 from test_tiers import check_ledger
 
 PS = 4
@@ -123,3 +124,44 @@ def test_bench_overflow_on_the_cpu_runs_and_matches(tmp_path):
     assert r["spilled_pages"] == r["pages"] - r["resident_pages"] > 0
     assert r["cases"]["overflow"]["steps"] == r["cases"]["all_in_gpu"]["steps"] == 16
     assert r["step_bound_s"] > 0 and r["non_resident_bytes_per_step"] > 0
+
+
+def test_an_overflow_request_through_the_server_next_to_short_ones():
+    """Over HTTP (the shipped demo model): a prompt larger than the GPU pool streams with
+    --kv-overflow-gb while short requests wait for it and then run; without the flag it is a 400
+    that names the flag."""
+    import asyncio
+
+    import httpx
+
+    from flash_dllm.entrypoints.serve import load_async_engine
+    from flash_dllm.server.app import build_app
+
+    long_prompt = "Ivy has 23 pens; Vic has 12 fewer. " * 9      # ~320 tokens: 21+ pages of 16
+    body = {"max_tokens": 32, "cache": "dual", "decode": "threshold"}
+
+    async def go(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=120) as c:
+            reqs = [c.post("/v1/completions", json={"prompt": p, **body})
+                    for p in ("2+2=", long_prompt, "3+4=")]
+            return await asyncio.gather(*reqs)
+
+    aeng, tok, _ = load_async_engine(config=EngineConfig(num_kv_pages=8, kv_overflow_gb=0.01))
+    short, long_, short2 = asyncio.run(go(build_app(aeng, tok, "demo")))
+    assert short.status_code == long_.status_code == short2.status_code == 200, long_.text
+    assert long_.json()["usage"]["prompt_tokens"] > 8 * 16
+    assert aeng.engine.runner.overflow.stats["steps"] > 0
+    m = metrics_of(asyncio.run(_get(build_app(aeng, tok, "demo"), "/metrics")))
+    assert m['flash_dllm_kv_overflow_bytes_total{direction="h2d"}'] > 0
+    assert m["flash_dllm_kv_overflow_steps_total"] > 0
+    aeng, tok, _ = load_async_engine(config=EngineConfig(num_kv_pages=8))
+    _, refused, _ = asyncio.run(go(build_app(aeng, tok, "demo")))
+    assert refused.status_code == 400 and "--kv-overflow-gb" in refused.text
+
+
+async def _get(app, path):
+    import httpx
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as c:
+        return (await c.get(path)).text

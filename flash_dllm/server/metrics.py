@@ -170,6 +170,17 @@ class _TierCollector:
         for (tier, direction), n in sorted(counts.items()):
             moved.add_metric([tier, direction], n)
         yield moved
+        ov = getattr(getattr(self.engine, "runner", None), "overflow", None)
+        if ov is not None:              # --kv-overflow-gb (``engine/kv_overflow.py``)
+            fam = CounterMetricFamily(PREFIX + "kv_overflow_bytes",
+                                      "KV bytes of requests larger than the GPU pool streamed "
+                                      "from pinned host memory for a step (h2d) or written "
+                                      "back to it (d2h).", labels=["direction"])
+            fam.add_metric(["h2d"], ov.stats["h2d_bytes"])
+            fam.add_metric(["d2h"], ov.stats["d2h_bytes"])
+            yield fam
+            yield _counter("kv_overflow_steps", "Steps of requests larger than the GPU pool.",
+                           ov.stats["steps"])
         yield _counter("kv_checksum_failures", "Cached pages that failed verification (a miss "
                        "that recomputes; never served).", st["checksum_failures"])
         yield _counter("kv_tier_slower_than_recompute", "Lower-tier hits whose load took longer "
