@@ -181,6 +181,10 @@ class EngineConfig:
     # its pages that fit stay in the pool, the rest stream over PCIe layer by layer at every
     # step; such a request runs alone. 0: refused (as before)
     kv_overflow_gb: float = 0.0
+    # lazy loading for those requests (approximate): a step that does not rewrite the host
+    # pages loads only this share of them, the most attended at the block's first step, and
+    # attends to those and the GPU-resident pages only. None: every page, every step (exact)
+    lazy_load_budget: float | None = None
     kv_placement: str = "lru"            # which cached pages leave a tier first
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
@@ -233,6 +237,13 @@ class EngineConfig:
         if self.kv_disk_path is not None and self.kv_cpu_gb == 0:
             raise ValueError("kv_disk_path needs kv_cpu_gb > 0: pages reach the disk through "
                              "pinned host memory")
+        b = self.lazy_load_budget
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+                raise ValueError(f"lazy_load_budget must be in (0, 1] or None, got {b!r}")
+            if not self.kv_overflow_gb:
+                raise ValueError("lazy_load_budget applies to requests larger than the GPU pool: "
+                                 "set kv_overflow_gb (--kv-overflow-gb) too")
         _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
         _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
         _check_int("kag_top_k", self.kag_top_k, 1)

@@ -165,3 +165,77 @@ async def _get(app, path):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://t") as c:
         return (await c.get(path)).text
+
+
+def test_select_pages_takes_the_most_attended_and_the_written_pages():
+    import numpy as np
+
+    from flash_dllm.engine.kv_overflow import select_pages
+    mass = np.array([0.1, 5.0, 0.2, 0.3, 4.0, 0.0, 0.0, 0.1])
+    assert select_pages(mass, 1.0, (20, 22)) == [(0, 8)]
+    assert select_pages(mass, 0.25, (20, 22)) == [(1, 2), (4, 5)]       # top 2 of 8
+    assert select_pages(mass, 0.1, (6, 9)) == [(1, 2), (6, 8)]          # + written pages
+    big = np.zeros(1000)
+    big[700] = 1.0                                    # chunks of 4 pages (<= 256 chunks)
+    assert select_pages(big, 0.004, (2000, 2001)) == [(700, 704)]
+
+
+def test_lazy_loading_moves_fewer_bytes_and_at_budget_one_changes_nothing():
+    model = tiny("llada", seed=5)
+    params = _params("dual", "threshold")
+    exact = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6,
+                                                  kv_overflow_gb=0.01))
+    ref, _ = _run(exact, [LONG], params)
+    full = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6,
+                                                 kv_overflow_gb=0.01, lazy_load_budget=1.0))
+    assert _run(full, [LONG], params)[0] == ref
+    assert full.runner.overflow.stats["skipped_pages"] == 0
+    lazy = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6,
+                                                 kv_overflow_gb=0.01, lazy_load_budget=0.25))
+    got, reqs = _run(lazy, [LONG], params)
+    st, st_ref = lazy.runner.overflow.stats, exact.runner.overflow.stats
+    assert reqs[0].finished and len(got[0]) == len(ref[0])
+    assert st["skipped_pages"] > 0 and st["h2d_bytes"] < st_ref["h2d_bytes"] / 2
+    assert lazy.runner._overflow_req is None and lazy.kv_manager.num_used == 0
+    with pytest.raises(ValueError, match="set kv_overflow_gb"):
+        EngineConfig(lazy_load_budget=0.5)
+    with pytest.raises(ValueError, match=r"lazy_load_budget must be in \(0, 1\]"):
+        EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0)
+
+
+def test_a_lazy_step_that_keeps_every_page_equals_the_exact_step(monkeypatch):
+    """The compacted block table of a lazy step (kept host pages, then the resident ones, the
+    partial last page last): given every page in two ranges, the outputs are the exact ones."""
+    import flash_dllm.engine.kv_overflow as ko
+    model = tiny("dream", seed=5)
+    params = _params("dual", "vanilla")
+    cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(**cfg)), [LONG], params)
+    monkeypatch.setattr(ko, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, **cfg))
+    got, _ = _run(eng, [LONG], params)
+    assert eng.runner.overflow.stats["skipped_pages"] == 0
+    assert got == ref
+
+
+def test_a_disaggregated_engine_refuses_a_request_larger_than_the_pool_with_a_400():
+    """``PDEngine.validate`` runs ``Engine.validate`` on an engine without a runner: a prompt
+    larger than the pool is a ValueError (HTTP 400) that says why, not an AttributeError."""
+    from types import SimpleNamespace
+    model = tiny("llada", seed=8)
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6))
+    pd_like = SimpleNamespace(cfg=eng.cfg, kv_manager=eng.kv_manager)
+    with pytest.raises(ValueError, match="not supported with --disaggregate"):
+        Engine.validate(pd_like, LONG, _params())
+    with pytest.raises(ValueError, match="send a shorter request"):
+        eng.add_request(LONG, _params(cache="none"))
+
+
+def test_select_pages_ranks_only_the_pages_it_does_not_load_anyway():
+    """The written pages (the active block) draw most of the attention and are loaded anyway:
+    the budget goes to the other pages."""
+    import numpy as np
+
+    from flash_dllm.engine.kv_overflow import select_pages
+    mass = np.array([0.3, 0.1, 0.2, 0.0, 9.0, 9.0])
+    assert select_pages(mass, 0.3, (4, 6)) == [(0, 1), (2, 3), (4, 6)]

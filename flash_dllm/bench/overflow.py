@@ -9,7 +9,9 @@ bound for such a step is
 
 with both terms measured in the same run: the same request on an engine whose pool holds it
 whole, and a plain copy of the same bytes (the same per-layer chunks) from pinned memory. The
-target is a step within 1.25x of the bound (copies under the compute, nothing moved twice). The
+target is a step within 1.25x of the bound (nothing moved twice). That sum is the time with no
+overlap at all; the report also gives the step against the larger of the two terms
+(``step_over_overlap_bound``), the time with perfect overlap. The
 block's first step (the prompt's refresh) writes the spilled pages down instead; its bound uses
 the device->host rate.
 
@@ -160,6 +162,9 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
         "cases": cases,
         "tokens_equal": tokens["all_in_gpu"] == tokens["overflow"],
         "step_bound_s": bound,
+        "copy_s": step_bytes / h2d,
+        "step_over_overlap_bound": (b["step_s_median"] / max(a["step_s_median"], step_bytes / h2d)
+                                    if a["step_s_median"] and b["step_s_median"] else None),
         "step_over_bound": (b["step_s_median"] / bound
                             if bound and b["step_s_median"] is not None else None),
         "effective_h2d_GBps": (step_bytes / (b["step_s_median"] - a["step_s_median"]) / 1e9
@@ -185,7 +190,8 @@ def table(r: dict) -> str:
         f"non-resident per step",
         f"  step: all in GPU {f(a['step_s_median'])}, overflow {f(b['step_s_median'])}, bound "
         f"{f(r['step_bound_s'])} -> {r['step_over_bound'] or float('nan'):.3f}x the bound "
-        f"(target <= {r['target_step_over_bound']})",
+        f"(target <= {r['target_step_over_bound']}); {r['step_over_overlap_bound'] or 0:.3f}x "
+        f"max(step, copy {f(r['copy_s'])})",
         f"  block refresh: all in GPU {f(statistics.median(a['refresh_s']))}, overflow "
         f"{f(statistics.median(b['refresh_s']))}, bound {f(r['refresh_bound_s'])}",
         f"  tokens equal: {r['tokens_equal']}; without --kv-overflow-gb: "

@@ -217,6 +217,7 @@ class KVCacheManager:
             return None
         pages = self.pool.allocate(want * self.page_size)
         self._pages[request_id] = pages
+        self.cancel_prefetch(request_id, admitted=True)
         return pages
 
     def _match(self, tree, prompt_ids: list[int], admit: bool = False,

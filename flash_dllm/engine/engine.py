@@ -99,7 +99,7 @@ class Engine:
         # serving: a request bigger than the whole (empty) page pool would wait forever, unless
         # it may stream its overflow from host memory (``engine/kv_overflow.py``)
         if not self.kv_manager.can_ever_fit(total):
-            why = self._overflow_refusal(total, params)
+            why = Engine._overflow_refusal(self, total, params)
             if why is not None:
                 raise ValueError(f"prompt + max_tokens = {total} tokens needs "
                                  f"{self.kv_manager.pages_for(total)} KV pages of "
@@ -108,10 +108,14 @@ class Engine:
 
     def _overflow_refusal(self, total: int, params: SamplingParams) -> str | None:
         """Why a request larger than the pool cannot stream its overflow (None: it can)."""
-        ov = self.runner.overflow
-        if ov is None:
-            return "--kv-overflow-gb > 0 would stream the rest from host memory"
+        runner = getattr(self, "runner", None)       # (a PDEngine validates through here too)
+        if runner is None:
+            return "requests larger than the pool are not supported with --disaggregate"
         why = overflow_unsupported(params)
+        ov = runner.overflow
+        if ov is None:
+            return ("--kv-overflow-gb > 0 would stream the rest from host memory"
+                    if why is None else "send a shorter request")
         if why is not None:
             return f"it cannot stream from host memory with {why}"
         n = self.kv_manager.pages_for(total)
@@ -159,6 +163,7 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float) -> list[StepOutput]:
         """Book-keeping after a step, on the host: requests advance, finish and free pages."""
+        prefill_rows = self._prefill_rows(plan)
         self.kv_manager.ops_done(result.ops_done)
         reqs = plan.requests
         if result.failed:        # a reused page failed verification: admit it again, recompute
@@ -208,7 +213,8 @@ class Engine:
         self.steps_run += bool(reqs)
         seconds = time.perf_counter() - t0
         self.stats["step_seconds"] += seconds
-        self._observe_prefill(plan, seconds)
+        if prefill_rows >= self.PREFILL_ROWS:
+            self.kv_manager.cost.observe_prefill(prefill_rows, seconds)
         self.stats["last_batch_size"] = len(plan.seqs)
         return outputs
 
@@ -216,15 +222,17 @@ class Engine:
     # cost model's recompute rate (``cache/tiers.CostModel``)
     PREFILL_ROWS = 256
 
-    def _observe_prefill(self, plan: StepPlan, seconds: float) -> None:
-        """Feed a prefill-sized step's positions per second to the tiers' cost model, which
-        weighs loading a cached prefix against recomputing it. Steps that loaded pages are
-        left out (their time is not recompute time)."""
-        if plan.ops or not plan.seqs:
-            return
-        rows = sum(s.window[1] - s.window[0] for s in plan.seqs)
-        if rows >= self.PREFILL_ROWS:
-            self.kv_manager.cost.observe_prefill(rows, seconds)
+    def _prefill_rows(self, plan: StepPlan) -> int:
+        """The positions a step recomputed at its requests' block refreshes (their first
+        steps), for the tiers' cost model, which weighs loading a cached prefix against
+        recomputing it (``_apply`` hands it the rows per second of steps with at least
+        ``PREFILL_ROWS``). 0 for steps that loaded pages or streamed a request larger than the
+        pool (their time is not recompute time), and while the batch is mostly decode rows."""
+        if plan.ops or not plan.seqs or any(s.overflow is not None for s in plan.seqs):
+            return 0
+        rows = [s.window[1] - s.window[0] for s in plan.seqs]
+        refresh = sum(n for s, n in zip(plan.seqs, rows) if s.req.first_step)
+        return refresh if 2 * refresh >= sum(rows) else 0
 
     def _add_block_mass(self, req: Request, page_mass) -> None:
         """Sum a request's per-page attention mass over its block; at the block's end (or the

@@ -28,7 +28,7 @@ from flash_dllm.cache.tiers import Load
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
 from flash_dllm.engine.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
-from flash_dllm.engine.kv_overflow import OverflowKV, OverflowMetadata
+from flash_dllm.engine.kv_overflow import OverflowKV, OverflowMetadata, OverflowState
 from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
@@ -86,11 +86,12 @@ class ModelRunner:
         # requests larger than the pool: a stage of two layers of the longest canvas (allocated
         # before the pool is sized, like the arena) and pinned host memory on demand
         self.overflow: OverflowKV | None = None
-        self._overflow_req: tuple[str, torch.Tensor, torch.Tensor] | None = None
+        self._overflow_req: OverflowState | None = None
         if config.kv_overflow_gb:
             self.overflow = OverflowKV(cfg.num_layers, config.page_size, self.kv_heads,
                                        cfg.head_dim, self.dtype, self.device, self.table_width,
-                                       int(config.kv_overflow_gb * 2**30))
+                                       int(config.kv_overflow_gb * 2**30),
+                                       lazy_budget=config.lazy_load_budget)
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
@@ -196,7 +197,7 @@ class ModelRunner:
         st = self._states.pop(request_id, None)
         if st is not None:
             self._free_rows.append(st.arena_row)
-        if self._overflow_req is not None and self._overflow_req[0] == request_id:
+        if self._overflow_req is not None and self._overflow_req.request_id == request_id:
             self._overflow_req = None
         self._last_plan, self._last_states = None, []
         self.backend.release(request_id)
@@ -266,6 +267,11 @@ class ModelRunner:
                 states[i].mass_src = (mass, i)
             if self.collect_page_mass:       # and, per page, for the placement policy
                 page_mass = mass.view(mass.shape[0], -1, self.page_size).sum(-1)
+        if isinstance(step.meta, OverflowMetadata) and step.meta.mass is not None:
+            # lazy loading: where the block's first step attended, per page (for its next steps)
+            n = plan.seqs[0].overflow.num_pages
+            self._overflow_req.page_mass = (
+                step.meta.mass[0, :n * self.page_size].view(n, -1).sum(-1).float().cpu().numpy())
         tokens, conf, keep, counters = sample_and_commit(
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
@@ -285,12 +291,13 @@ class ModelRunner:
         """An overflow request's step metadata (its host buffer and resident page index are
         made at its first step and kept while it runs)."""
         rid = seq.req.request_id
-        if self._overflow_req is None or self._overflow_req[0] != rid:
+        st = self._overflow_req
+        if st is None or st.request_id != rid:
             ov = seq.overflow
-            host = self.overflow.host_buffer(ov.spill)
-            self._overflow_req = (rid, host, h2d(ov.resident, torch.long, self.device))
-        _, host, resident = self._overflow_req
-        return self.overflow.step(meta, seq.overflow, host, seq.window, resident)
+            st = self._overflow_req = OverflowState(
+                rid, self.overflow.host_buffer(ov.spill), h2d(ov.resident, torch.long,
+                                                              self.device))
+        return self.overflow.step(meta, seq.overflow, st, seq.window, seq.req.canvas_len)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""

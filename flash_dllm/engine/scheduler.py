@@ -58,7 +58,7 @@ class Scheduler:
         first that does not fit blocks the ones behind it). Returns the admitted requests."""
         admitted = []
         while self.waiting and len(self.running) < self.max_num_seqs:
-            if any(r.overflow is not None for r in self.running):
+            if any(r.overflow is not None and not r.finished for r in self.running):
                 break                 # a request larger than the pool runs alone
             req = self.waiting.popleft()
             if req.finished:          # aborted while waiting
@@ -102,7 +102,8 @@ class Scheduler:
             self._prefetched -= gone
         for req in itertools.islice(self.waiting, self.PREFETCH_AHEAD):
             if (req.finished or req.params.cache == "none"
-                    or req.request_id in self._prefetched):
+                    or req.request_id in self._prefetched
+                    or not self.kv.can_ever_fit(req.canvas_len)):    # (never reuses)
                 continue
             self._prefetched.add(req.request_id)
             self.kv.prefetch(req.request_id, req.prompt_ids, req.params.cache)

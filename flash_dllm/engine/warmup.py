@@ -141,6 +141,8 @@ def warm_up(engine, level: str, filler_ids: list[int],
     # are put back afterwards.
     stats = copy.deepcopy(engine.stats)
     kv_stats = copy.deepcopy(engine.kv_manager.stats)
+    # (its steps compile kernels: not a recompute rate the cost model should learn)
+    prefill_rate = engine.kv_manager.cost.prefill_tokens_per_s
     # a long prompt is cut to what the model's length leaves (a small model still warms both)
     room = engine.cfg.max_position
     plan = [(p, n, b) for p in cases(level)
@@ -184,6 +186,7 @@ def warm_up(engine, level: str, filler_ids: list[int],
         engine.stats.update(stats)
         engine.kv_manager.stats.clear()
         engine.kv_manager.stats.update(kv_stats)
+        engine.kv_manager.cost.prefill_tokens_per_s = prefill_rate
     engine.graphs_ready()          # nothing is captured from now on
     rep.seconds = time.perf_counter() - t0
     rep.kernel_compiles = KERNEL_COMPILES.snapshot()["compiles"] - compiles0

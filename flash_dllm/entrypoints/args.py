@@ -98,6 +98,11 @@ class EngineArgs:
                                   "the rest are copied in layer by layer at every step (slow: "
                                   "PCIe-bound), and the request runs alone; cache dual or prefix "
                                   "(default: %(default)s, such requests are refused)")
+    lazy_load_budget: float | None = _knob(
+        "lazy_load_budget", float,
+        "with --kv-overflow-gb: a step that does not rewrite a long request's host pages loads "
+        "only this share of them (0-1], the most attended at its block's first step, and its "
+        "attention skips the rest (approximate; default: every page, exact)")
     kv_placement: str = _knob("kv_placement", str,
                               "which cached pages leave a tier first: lru (least recently "
                               "used), ema (least attended: moving average of the attention mass "
