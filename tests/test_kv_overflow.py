@@ -239,3 +239,30 @@ def test_select_pages_ranks_only_the_pages_it_does_not_load_anyway():
     from flash_dllm.engine.kv_overflow import select_pages
     mass = np.array([0.3, 0.1, 0.2, 0.0, 9.0, 9.0])
     assert select_pages(mass, 0.3, (4, 6)) == [(0, 1), (2, 3), (4, 6)]
+
+
+def test_no_pinned_memory_fails_that_request_alone_and_the_engine_goes_on(monkeypatch):
+    """Fault injection: pinning the host buffer fails (cudaHostAlloc out of memory). The
+    overflow request finishes with an error naming the cause, its pages and tier ops are
+    accounted for, and the next requests run."""
+    from flash_dllm.engine.kv_overflow import OverflowKV
+
+    def no_memory(self, nbytes):
+        raise RuntimeError("CUDA error: out of memory")
+
+    model = tiny("llada", seed=6)
+    params = _params()
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(page_size=PS)), [SHORT], params)
+    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=8,
+                                                kv_overflow_gb=0.01, prefix_reuse=True,
+                                                kv_cpu_gb=0.001))
+    _run(eng, [[7] * 15], params)                      # a cached block to demote at admission
+    monkeypatch.setattr(OverflowKV, "_pin", no_memory)
+    got, reqs = _run(eng, [LONG, SHORT], params)
+    out = eng.output(reqs[0])
+    assert out.finish_reason == "error" and "could not pin" in out.error
+    assert "out of memory" in out.error
+    assert got[1] == ref[0]                            # the short request behind it ran
+    check_ledger(eng)
+    assert eng.kv_manager.num_used == 0 and eng.runner._overflow_req is None
+    assert len(eng.runner._free_rows) == eng.config.max_num_seqs

@@ -27,15 +27,11 @@ import time
 import numpy as np
 import torch
 
+from flash_dllm.bench.memory import _sync, _time
 from flash_dllm.bench.step import shape_config, with_max_len
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.models.loader import build_model, parse_dtype
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _run(eng: Engine, prompt: list[int], params: SamplingParams, dev: torch.device
@@ -67,15 +63,8 @@ def _copy_rate(dev: torch.device, chunk: int, count: int, to_device: bool, reps:
                 devbuf.copy_(host, non_blocking=True)
             else:
                 host.copy_(devbuf, non_blocking=True)
-        _sync(dev)
 
-    once()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        once()
-        ts.append(time.perf_counter() - t0)
-    return chunk * count / statistics.median(ts)
+    return chunk * count / _time(once, dev, reps)
 
 
 def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfloat16",

@@ -170,11 +170,11 @@ async def bench(url: str, prompts: list[str], n_requests: int, concurrency: int,
     after = await wait_pages_free(url)
     # stalls inside the timed run: kernels compiled and CUDA graphs captured while it ran; and
     # how the steps ran (graph replays, eager forwards)
+    delta = lambda k: after.get(k, 0) - before.get(k, 0)   # noqa: E731
     for name in ("kernel_compiles", "graph_captures", "graph_replays", "eager_forwards"):
         key = f"flash_dllm_{name}_total"
         if key in after:
-            run[f"{name}_during_run"] = int(after[key] - before.get(key, 0))
-    delta = lambda k: after.get(k, 0) - before.get(k, 0)   # noqa: E731
+            run[f"{name}_during_run"] = int(delta(key))
     fw, bs = delta("flash_dllm_forwards_total"), delta("flash_dllm_batch_size_sum")
     # the engine thread's share of the wall time: what is left is the server (HTTP, SSE,
     # detokenising) and, with an in-process client, the client, all under the same GIL

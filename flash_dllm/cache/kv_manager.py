@@ -264,7 +264,9 @@ class KVCacheManager:
         # slots: 150 pages prefetched, every one evicted before use)
         budget = min(max_pages, self.l1_slots // 2 - len(self._prefetched))
         nodes = self._match(self.tree(mode), prompt_ids, prefetching=True)
-        protect = {nd.block for nd in nodes}
+        # NOTE: never at the cost of another waiting request's prefetched pages (the blocks
+        # this loop prefetches are among the nodes already)
+        protect = {nd.block for nd in nodes} | set(self._prefetched)
         n = 0
         mine = self._prefetch_for.setdefault(request_id, [])
         for nd in nodes:
@@ -273,8 +275,7 @@ class KVCacheManager:
                 continue
             if n >= budget:
                 break
-            # NOTE: never at the cost of another waiting request's prefetched pages
-            slot = self._l1_slot_spare(protect | set(self._prefetched))
+            slot = self._l1_slot_spare(protect)
             if slot is None:
                 break
             b.pending_l1 = slot

@@ -173,6 +173,18 @@ class Engine:
                     self.runner.release(req.request_id)
                     self.scheduler.requeue(req)
             reqs = [r for r in reqs if r.request_id not in result.failed]
+        failed_outputs = []
+        if result.errors:        # e.g. no pinned memory for a request larger than the pool
+            for req in reqs:
+                why = result.errors.get(req.request_id)
+                if why is not None:
+                    req._finish("error")
+                    req.error = f"request {req.request_id}: {why}"
+                    self._release(req)
+                    failed_outputs.append(StepOutput(req.request_id, [], req.num_tokens, 0,
+                                                     True, "error"))
+            reqs = [r for r in reqs if r.request_id not in result.errors]
+            self.scheduler.drop_finished()
         blocks = result.blocks                                      # [B, max_bl]
         # the whole batch at once: MASK left, first MASK-or-stop slot, stop ids per block
         is_mask = blocks == self.cfg.mask_token_id
@@ -190,7 +202,7 @@ class Engine:
         masked, stops = is_mask.sum(1).tolist(), is_stop.any(1).tolist()
         first_end = np.where(ends.any(1), ends.argmax(1), lens).tolist()
         first_slot = (~is_mask[:, 0]).tolist()
-        outputs = []
+        outputs = failed_outputs
         committed = 0
         changed = False                # a new block, refresh state or finish: a new plan
         for i, req in enumerate(reqs):

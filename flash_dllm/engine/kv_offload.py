@@ -167,10 +167,6 @@ class KVOffloader:
         self._fetches = still
         return done
 
-    @property
-    def fetches_in_flight(self) -> int:
-        return len(self._fetches)
-
     def poll(self) -> list:
         """Stores whose copies completed, finished spills and finished fetches."""
         done = self._poll_fetches()

@@ -34,9 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 import numpy as np
+import torch
 
 from flash_dllm.engine.plan import OverflowPlan
 from flash_dllm.kernels.paged_attention import seqlen_bound
@@ -61,6 +60,11 @@ def overflow_unsupported(params) -> str | None:
     if params.kv_jaccard_min is not None:
         return "kv_jaccard_min (the KV sentinel does not run on requests larger than the pool)"
     return None
+
+
+class OverflowMemoryError(RuntimeError):
+    """The pinned host memory for a request larger than the pool could not be had: that
+    request fails (finish_reason "error"), the engine goes on."""
 
 
 class OverflowKV:
@@ -104,9 +108,17 @@ class OverflowKV:
                 # NOTE: PyTorch's pinned allocator rounds a buffer up to a power of two and
                 # keeps a freed one pinned: give it back before pinning a bigger one
                 torch._C._host_emptyCache()
-            self._host = torch.empty(need, dtype=torch.uint8, pin_memory=self.cuda)
+            try:
+                self._host = self._pin(need)
+            except RuntimeError as e:
+                raise OverflowMemoryError(
+                    f"could not pin {need / 2**30:.2f} GiB of host memory for a request larger "
+                    f"than the GPU KV pool: {e}") from e
         return self._host[:need].view(self.dtype).view(self.num_layers, 2, spill,
                                                        *self.page_shape)
+
+    def _pin(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     def step(self, meta: PagedAttentionMetadata, plan: OverflowPlan, state: OverflowState,
              window: tuple[int, int], canvas_len: int) -> "OverflowMetadata":
@@ -125,32 +137,55 @@ class OverflowKV:
         full = window[0] <= 0 and window[1] >= s * ps          # every spilled key rewritten
         self.stats["steps"] += 1
         written = (max(0, p0), min(n, p1))
-        measure = False
+        lazy = None
         if full:
             ranges = []
-            state.page_mass = None       # a new block: its attention is measured again
-        elif s == 0:
-            ranges = []
-        elif self.lazy_budget is None or state.page_mass is None:
-            ranges = [(0, s)]
-            measure = self.lazy_budget is not None
+            state.page_mass = state.lazy = None    # a new block: its attention is measured again
+        elif s == 0 or self.lazy_budget is None or state.page_mass is None:
+            ranges = [(0, s)] if s else []
         else:
-            ranges = select_pages(state.page_mass[:s], self.lazy_budget, written)
+            lazy = state.lazy
+            if lazy is None or lazy.written != written:      # once per block (and window)
+                lazy = state.lazy = self._lazy_step(state.page_mass[:s], written, plan,
+                                                    canvas_len, meta.block_table)
+            ranges = lazy.ranges
         out = OverflowMetadata.wrap(meta, _StepCopies(self, plan, state.host, state.resident_idx,
                                                       ranges, written))
-        if self.lazy_budget is not None:
-            if measure:                  # every page here: where the active block attends
-                out.mass_layer = self.num_layers - 1
-            elif ranges and ranges != [(0, s)]:   # the loaded spilled pages and the resident
-                keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
-                keys = (len(keep) - 1) * ps + (canvas_len - (n - 1) * ps)
-                table = np.zeros(meta.block_table.shape, dtype=np.int32)
-                table[0, :len(keep)] = keep
-                out.block_table = h2d(table, torch.int32, meta.block_table.device)
-                out.seq_lens = h2d([keys], torch.int32, meta.block_table.device)
-                out.max_k = seqlen_bound(keys)
-                self.stats["skipped_pages"] += s - sum(b - a for a, b in ranges)
+        if self.lazy_budget is not None and not full and s and state.page_mass is None:
+            out.mass_layer = self.num_layers - 1   # every page here: where the block attends
+        if lazy is not None and lazy.table is not None:
+            out.block_table, out.seq_lens, out.max_k = lazy.table, lazy.seq_lens, lazy.max_k
+            self.stats["skipped_pages"] += lazy.skipped
         return out
+
+    def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
+                   canvas_len: int, like: torch.Tensor) -> LazyPlan:
+        """The spilled pages a lazy step loads and, when some are skipped, the compacted
+        block table its attention reads: the kept spilled pages, then the resident ones (the
+        partial last page stays last)."""
+        ps, s, n = self.page_shape[0], plan.spill, plan.num_pages
+        ranges = select_pages(mass, self.lazy_budget, written)
+        if ranges == [(0, s)]:
+            return LazyPlan(written, ranges)
+        keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
+        keys = (len(keep) - 1) * ps + (canvas_len - (n - 1) * ps)
+        table = np.zeros(like.shape, dtype=np.int32)
+        table[0, :len(keep)] = keep
+        return LazyPlan(written, ranges, h2d(table, torch.int32, like.device),
+                        h2d([keys], torch.int32, like.device), seqlen_bound(keys),
+                        s - sum(b - a for a, b in ranges))
+
+
+@dataclass
+class LazyPlan:
+    """A lazy step's loads, kept for the block's later steps with the same written pages."""
+
+    written: tuple[int, int]
+    ranges: list[tuple[int, int]]
+    table: torch.Tensor | None = None       # compacted [1, width] block table (device)
+    seq_lens: torch.Tensor | None = None
+    max_k: int = 0
+    skipped: int = 0
 
 
 @dataclass
@@ -163,6 +198,7 @@ class OverflowState:
     host: torch.Tensor
     resident_idx: torch.Tensor              # [n - spill] long, on the device
     page_mass: np.ndarray | None = None     # [n] float, host
+    lazy: LazyPlan | None = None            # the current block's lazy loads
 
 
 def select_pages(mass: np.ndarray, budget: float, written: tuple[int, int]

@@ -28,7 +28,8 @@ from flash_dllm.cache.tiers import Load
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
 from flash_dllm.engine.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
-from flash_dllm.engine.kv_overflow import OverflowKV, OverflowMetadata, OverflowState
+from flash_dllm.engine.kv_overflow import (OverflowKV, OverflowMemoryError, OverflowMetadata,
+                                           OverflowState)
 from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
@@ -229,7 +230,11 @@ class ModelRunner:
                 plan = StepPlan([s for s in plan.seqs if s.req.request_id not in failed])
         if not plan.seqs:
             return StepResult(np.zeros((0, 1), dtype=np.int64), ops_done=done, failed=failed)
-        result = self._execute(plan)
+        try:
+            result = self._execute(plan)
+        except OverflowMemoryError as e:      # (before any device work of the forward)
+            return StepResult(np.zeros((0, 1), dtype=np.int64), ops_done=done, failed=failed,
+                              errors={plan.seqs[0].req.request_id: str(e)})
         result.ops_done, result.failed = done, failed
         if self.config.kv_tier_stress:        # every page down to host memory and back
             pages = sorted({p for s in plan.seqs
