@@ -148,8 +148,10 @@ def test_compare_runs_both_servers(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(bench, "_has_prefix_reuse", lambda a: True)
     out = tmp_path / "mt.json"
     rc = main(["bench", "multiturn", "--compare", "--users", "1", "--turns", "2",
-               "--history-tokens", "32", "--max-tokens", "8", "--no-warmup", "--json", str(out)])
+               "--history-tokens", "32", "--max-tokens", "8", "--no-warmup", "--json", str(out),
+               "--png", str(tmp_path / "mt.png")])
     assert rc == 0
+    assert (tmp_path / "mt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rep = json.loads(out.read_text())
     assert rep["errors"] == 0
     assert rep["reuse_on"]["prefix_reuse"] is True and rep["reuse_off"]["prefix_reuse"] is False
@@ -157,3 +159,5 @@ def test_compare_runs_both_servers(tmp_path, monkeypatch, capsys):
     for r in rep["compare"]:
         assert r["ttft_mean_on"] > 0 and r["ttft_mean_off"] > 0 and r["ttft_mean_off_over_on"] > 0
     assert "off/on" in capsys.readouterr().out.splitlines()[-3]
+    assert main(["bench", "plot", str(out), "--png", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 10_000

@@ -124,6 +124,33 @@ def test_out_views_into_staging_buffers():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("out_dtype", [None, torch.float8_e4m3fn, torch.int8])
+def test_pack_into_strided_record_rows_equals_the_reference(out_dtype):
+    """The offloader packs straight into the payload columns of a batch of page records (rows
+    strided by the record size): kernel and reference agree with a contiguous pack, bytes
+    outside the payload columns are untouched, and unpack reads the rows back in place."""
+    kv = _pool("llada", 8, 4, torch.bfloat16, seed=9)
+    ids = torch.tensor([6, 2, 3])
+    want, want_scales = kv_pages.pack_pages_reference(kv, ids, out_dtype=out_dtype)
+    dtype = want.dtype
+    payload = want[0].numel() * want.element_size()
+    for pack in (kv_pages.pack_pages_triton, kv_pages.pack_pages_reference):
+        rec = torch.full((3, payload + 64), 0xA5, dtype=torch.uint8)
+        out = rec[:, :payload].view(dtype).view(want.shape)
+        got, scales = pack(kv, ids, out=out, out_dtype=out_dtype)
+        assert got.data_ptr() == rec.data_ptr() and not out.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert (rec[:, payload:] == 0xA5).all()
+        if out_dtype is not None:
+            assert torch.equal(scales, want_scales)
+        dst = torch.zeros_like(kv)
+        kv_pages.unpack_pages_triton(out, ids, dst, scales)
+        ref = torch.zeros_like(kv)
+        kv_pages.unpack_pages_reference(want, ids, ref, want_scales)
+        assert torch.equal(dst, ref)
+
+
+@needs_interpreter
 def test_empty_page_list():
     kv = _pool("dream", 4, 4, torch.bfloat16)
     ids = torch.zeros(0, dtype=torch.int64)
@@ -378,7 +405,7 @@ def test_bad_layouts_raise(impl):
         pack(kv, ids.float())
     with pytest.raises(ValueError, match="layers must be"):
         pack(kv, ids, layers=(2, 2))
-    with pytest.raises(ValueError, match="out must be contiguous"):
+    with pytest.raises(ValueError, match="out's pages must be contiguous"):
         pack(kv, ids, out=torch.empty(2, 3, 2, 4, 4, 32, dtype=torch.bfloat16)[..., ::2])
     with pytest.raises(ValueError, match="out must be"):
         pack(kv, ids, out=torch.empty(3, 3, 2, 4, 4, 16, dtype=torch.bfloat16))

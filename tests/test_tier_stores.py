@@ -737,6 +737,8 @@ def test_bench_disk_smoke(tmp_path):
     res = bench_disk(tmp_path / "bench.bin", record_bytes=64 << 10, nbytes=1 << 20, in_flight=4)
     assert res["verified"] == res["records"] > 0 and res["read_bytes_per_s"] > 0
     assert {"write_ratio", "read_ratio", "seq_read_bytes_per_s", "direct"} <= res.keys()
+    assert res["reps"] == 5 and len(res["write_ratios"]) == len(res["read_ratios"]) == 5
+    assert min(res["read_ratios"]) <= res["read_ratio"] <= max(res["read_ratios"])
     assert not (tmp_path / "bench.bin").exists()
     seq = sequential_rate(tmp_path / "seq.bin", 1 << 20, direct=False)
     assert seq["direct"] is False and seq["write_bytes_per_s"] > 0
@@ -754,6 +756,21 @@ def test_bench_disk_counts_a_miss_as_not_verified(tmp_path, monkeypatch):
     res = bench_disk(tmp_path / "bench.bin", record_bytes=64 << 10, nbytes=512 << 10,
                      in_flight=2, direct=False)
     assert res["records"] > 1 and res["verified"] == res["records"] - 1
+
+
+def test_bench_disk_counts_a_miss_in_any_rep(tmp_path, monkeypatch):
+    real, reads = DiskStore._read_record, []
+
+    def one_bad_read_in_the_second_rep(self, slot, key, out_mv=None, n=None):
+        reads.append(slot)
+        if len(reads) == 10:                       # rep 2 of 8-record passes
+            return self._miss("checksum_failures")
+        return real(self, slot, key, out_mv, n)
+
+    monkeypatch.setattr(DiskStore, "_read_record", one_bad_read_in_the_second_rep)
+    res = bench_disk(tmp_path / "bench.bin", record_bytes=64 << 10, nbytes=8 * (68 << 10),
+                     in_flight=2, direct=False, reps=3)
+    assert res["records"] == 8 and len(reads) == 24 and res["verified"] == 7
 
 
 def test_sequential_rate_completes_short_writes(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 
 from flash_dllm.bench.step import shape_config
 from flash_dllm.cache.tiers import Block, Store
-from flash_dllm.engine.kv_offload import KVOffloader
+from flash_dllm.engine.kv_offload import MOVE_GROUP_PAGES, KVOffloader
 from flash_dllm.models.loader import parse_dtype
 from flash_dllm.models.registry import resolve
 
@@ -44,7 +44,8 @@ def _time(fn, dev: torch.device, reps: int) -> float:
 def run_memory_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfloat16",
                      pages: int = 64, page_size: int = 16, reps: int = 5,
                      offload_dtypes: tuple[str, ...] = ("bf16", "fp8", "int8"),
-                     disk_path: str | None = None, disk_mb: int = 256) -> dict:
+                     disk_path: str | None = None, disk_mb: int = 256,
+                     group_pages: tuple[int, ...] | None = None, disk_reps: int = 5) -> dict:
     dev = torch.device(device)
     raw = shape_config(shape)
     cfg = resolve(raw).parse_config(raw)
@@ -59,8 +60,9 @@ def run_memory_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfl
     d2h = _time(lambda: host.copy_(src, non_blocking=True), dev, reps)
     h2d = _time(lambda: src.copy_(host, non_blocking=True), dev, reps)
     rows = []
-    for od in offload_dtypes:
-        off = KVOffloader(kv, pages, od)
+    for od, group in ((od, g) for g in (group_pages or (MOVE_GROUP_PAGES,))
+                      for od in offload_dtypes):
+        off = KVOffloader(kv, pages, od, group_pages=group)
         blocks = [Block(i.to_bytes(16, "little")) for i in range(pages)]
         stores = [Store(b, i, i) for i, b in enumerate(blocks)]
 
@@ -74,7 +76,7 @@ def run_memory_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfl
         t_load = _time(lambda: off.load(slots, ids, keys), dev, reps)
         ok = off.load(slots, ids, keys)
         rec = off.layout.nbytes * pages
-        rows.append({"offload_dtype": od, "record_bytes": off.layout.nbytes,
+        rows.append({"offload_dtype": od, "group_pages": group, "record_bytes": off.layout.nbytes,
                      "store_s": t_store, "load_s": t_load,
                      "store_GBps": nbytes / t_store / 1e9, "load_GBps": nbytes / t_load / 1e9,
                      "moved_bytes": rec,
@@ -88,7 +90,7 @@ def run_memory_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfl
     if disk_path is not None:
         from flash_dllm.bench.disk import bench_disk
         report["disk"] = bench_disk(disk_path, record_bytes=rows[0]["record_bytes"],
-                                    nbytes=disk_mb << 20)
+                                    nbytes=disk_mb << 20, reps=disk_reps)
     return report
 
 
@@ -96,10 +98,10 @@ def table(report: dict) -> str:
     lines = [f"{report['shape']} on {report['device']}: {report['pages']} pages of "
              f"{report['page_bytes'] / 2**20:.2f} MiB; plain copy D2H "
              f"{report['plain_d2h_GBps']:.1f} GB/s, H2D {report['plain_h2d_GBps']:.1f} GB/s",
-             f"{'offload':8s} {'store GB/s':>11s} {'vs plain':>9s} {'load GB/s':>10s} "
+             f"{'offload':8s} {'group':>5s} {'store GB/s':>11s} {'vs plain':>9s} {'load GB/s':>10s} "
              f"{'vs plain':>9s} {'verified':>9s}"]
     for r in report["tiers"]:
-        lines.append(f"{r['offload_dtype']:8s} {r['store_GBps']:11.2f} "
+        lines.append(f"{r['offload_dtype']:8s} {r['group_pages']:5d} {r['store_GBps']:11.2f} "
                      f"{r['store_vs_plain_copy']:8.2f}x {r['load_GBps']:10.2f} "
                      f"{r['load_vs_plain_copy']:8.2f}x {str(r['verified']):>9s}")
     d = report.get("disk")

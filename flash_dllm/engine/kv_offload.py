@@ -5,7 +5,12 @@ A page leaves the GPU page-first (``kernels/kv_pages``: all layers of a page con
 launch per group of pages), optionally as fp8 / int8 with one scale per (layer, k/v, head), and
 lands in one host slot as one record::
 
-    [ payload (packed page) | scales (quantised only) | key (16 B) | checksum (16 B) ]
+    [ payload (packed page) | scales (quantised only) | key (16 B) | checksum (16 B) | pad ]
+
+padded to a multiple of ``RECORD_ALIGN`` bytes, so that every record of a batch (a row of one
+device tensor) starts 16-byte aligned: the pack kernel writes the payload straight into the
+records, and the checksum and unpack kernels read them in place with vector loads (with odd row
+strides the checksum ran 4x slower and a staging copy of the payload cost as much again).
 
 The key is the cached block's prefix-chain key: a load compares it with the key it expects, so a
 host slot still holding another block's (valid) record can never be served as this one.
@@ -35,6 +40,8 @@ from flash_dllm.cache.tiers import Fetch, Load, Spill, Store, StoreDisk
 from flash_dllm.kernels import kv_pages
 
 OFFLOAD_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+RECORD_ALIGN = 256   # record size multiple: see the module docstring
+MOVE_GROUP_PAGES = 16  # pages per pipelined group of a store or load (see ``_store``, ``load``)
 
 
 @dataclass
@@ -56,7 +63,20 @@ class RecordLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.payload + self.scales + 32
+        return -(-(self.payload + self.scales + 32) // RECORD_ALIGN) * RECORD_ALIGN
+
+    def payload_view(self, rec: torch.Tensor) -> torch.Tensor:
+        """The packed pages of records ``rec [n, nbytes]`` uint8, as the pack / unpack kernels'
+        ``[n, layers, 2, page_size, kv_heads, head_dim]`` buffer: a view (rows strided)."""
+        n = rec.shape[0]
+        return rec[:, :self.payload].view(self.dtype).view(n, *self.shape[1:])
+
+    def scales_view(self, rec: torch.Tensor) -> torch.Tensor:
+        """The scales of records ``rec`` as ``[n, layers, 2, kv_heads]`` fp32 (a copy: the
+        kernels take contiguous scales)."""
+        n = rec.shape[0]
+        return rec[:, self.payload:self.key_at].contiguous().view(torch.float32).view(
+            n, self.shape[1], 2, self.shape[4])
 
     @classmethod
     def for_pool(cls, kv: torch.Tensor, offload_dtype: torch.dtype | None) -> RecordLayout:
@@ -77,7 +97,8 @@ class _Pending:
 
 class KVOffloader:
     def __init__(self, kv: torch.Tensor, l1_slots: int, offload_dtype: str = "bf16",
-                 disk_path: str | None = None, disk_bytes: int = 0, compat: bytes = b"") -> None:
+                 disk_path: str | None = None, disk_bytes: int = 0, compat: bytes = b"",
+                 group_pages: int = MOVE_GROUP_PAGES) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"kv_offload_dtype must be one of {sorted(OFFLOAD_DTYPES)}, got "
                              f"{offload_dtype!r}")
@@ -95,7 +116,11 @@ class KVOffloader:
         while self.disk is not None and self.disk.alloc() is not None:
             pass
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None       # stores
+        self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None  # loads
+        if isinstance(group_pages, bool) or not isinstance(group_pages, int) or group_pages < 1:
+            raise ValueError(f"group_pages must be an integer >= 1, got {group_pages!r}")
+        self.group_pages = group_pages
         self._pending: list[_Pending] = []
         self._spills: list = []                      # (op, future, t0)
         self._fetches: list = []                     # (op, future, t0): disk -> host reads
@@ -146,6 +171,11 @@ class KVOffloader:
         run = [op for op in loads if op.slot not in fetched_bad]
         done += [(op, False, 0.0) for op in loads if op.slot in fetched_bad]
         if run:
+            # NOTE: the KV manager never loads from a slot a store is still writing (such a
+            # block is not published yet); should it, the load's copies wait for the stores'
+            writing = {op.slot for p in self._pending for op in p.ops}
+            if self.cuda and any(op.slot in writing for op in run):
+                self.load_stream.wait_stream(self.stream)
             ok = self.load([op.slot for op in run], [op.page for op in run],
                            [op.block.key for op in run])
             t = self._last_load / max(len(run), 1)
@@ -202,59 +232,108 @@ class KVOffloader:
         """[n, record bytes] uint8 on the device: packed pages, scales, keys and checksums."""
         n = len(pages)
         lay = self.layout
-        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        buf, scales = kv_pages.pack_pages(self.kv, ids, out_dtype=self.qdtype)
+        key_rows = self._keys(keys)
+        ids = self._ids(pages)
         rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
-        rec[:, :lay.payload] = buf.reshape(n, -1).view(torch.uint8)
+        _, scales = kv_pages.pack_pages(self.kv, ids, out=lay.payload_view(rec),
+                                        out_dtype=self.qdtype)
         if scales is not None:
-            rec[:, lay.payload:lay.payload + lay.scales] = scales.reshape(n, -1).view(torch.uint8)
-        rec[:, lay.key_at:lay.sums_at] = self._keys(keys)
+            rec[:, lay.payload:lay.key_at] = scales.reshape(n, -1).view(torch.uint8)
+        rec[:, lay.key_at:lay.sums_at] = key_rows
         sums = device_checksum_rows(rec[:, :lay.key_at])        # [n, 2] int64: payload + scales
-        rec[:, lay.sums_at:] = sums.view(torch.uint8).reshape(n, 16)
+        rec[:, lay.sums_at:lay.sums_at + 16] = sums.view(torch.uint8).reshape(n, 16)
+        rec[:, lay.sums_at + 16:].zero_()     # the pad: never another request's stale bytes
         return rec
 
     def _keys(self, keys: list[bytes]) -> torch.Tensor:
         """[n, 16] uint8 on the device (one host->device copy)."""
         raw = b"".join(k.ljust(16, b"\0")[:16] for k in keys)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 16).to(self.device)
+        return self._to_device(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 16))
+
+    def _ids(self, pages: list[int]) -> torch.Tensor:
+        return self._to_device(torch.tensor(pages, dtype=torch.int64))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without a host sync.
+
+        NOTE: a copy from pageable memory first waits for the stream's earlier work (CUDA
+        synchronises the stream before a pageable host->device copy): a store issued between
+        steps would wait for the step in flight. From pinned memory it is queued like a kernel,
+        and the caching host allocator keeps the pinned block until the copy has run."""
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _store(self, ops: list) -> None:
         t0 = time.perf_counter()
-        rec = self._pack([op.page for op in ops], [op.block.key for op in ops])
         if not self.cuda:
+            rec = self._pack([op.page for op in ops], [op.block.key for op in ops])
             for i, op in enumerate(ops):
                 self.host.view(op.slot).copy_(rec[i])
             self._pending.append(_Pending(ops, None, (), t0))
             self.stats["stores"] += len(ops)
             return
-        # NOTE: the side stream waits for the pack; ``rec`` stays referenced until the copies
-        # completed (the caching allocator may not hand its memory to anyone else before)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for i, op in enumerate(ops):
-                self.host.view(op.slot).copy_(rec[i], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        rec.record_stream(self.stream)
-        self._pending.append(_Pending(ops, ev, (rec,), t0))
+        # NOTE: groups of ``group_pages``: the copies of one group run under the pack and
+        # checksum of the next. The side stream waits for each group's pack; each ``rec`` stays
+        # referenced until the copies completed (the caching allocator may not hand its memory
+        # to anyone else before)
+        cur = torch.cuda.current_stream(self.device)
+        keep = []
+        for g0 in range(0, len(ops), self.group_pages):
+            part = ops[g0:g0 + self.group_pages]
+            rec = self._pack([op.page for op in part], [op.block.key for op in part])
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                for i, op in enumerate(part):
+                    self.host.view(op.slot).copy_(rec[i], non_blocking=True)
+            rec.record_stream(self.stream)
+            keep.append(rec)
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self._pending.append(_Pending(ops, ev, tuple(keep), t0))
         self.stats["stores"] += len(ops)
 
     # --------------------------------------------------------------------------------- loads
     def load(self, src_slots: list[int], pages: list[int], keys: list[bytes]) -> list[bool]:
         """Host records ``src_slots`` -> L0 ``pages``: copy up, verify on the device (checksums,
         and the key each record must carry), unpack the records that passed. One host sync;
-        returns ok per record."""
+        returns ok per record.
+
+        NOTE (pipelined, nothing bad unpacked): the records come up in groups of
+        ``group_pages`` on the load stream; each group is verified and unpacked on the current
+        stream as soon as its copies are done, under the next group's copies. A record that
+        failed a check is unpacked to page id -1, which the unpack kernel masks (never written,
+        see ``kernels/kv_pages``), so no host sync is needed before unpacking."""
         t0 = time.perf_counter()
         n = len(pages)
         lay = self.layout
+        key_rows = self._keys(keys)
+        ids = self._ids(pages)
         rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
-        for i, slot in enumerate(src_slots):
-            rec[i].copy_(self.host.view(slot), non_blocking=True)
-        ok = self._verify(rec) & (rec[:, lay.key_at:lay.sums_at] == self._keys(keys)).all(1)
-        ok_host = ok.tolist()                        # the one sync: nothing bad gets unpacked
-        good = [i for i, g in enumerate(ok_host) if g]
-        if good:
-            self._unpack(rec[good] if len(good) < n else rec, [pages[i] for i in good])
+        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            self.load_stream.wait_stream(cur)           # rec, ids and keys are cur's
+        oks = []
+        for g0 in range(0, n, self.group_pages):
+            g1 = min(n, g0 + self.group_pages)
+            if self.cuda:
+                with torch.cuda.stream(self.load_stream):
+                    for i in range(g0, g1):
+                        rec[i].copy_(self.host.view(src_slots[i]), non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self.load_stream)
+                cur.wait_event(ev)
+            else:
+                for i in range(g0, g1):
+                    rec[i].copy_(self.host.view(src_slots[i]))
+            part = rec[g0:g1]
+            ok = self._verify(part) & (part[:, lay.key_at:lay.sums_at] == key_rows[g0:g1]).all(1)
+            self._unpack(part, torch.where(ok, ids[g0:g1], -1), bad)
+            oks.append(ok)
+        if self.cuda:
+            rec.record_stream(self.load_stream)
+        ok_host = torch.cat(oks).tolist() if oks else []     # the one sync
         self._last_load = time.perf_counter() - t0
         for _ in range(n):
             self.latency["load"].observe(self._last_load / n)
@@ -264,20 +343,17 @@ class KVOffloader:
     def _verify(self, rec: torch.Tensor) -> torch.Tensor:
         lay = self.layout
         n = rec.shape[0]
-        want = rec[:, lay.sums_at:].contiguous().view(torch.int64)                  # [n, 2]
+        want = rec[:, lay.sums_at:lay.sums_at + 16].contiguous().view(torch.int64)   # [n, 2]
         got = device_checksum_rows(rec[:, :lay.key_at])                            # [n, 2]
         return (got == want).all(dim=1).reshape(n)
 
-    def _unpack(self, rec: torch.Tensor, pages: list[int]) -> None:
+    def _unpack(self, rec: torch.Tensor, ids: torch.Tensor, bad: torch.Tensor | None = None
+                ) -> None:
+        """Records ``rec`` into pool pages ``ids`` (device int64; an id outside the pool, e.g.
+        -1, is written nowhere and counted into ``bad``)."""
         lay = self.layout
-        n = rec.shape[0]
-        buf = rec[:, :lay.payload].contiguous().view(lay.dtype).view(n, *lay.shape[1:])
-        scales = None
-        if lay.scales:
-            scales = rec[:, lay.payload:lay.payload + lay.scales].contiguous().view(
-                torch.float32).view(n, lay.shape[1], 2, lay.shape[4])
-        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        kv_pages.unpack_pages(buf, ids, self.kv, scales)
+        scales = lay.scales_view(rec) if lay.scales else None
+        kv_pages.unpack_pages(lay.payload_view(rec), ids, self.kv, scales, bad=bad)
 
     # ------------------------------------------------------------------------------- stress
     def roundtrip(self, pages: list[int]) -> bool:
@@ -291,5 +367,5 @@ class KVOffloader:
         back = host.to(self.device)
         ok = bool(self._verify(back).all())
         if ok:
-            self._unpack(back, pages)
+            self._unpack(back, self._ids(pages))
         return ok

@@ -23,6 +23,15 @@ class CommandError(Exception):
         self.exit_code = exit_code
 
 
+def require_matplotlib(what: str = "--matrix") -> None:
+    """CommandError naming the install when matplotlib is missing (a figure is an extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CommandError(f"{what} draws its figure with matplotlib, which is not installed: "
+                           "pip install -e \".[plot]\" (or pip install matplotlib)") from None
+
+
 def positive_int(text: str) -> int:
     """argparse ``type``: an integer >= 1 (a bad value is a usage error naming the flag)."""
     try:

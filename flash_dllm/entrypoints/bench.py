@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 from flash_dllm.engine.warmup import WARMUP_LEVELS
-from flash_dllm.entrypoints.args import CommandError, EngineArgs
+from flash_dllm.entrypoints.args import CommandError, EngineArgs, require_matplotlib
 from flash_dllm.entrypoints.bench_overflow import add_overflow_parser
 from flash_dllm.entrypoints.bench_pd import add_pd_parser
+from flash_dllm.entrypoints.bench_plot import add_plot_parser, write_png
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
 
@@ -68,8 +69,17 @@ def add_parser(sub) -> None:
     mem.add_argument("--disk-path", default=None,
                      help="also measure the disk tier on this (scratch) file")
     mem.add_argument("--disk-mb", type=int, default=256)
+    mem.add_argument("--disk-reps", type=int, default=5,
+                     help="alternating (store, sequential) disk passes; medians are reported "
+                          "(default: %(default)s)")
+    mem.add_argument("--group-pages", type=int, nargs="+", default=None,
+                     help="pages per pipelined group of a store / load; several values: one "
+                          "row per value and offload dtype (default: the engine's, 16)")
     mem.add_argument("--json", default=None, help="write the report here")
+    mem.add_argument("--png", default=None, help="draw the report's figure here (matplotlib)")
     mem.set_defaults(func=cmd_bench_memory)
+
+    add_plot_parser(bsub)
 
     t = bsub.add_parser("step", help="time one denoising forward of a random-init model")
     t.add_argument("--model-shape", default="llada-8b", help="llada-8b, dream-7b or demo")
@@ -108,16 +118,22 @@ def cmd_bench_memory(a: argparse.Namespace) -> int:
     from flash_dllm.bench.memory import run_memory_bench, table
     from flash_dllm.models.loader import resolve_device
 
-    for name in ("pages", "page_size", "reps", "disk_mb"):
+    for name in ("pages", "page_size", "reps", "disk_mb", "disk_reps"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.group_pages is not None and min(a.group_pages) < 1:
+        raise ValueError(f"--group-pages must be >= 1, got {a.group_pages}")
     resolve_device(a.device)
+    if a.png:
+        require_matplotlib("--png")      # before the run, not after it
     report = run_memory_bench(a.model_shape, a.device, a.dtype, a.pages, a.page_size, a.reps,
-                              tuple(a.offload_dtype), a.disk_path, a.disk_mb)
+                              tuple(a.offload_dtype), a.disk_path, a.disk_mb,
+                              tuple(a.group_pages) if a.group_pages else None, a.disk_reps)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(table(report))
+    write_png(report, a.png)
     return 0
 
 
@@ -278,6 +294,8 @@ def _add_multiturn_parser(bsub) -> None:
                    help="keep each answer's text in the report's records")
     m.add_argument("--api-key", default=None)
     m.add_argument("--json", default=None, help="also write the JSON report here")
+    m.add_argument("--png", default=None, help="draw TTFT per turn and throughput here "
+                                               "(matplotlib)")
     g = m.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
     g.add_argument("--max-tokens", type=int, default=32, help="answer tokens per turn "
                                                               "(default: %(default)s)")
@@ -331,6 +349,8 @@ def cmd_bench_multiturn(a: argparse.Namespace) -> int:
                           temperature=a.temperature, knobs=knobs, timeout_s=a.timeout_s)
     if a.compare and a.url is not None:
         raise ValueError("--compare starts two in-process servers; it cannot be used with --url")
+    if a.png:
+        require_matplotlib("--png")      # before the run, not after it
 
     def go(url: str) -> dict:
         return asyncio.run(run_multiturn(url, cfg, a.api_key, warmup=not a.no_warmup,
@@ -369,4 +389,5 @@ def cmd_bench_multiturn(a: argparse.Namespace) -> int:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {a.json}", file=sys.stderr)
     print(table(report))
+    write_png(report, a.png)
     return 0 if report["errors"] == 0 else 1

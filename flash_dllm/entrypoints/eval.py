@@ -9,6 +9,7 @@ from pathlib import Path
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES
 from flash_dllm.entrypoints.args import (CommandError, EngineArgs, add_sampling_flags,
+                                         require_matplotlib,
                                         sampling_from_args)
 from flash_dllm.evals.tasks import SUITES
 
@@ -46,14 +47,6 @@ def add_parser(sub) -> None:
     EngineArgs.add_cli_args(e)
     add_sampling_flags(e)
     e.set_defaults(func=run)
-
-
-def require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CommandError("--matrix draws its figure with matplotlib, which is not installed: "
-                           "pip install -e \".[plot]\" (or pip install matplotlib)") from None
 
 
 def _suite(a: argparse.Namespace):

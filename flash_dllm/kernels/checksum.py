@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, interpreting, use_triton
+from flash_dllm.kernels._triton import (HAS_TRITON, check, check_device, describe, interpreting,
+                                       use_triton)
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 
@@ -89,7 +90,7 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
 
 def _check_rows(fn: str, b: torch.Tensor) -> None:
     check(isinstance(b, torch.Tensor) and b.dim() == 2 and b.dtype == torch.uint8,
-          f"{fn}: b must be a [rows, nbytes] uint8 tensor, got {b!r:.60}")
+          f"{fn}: b must be a [rows, nbytes] uint8 tensor, got {describe(b)}")
     check(b.shape[1] < MAX_CHECKSUM_BYTES,
           f"{fn}: each row must be smaller than {MAX_CHECKSUM_BYTES} bytes for the checksum's "
           f"guarantees, got {b.shape[1]}")

@@ -45,9 +45,9 @@ scale. fp8 codes are written and read as uint8 bits (``_fp8_bits`` / ``_fp8_valu
 codes are exactly torch's on every back end (the interpreter's fp8 casts have no NaN).
 
 Layouts: the pool may be any view whose pages are contiguous ``[page_size, kv_heads, head_dim]``;
-``out`` (pack) must be contiguous (it is what travels), e.g. a slice of a pinned or staging
-buffer; ``buf`` (unpack) may be strided over its (page, layer, k/v) dims, e.g. a view of a larger
-staging buffer; scales are contiguous. The kernel runs when every tensor is on the GPU; an ``out``
+``out`` (pack) and ``buf`` (unpack) may be strided over their (page, layer, k/v) dims, e.g. the
+payload columns of a batch of page records (``engine/kv_offload``) or a view of a larger staging
+buffer; scales are contiguous. The kernel runs when every tensor is on the GPU; an ``out``
 in host memory takes the reference path (a gather, then a copy): tiers should pack into a device
 staging buffer and copy that to pinned memory in one ``copy_``.
 
@@ -73,6 +73,7 @@ from flash_dllm.kernels._triton import (
     check,
     check_device,
     check_dtype,
+    describe,
     interpreting,
     next_pow2,
     use_triton,
@@ -332,8 +333,8 @@ def _check_pack(fn, kv, page_ids, out, out_dtype, layers, out_scales):
         check(out.dtype == dtype, f"{fn}: out dtype {out.dtype} != out_dtype {dtype}")
         check(tuple(out.shape) == shape, f"{fn}: out must be {list(shape)}, got "
                                          f"{tuple(out.shape)}")
-        check(out.is_contiguous(), f"{fn}: out must be contiguous (it is what travels), "
-                                   f"strides {out.stride()}")
+        check(_pages_contiguous(out), f"{fn}: out's pages must be contiguous [page_size, "
+                                      f"kv_heads, head_dim], strides {out.stride()}")
     if out_scales is not None:
         check(dtype in QUANT_DTYPES, f"{fn}: out_scales given for an unquantised {dtype} pack")
         want = (*shape[:3], shape[4])
@@ -455,7 +456,7 @@ def _copy_grid(frag: int, itemsize: int, block: int | None, programs: int) -> tu
 def _check_bad(fn: str, bad: torch.Tensor | None) -> None:
     if bad is not None:
         check(isinstance(bad, torch.Tensor) and bad.dtype == torch.int32 and bad.numel() == 1,
-              f"{fn}: bad must be a one-element int32 tensor (a counter), got {bad!r:.60}")
+              f"{fn}: bad must be a one-element int32 tensor (a counter), got {describe(bad)}")
 
 
 def _args(kv, buf, l0, page_ids, bad):
@@ -559,8 +560,8 @@ def pack_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | Non
     """Pages ``page_ids`` of ``kv [L, 2, P, S, Hkv, D]`` (layers ``l0:l1`` when ``layers``) ->
     ``(buf [n, l1 - l0, 2, S, Hkv, D], scales)``: a bit-exact copy (``scales`` None) when
     ``out_dtype`` is None or kv's dtype; fp8 e4m3 / int8 with fp32 ``scales [n, l1 - l0, 2, Hkv]``
-    otherwise. ``out`` / ``out_scales``: preallocated contiguous destinations (e.g. a slice of a
-    staging buffer). Triton when every tensor is on CUDA, the reference otherwise.
+    otherwise. ``out`` / ``out_scales``: preallocated destinations (``out``'s pages contiguous, e.g.
+    the payload columns of a batch of records; scales contiguous). Triton when every tensor is on CUDA, the reference otherwise.
 
     Page ids outside [0, P): the kernel never reads or writes out of bounds (that record is
     written as zeros, scale 1) and does not sync to say so; pass ``bad`` (int32 [1] on the
