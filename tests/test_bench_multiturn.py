@@ -161,3 +161,19 @@ def test_compare_runs_both_servers(tmp_path, monkeypatch, capsys):
     assert "off/on" in capsys.readouterr().out.splitlines()[-3]
     assert main(["bench", "plot", str(out), "--png", str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "generate"])
+def test_bench_serve_whole_answers_equal_streamed_ones(server, endpoint):
+    """``bench serve --no-stream``: the same answers as streamed requests, TTFT = latency."""
+    from flash_dllm.bench.serve import request_body, run_load
+
+    knobs = {"max_tokens": 8, "temperature": 0.0}
+    prompts = ["What is 2 + 3?", "Ivy has 4 pens."]
+    streamed = [request_body(endpoint, p, knobs) for p in prompts]
+    whole = [request_body(endpoint, p, {**knobs, "stream": False}) for p in prompts]
+    assert all(b["stream"] is False and "stream_options" not in b for b in whole)
+    a = asyncio.run(run_load(server.url, streamed, 2, endpoint))
+    b = asyncio.run(run_load(server.url, whole, 2, endpoint))
+    assert a["ok"] == b["ok"] == 2 and a["texts"] == b["texts"]
+    assert b["ttft_s"] == b["latency_s"]

@@ -1,7 +1,8 @@
 """``flash-dllm bench serve``: an async load generator for the HTTP server, with a JSON report.
 
 ``N`` workers (``--concurrency``) share ``M`` requests (``--requests``); every request streams, so
-the client measures time to first token as well as latency. With ``--sequential`` the same requests
+the client measures time to first token as well as latency (``--no-stream``: whole answers, TTFT
+= latency, to see what streaming costs the server). With ``--sequential`` the same requests
 first run one after another, and the report gives the speed-up of the concurrent run. Without
 ``--url`` a server for ``--model`` is started in-process on a free loopback port.
 """
@@ -35,17 +36,21 @@ def summary(xs: list[float]) -> dict:
 
 
 def request_body(endpoint: str, prompt: str, knobs: dict) -> dict:
+    """The request of one prompt; ``knobs["stream"] = False`` asks for the whole answer in one
+    response (no per-token server-sent events)."""
+    knobs = dict(knobs)
+    stream = knobs.pop("stream", True)
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
     if endpoint == "chat":
-        return {"messages": [{"role": "user", "content": prompt}], "stream": True,
-                "stream_options": {"include_usage": True}, **knobs}
+        return {"messages": [{"role": "user", "content": prompt}], "stream": stream, **usage,
+                **knobs}
     if endpoint == "generate":
-        kn = dict(knobs)
-        if "max_tokens" in kn:
-            kn["max_new_tokens"] = kn.pop("max_tokens")
-        if "steps" in kn:
-            kn["num_inference_steps"] = kn.pop("steps")
-        return {"prompt": prompt, "stream": True, **kn}
-    return {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **knobs}
+        if "max_tokens" in knobs:
+            knobs["max_new_tokens"] = knobs.pop("max_tokens")
+        if "steps" in knobs:
+            knobs["num_inference_steps"] = knobs.pop("steps")
+        return {"prompt": prompt, "stream": stream, **knobs}
+    return {"prompt": prompt, "stream": stream, **usage, **knobs}
 
 
 def _delta_text(endpoint: str, ev: dict) -> str:
@@ -59,8 +64,11 @@ def _delta_text(endpoint: str, ev: dict) -> str:
 
 
 async def one_request(client, endpoint: str, body: dict) -> dict:
-    """Stream one request; returns latency, TTFT, completion tokens, text or an error."""
+    """Stream one request; returns latency, TTFT, completion tokens, text or an error. A
+    non-streamed request (``body["stream"]`` false) has its TTFT equal to its latency."""
     t0 = time.perf_counter()
+    if not body.get("stream", True):
+        return await _one_whole(client, endpoint, body, t0)
     ttft, text, tokens = None, [], 0
     try:
         async with client.stream("POST", PATHS[endpoint], json=body) as r:
@@ -91,6 +99,25 @@ async def one_request(client, endpoint: str, body: dict) -> dict:
     lat = time.perf_counter() - t0
     return {"ok": True, "latency": lat, "ttft": ttft if ttft is not None else lat,
             "tokens": tokens, "text": "".join(text)}
+
+
+async def _one_whole(client, endpoint: str, body: dict, t0: float) -> dict:
+    try:
+        r = await client.post(PATHS[endpoint], json=body)
+        if r.status_code != 200:
+            return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:300]}"}
+        ev = r.json()
+    except Exception as e:  # noqa: BLE001 - a load test reports every failure
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    lat = time.perf_counter() - t0
+    if endpoint == "generate":
+        text = ev.get("text", "")
+    else:
+        c = (ev.get("choices") or [{}])[0]
+        text = ((c.get("message") or {}).get("content") if endpoint == "chat"
+                else c.get("text")) or ""
+    tokens = (ev.get("usage") or {}).get("completion_tokens", 0)
+    return {"ok": True, "latency": lat, "ttft": lat, "tokens": tokens, "text": text}
 
 
 async def run_load(url: str, bodies: list[dict], concurrency: int, endpoint: str,

@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
     g.add_argument("--cache", default=None)
     g.add_argument("--threshold", type=float, default=None)
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-stream", action="store_true",
+                   help="ask for whole answers (no per-token events; TTFT = latency): how much "
+                        "of the serving cost is streaming")
     EngineArgs.add_cli_args(s, defaults=SERVE_DEFAULTS)
     s.set_defaults(func=cmd_bench_serve)
 
@@ -214,6 +217,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                                    steps=a.steps, decode=a.decode, cache=a.cache,
                                    threshold=a.threshold, temperature=a.temperature).items()
              if v is not None}
+    if a.no_stream:
+        knobs["stream"] = False
     prompts = _prompts(a)
 
     in_process_client = a.url is not None or not a.client_process
