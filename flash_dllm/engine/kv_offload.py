@@ -172,7 +172,8 @@ class KVOffloader:
         done += [(op, False, 0.0) for op in loads if op.slot in fetched_bad]
         if run:
             # NOTE: the KV manager never loads from a slot a store is still writing (such a
-            # block is not published yet); should it, the load's copies wait for the stores'
+            # block is not published yet); should it ever, the load's copies first wait for
+            # the store copies in flight
             writing = {op.slot for p in self._pending for op in p.ops}
             if self.cuda and any(op.slot in writing for op in run):
                 self.load_stream.wait_stream(self.stream)
