@@ -123,6 +123,7 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
                  f"in the pool; warm-up run")
         _run(eng, prompt, params, dev)
         progress(f"{name}: timed run")
+        before = dict(eng.runner.overflow.stats) if name == "overflow" else {}
         steps, tokens[name] = _run(eng, prompt, params, dev)
         refresh = [t for r, t in steps if r]
         later = [t for r, t in steps if not r]
@@ -132,7 +133,9 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
                        "peak_gpu_bytes": (torch.cuda.max_memory_allocated(dev)
                                           if dev.type == "cuda" else None)}
         if name == "overflow":
-            cases[name]["copy_stats"] = dict(eng.runner.overflow.stats)
+            # the timed run's copies (the stats count from the engine's start, warm-up included)
+            cases[name]["copy_stats"] = {k: v - before.get(k, 0)
+                                         for k, v in eng.runner.overflow.stats.items()}
             layer_bytes = eng.runner.overflow.page_layer_bytes
         del eng
         gc.collect()
@@ -157,8 +160,8 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
         "step_over_bound": (b["step_s_median"] / bound
                             if bound and b["step_s_median"] is not None else None),
         "effective_h2d_GBps": (step_bytes / (b["step_s_median"] - a["step_s_median"]) / 1e9
-                               if b["step_s_median"] and b["step_s_median"] > a["step_s_median"]
-                               else None),
+                               if a["step_s_median"] and b["step_s_median"]
+                               and b["step_s_median"] > a["step_s_median"] else None),
         "refresh_bound_s": ref_bound,
         "refresh_over_bound": (statistics.median(b["refresh_s"]) / ref_bound
                                if ref_bound and b["refresh_s"] else None),
@@ -170,6 +173,7 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
 def table(r: dict) -> str:
     a, b = r["cases"]["all_in_gpu"], r["cases"]["overflow"]
     f = (lambda x: "n/a" if x is None else f"{1e3 * x:.2f} ms")
+    med = (lambda xs: statistics.median(xs) if xs else None)
     lines = [
         f"{r['model_shape']} on {r['device_name']}: prompt {r['prompt_len']} + {r['gen']}, "
         f"{r['resident_pages']} of {r['pages']} pages in the GPU pool "
@@ -181,8 +185,8 @@ def table(r: dict) -> str:
         f"{f(r['step_bound_s'])} -> {r['step_over_bound'] or float('nan'):.3f}x the bound "
         f"(target <= {r['target_step_over_bound']}); {r['step_over_overlap_bound'] or 0:.3f}x "
         f"max(step, copy {f(r['copy_s'])})",
-        f"  block refresh: all in GPU {f(statistics.median(a['refresh_s']))}, overflow "
-        f"{f(statistics.median(b['refresh_s']))}, bound {f(r['refresh_bound_s'])}",
+        f"  block refresh: all in GPU {f(med(a['refresh_s']))}, overflow "
+        f"{f(med(b['refresh_s']))}, bound {f(r['refresh_bound_s'])}",
         f"  tokens equal: {r['tokens_equal']}; without --kv-overflow-gb: "
         f"{'refused' if r['refused_without_overflow'] else 'accepted'}",
     ]

@@ -53,12 +53,14 @@ def request_body(endpoint: str, prompt: str, knobs: dict) -> dict:
     return {"prompt": prompt, "stream": stream, **usage, **knobs}
 
 
-def _delta_text(endpoint: str, ev: dict) -> str:
+def _delta_text(endpoint: str, ev: dict, chat_key: str = "delta") -> str:
+    """The text of a streamed event (a chat chunk's ``delta``) or of a whole response (a chat
+    completion's ``message``: ``chat_key="message"``)."""
     if endpoint == "generate":
         return ev.get("text", "")
     for c in ev.get("choices") or []:
         if endpoint == "chat":
-            return (c.get("delta") or {}).get("content") or ""
+            return (c.get(chat_key) or {}).get("content") or ""
         return c.get("text") or ""
     return ""
 
@@ -110,12 +112,7 @@ async def _one_whole(client, endpoint: str, body: dict, t0: float) -> dict:
     except Exception as e:  # noqa: BLE001 - a load test reports every failure
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     lat = time.perf_counter() - t0
-    if endpoint == "generate":
-        text = ev.get("text", "")
-    else:
-        c = (ev.get("choices") or [{}])[0]
-        text = ((c.get("message") or {}).get("content") if endpoint == "chat"
-                else c.get("text")) or ""
+    text = _delta_text(endpoint, ev, chat_key="message")
     tokens = (ev.get("usage") or {}).get("completion_tokens", 0)
     return {"ok": True, "latency": lat, "ttft": lat, "tokens": tokens, "text": text}
 

@@ -121,6 +121,9 @@ class KVOffloader:
         if isinstance(group_pages, bool) or not isinstance(group_pages, int) or group_pages < 1:
             raise ValueError(f"group_pages must be an integer >= 1, got {group_pages!r}")
         self.group_pages = group_pages
+        # counts the failed records a load unpacked to page -1 (the counter turns masking on in
+        # the reference path; nothing reads it)
+        self._bad = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._pending: list[_Pending] = []
         self._spills: list = []                      # (op, future, t0)
         self._fetches: list = []                     # (op, future, t0): disk -> host reads
@@ -183,19 +186,25 @@ class KVOffloader:
             done += [(op, good, t) for op, good in zip(run, ok)]
         return done + (self.poll() if stores else [])
 
+    @staticmethod
+    def _reap(entries: list, ok_of, wait_for: set | frozenset = frozenset()) -> tuple[list, list]:
+        """Split ``(op, future, t0)`` entries into the finished ``(op, ok, seconds)`` and those
+        still running, waiting first for the ops into a host slot of ``wait_for``."""
+        done, still = [], []
+        for op, fut, t0 in entries:
+            if wait_for and op.slot in wait_for:   # NOTE: a StoreDisk op has no host slot
+                fut.exception()                   # waits; a failure is reported, not raised
+            if fut.done():
+                done.append((op, ok_of(fut), time.perf_counter() - t0))
+            else:
+                still.append((op, fut, t0))
+        return done, still
+
     def _poll_fetches(self, wait_for: set | frozenset = frozenset()) -> list:
         """Fetches that completed (waiting first for those into a host slot of ``wait_for``):
         ``(op, ok, seconds)``, ok when the record came back verified."""
-        done, still = [], []
-        for op, fut, t0 in self._fetches:
-            if op.slot in wait_for:
-                fut.exception()                   # waits; a failure is reported, not raised
-            if fut.done():
-                ok = fut.exception() is None and fut.result() is not None
-                done.append((op, ok, time.perf_counter() - t0))
-            else:
-                still.append((op, fut, t0))
-        self._fetches = still
+        done, self._fetches = self._reap(
+            self._fetches, lambda f: f.exception() is None and f.result() is not None, wait_for)
         return done
 
     def poll(self) -> list:
@@ -211,14 +220,8 @@ class KVOffloader:
             else:
                 still.append(p)
         self._pending = still
-        spills = []
-        for op, fut, t0 in self._spills:
-            if fut.done():
-                done.append((op, fut.exception() is None, time.perf_counter() - t0))
-            else:
-                spills.append((op, fut, t0))
-        self._spills = spills
-        return done
+        spilled, self._spills = self._reap(self._spills, lambda f: f.exception() is None)
+        return done + spilled
 
     def drain(self) -> list:
         """Wait for every store and spill in flight (shutdown, tests)."""
@@ -231,10 +234,12 @@ class KVOffloader:
     # -------------------------------------------------------------------------------- stores
     def _pack(self, pages: list[int], keys: list[bytes]) -> torch.Tensor:
         """[n, record bytes] uint8 on the device: packed pages, scales, keys and checksums."""
-        n = len(pages)
+        return self._pack_rows(self._ids(pages), self._keys(keys))
+
+    def _pack_rows(self, ids: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:
+        """``_pack`` of device page ids [n] and key rows [n, 16]."""
+        n = ids.shape[0]
         lay = self.layout
-        key_rows = self._keys(keys)
-        ids = self._ids(pages)
         rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
         _, scales = kv_pages.pack_pages(self.kv, ids, out=lay.payload_view(rec),
                                         out_dtype=self.qdtype)
@@ -280,9 +285,11 @@ class KVOffloader:
         # to anyone else before)
         cur = torch.cuda.current_stream(self.device)
         keep = []
+        ids = self._ids([op.page for op in ops])                 # one copy each for all groups
+        key_rows = self._keys([op.block.key for op in ops])
         for g0 in range(0, len(ops), self.group_pages):
             part = ops[g0:g0 + self.group_pages]
-            rec = self._pack([op.page for op in part], [op.block.key for op in part])
+            rec = self._pack_rows(ids[g0:g0 + len(part)], key_rows[g0:g0 + len(part)])
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
                 for i, op in enumerate(part):
@@ -311,7 +318,6 @@ class KVOffloader:
         key_rows = self._keys(keys)
         ids = self._ids(pages)
         rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
-        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             self.load_stream.wait_stream(cur)           # rec, ids and keys are cur's
@@ -330,7 +336,7 @@ class KVOffloader:
                     rec[i].copy_(self.host.view(src_slots[i]))
             part = rec[g0:g1]
             ok = self._verify(part) & (part[:, lay.key_at:lay.sums_at] == key_rows[g0:g1]).all(1)
-            self._unpack(part, torch.where(ok, ids[g0:g1], -1), bad)
+            self._unpack(part, torch.where(ok, ids[g0:g1], -1), self._bad)
             oks.append(ok)
         if self.cuda:
             rec.record_stream(self.load_stream)

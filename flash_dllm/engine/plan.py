@@ -46,6 +46,12 @@ class SeqPlan:
     # pages hold the rest
     overflow: OverflowPlan | None = None
 
+    @property
+    def pool_pages(self) -> list[int]:
+        """The GPU pool pages the step touches: ``pages``, or an overflow request's resident
+        pool pages (its ``pages`` are logical ids)."""
+        return self.pages if self.overflow is None else self.overflow.resident
+
 
 @dataclass
 class StepPlan:

@@ -226,7 +226,8 @@ class ModelRunner:
             done = self.offload.run(plan.ops) if plan.ops else self.offload.poll()
             bad = {op.page for op, ok, _ in done if isinstance(op, Load) and not ok}
             if bad:
-                failed = {s.req.request_id for s in plan.seqs if bad.intersection(s.pages)}
+                failed = {s.req.request_id for s in plan.seqs
+                          if bad.intersection(s.pool_pages)}
                 plan = StepPlan([s for s in plan.seqs if s.req.request_id not in failed])
         if not plan.seqs:
             return StepResult(np.zeros((0, 1), dtype=np.int64), ops_done=done, failed=failed)
@@ -237,8 +238,7 @@ class ModelRunner:
                               errors={plan.seqs[0].req.request_id: str(e)})
         result.ops_done, result.failed = done, failed
         if self.config.kv_tier_stress:        # every page down to host memory and back
-            pages = sorted({p for s in plan.seqs
-                            for p in (s.pages if s.overflow is None else s.overflow.resident)})
+            pages = sorted({p for s in plan.seqs for p in s.pool_pages})
             if not self.offload.roundtrip(pages):
                 raise RuntimeError("kv_tier_stress: a page came back corrupt")
         return result
@@ -272,15 +272,18 @@ class ModelRunner:
                 states[i].mass_src = (mass, i)
             if self.collect_page_mass:       # and, per page, for the placement policy
                 page_mass = mass.view(mass.shape[0], -1, self.page_size).sum(-1)
+        lazy_mass = None
         if isinstance(step.meta, OverflowMetadata) and step.meta.mass is not None:
-            # lazy loading: where the block's first step attended, per page (for its next steps)
+            # lazy loading: where the block's first step attended, per page (for its next
+            # steps); reduced on the device here, read after the step's one sync below
             n = plan.seqs[0].overflow.num_pages
-            self._overflow_req.page_mass = (
-                step.meta.mass[0, :n * self.page_size].view(n, -1).sum(-1).float().cpu().numpy())
+            lazy_mass = step.meta.mass[0, :n * self.page_size].view(n, -1).sum(-1).float()
         tokens, conf, keep, counters = sample_and_commit(
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
         blocks = blocks.cpu().numpy()                      # the step's one device->host copy
+        if lazy_mass is not None:
+            self._overflow_req.page_mass = lazy_mass.cpu().numpy()
         if page_mass is not None:          # (ema / kag placement: after it, never mid-step)
             per_page = page_mass.cpu().numpy()
             page_mass = {batch[i].request_id: per_page[i] for i in step.flash}
