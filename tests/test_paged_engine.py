@@ -241,6 +241,35 @@ def test_batched_top_k_keeps_the_reference_tie_order(ks):
                        _top_k_one_by_one(conf, positions, bounds, ks, lens))
 
 
+def random_top_k_case(seed: int, device: str = "cpu"):
+    """Many requests of mixed canvas lengths and k, confidences from a few values (ties
+    everywhere), candidate slots anywhere in each canvas: (conf, positions, bounds, ks, lens)."""
+    g = torch.Generator().manual_seed(seed)
+    conf, positions, bounds, ks, lens = [], [], [], [], []
+    start = 0
+    for _ in range(int(torch.randint(1, 24, (1,), generator=g))):
+        # a few canvas lengths, so several groups share a (length, k) topk batch
+        n = (8, 17, 40, 79)[int(torch.randint(0, 4, (1,), generator=g))]
+        m = int(torch.randint(0, min(n, 32) + 1, (1,), generator=g))
+        pos = torch.randperm(n, generator=g)[:m].sort().values
+        levels = torch.tensor([1.0, 1.0, 0.5, 0.25, 1e-3])
+        conf.append(levels[torch.randint(0, 5, (m,), generator=g)])
+        positions.append(pos)
+        bounds.append((start, start + m))
+        ks.append(int(torch.randint(0, 5, (1,), generator=g)))
+        lens.append(n)
+        start += m
+    return (torch.cat(conf).to(device), torch.cat(positions).to(device), bounds, ks, lens)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_top_k_equals_per_request_rule_on_random_ties(seed):
+    """Mixed lengths (many topk batches sharing one buffer), k of 0..4, ties everywhere."""
+    from flash_dllm.decoding.policies import select_top_k
+    case = random_top_k_case(seed)
+    assert torch.equal(select_top_k(*case), _top_k_one_by_one(*case))
+
+
 def test_flash_mixed_budgets_batched_equals_solo():
     model = tiny("dream", seed=10)
     params = [SamplingParams(max_tokens=16, block_length=8, cache="flash", flash_budget=b,

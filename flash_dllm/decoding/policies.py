@@ -28,36 +28,44 @@ def select_top_k(confidence: torch.Tensor, positions: torch.Tensor, group_bounds
     """
     keep = torch.zeros_like(confidence, dtype=torch.bool)
     dev = confidence.device
-    # Groups whose rows have the same length run as one [G, length] topk (each row is the very row
-    # the per-request rule builds, so ties break the same way); one batch per distinct length.
     # NOTE: rows are batched only with rows of the same length AND the same k: topk(x, kmax)[:k]
     # may pick other tied elements than topk(x, k)
-    by_len: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    by_len: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for (start, end), k, length in zip(group_bounds, k_per_group, canvas_lens):
         if end > start and k > 0:
-            k = min(k, end - start)
-            by_len.setdefault((length, k), []).append((start, end, k))
-    # every batch's index vectors (slots, their row in the batch, each row's k) cross in ONE
-    # host->device copy (a copy per vector per batch cost 3 copies per distinct canvas length)
-    host, parts = [], []
+            by_len.setdefault((length, min(k, end - start)), []).append((start, end))
+    if not by_len:
+        return keep
+    # Every group's row lives in ONE [G, longest] buffer filled by one scatter; each (length, k)
+    # batch runs its topk on its rows' first ``length`` columns (a view: the same values in the
+    # same order as the row the per-request rule builds, so ties break the same way), and the
+    # chosen positions of all batches are scattered back at once. What a distinct canvas length
+    # costs is its topk and one copy (serving mixes many prompt lengths; it cost ~12 launches).
+    slot: list[int] = []
+    grow: list[int] = []
+    row = 0
     for groups in by_len.values():
-        slot = [i for s, e, _ in groups for i in range(s, e)]
-        grow = [r for r, (s, e, _) in enumerate(groups) for _ in range(s, e)]
-        parts.append((len(host), len(slot)))
-        host += slot + grow + [k for _, _, k in groups]
-    dev_all = h2d(host, torch.long, dev) if host else None
-    for ((length, _), groups), (a, n) in zip(by_len.items(), parts):
-        slot, grow = dev_all[a:a + n], dev_all[a + n:a + 2 * n]
-        ks = dev_all[a + 2 * n:a + 2 * n + len(groups)]
-        rows = torch.full((len(groups), length), float("-inf"), dtype=confidence.dtype, device=dev)
-        rows[grow, positions[slot]] = confidence[slot]
-        kmax = max(k for _, _, k in groups)
-        chosen = torch.topk(rows, kmax, dim=-1).indices                  # [G, kmax] positions
-        valid = torch.arange(kmax, device=dev)[None, :] < ks[:, None]
-        # topk indices of a row are distinct, so scattering the valid flags never collides
-        local = torch.zeros((len(groups), length), dtype=torch.bool, device=dev)
-        local.scatter_(1, chosen, valid)
-        keep[slot] = local[grow, positions[slot]]
+        for s, e in groups:
+            slot += range(s, e)
+            grow += [row] * (e - s)
+            row += 1
+    n, G = len(slot), row
+    longest = max(length for length, _ in by_len)
+    kmax = max(k for _, k in by_len)
+    idx = h2d(slot + grow, torch.long, dev)         # one host->device copy
+    slot_d, grow_d = idx[:n], idx[n:]
+    pos = positions[slot_d]
+    rows = torch.full((G, longest), float("-inf"), dtype=confidence.dtype, device=dev)
+    rows[grow_d, pos] = confidence[slot_d]
+    # unused entries point at a dump column past the end, so the one scatter never collides
+    chosen = torch.full((G, kmax), longest, dtype=torch.long, device=dev)
+    a = 0
+    for (length, k), groups in by_len.items():
+        b = a + len(groups)
+        chosen[a:b, :k] = torch.topk(rows[a:b, :length], k, dim=-1).indices
+        a = b
+    local = torch.zeros((G, longest + 1), dtype=torch.bool, device=dev).scatter_(1, chosen, True)
+    keep[slot_d] = local[grow_d, pos]
     return keep
 
 

@@ -315,8 +315,7 @@ class AsyncEngine:
                 self._inbox.clear()
                 self._pending_adds = 0
                 self._ids.clear()
-            for stream in streams:
-                self._post(stream, e)
+            self._post_many([(stream, e) for stream in streams])
             raise
 
     def _add_now(self, cmd: AddRequest) -> None:
@@ -347,21 +346,28 @@ class AsyncEngine:
         # requests_running (the step has removed finished requests from the running list)
         self._engine_running = len(self.engine.running)
         self._engine_waiting = self.engine.scheduler.num_waiting
-        for so in outs:
-            live = self._live.get(so.request_id)
-            if live is None or (not so.new_token_ids and not so.finished):
-                continue
-            if self.observer is not None:
-                if so.new_token_ids:
-                    self.observer.on_tokens(len(so.new_token_ids))
-                if live.emitted == 0 and so.num_tokens:
+        posts, tokens = [], 0
+        try:
+            for so in outs:
+                live = self._live.get(so.request_id)
+                if live is None or (not so.new_token_ids and not so.finished):
+                    continue
+                tokens += len(so.new_token_ids)
+                if self.observer is not None and live.emitted == 0 and so.num_tokens:
                     self.observer.on_first_token(now - live.stream.arrival)
-            live.emitted = so.num_tokens
-            out = self.engine.output(live.req)
-            if so.finished:              # NOTE: book-keeping first, so a client that got its
-                del self._live[so.request_id]   # final output already sees it in the counters
-                self._done(live, out)
-            self._post(live.stream, out if out.error is None else RequestFailedError(out.error))
+                live.emitted = so.num_tokens
+                out = self.engine.output(live.req)
+                if so.finished:          # NOTE: book-keeping first, so a client that got its
+                    del self._live[so.request_id]   # final output already sees it counted
+                    self._done(live, out)
+                posts.append((live.stream,
+                              out if out.error is None else RequestFailedError(out.error)))
+            if self.observer is not None and tokens:
+                self.observer.on_tokens(tokens)
+        finally:
+            # (a failure above must not lose what was built: a finished request has already
+            # left ``_live``, so the error handler would not reach its stream)
+            self._post_many(posts)
 
     def _done(self, live: _Live, out: RequestOutput) -> None:
         with self._cv:
@@ -371,7 +377,22 @@ class AsyncEngine:
 
     @staticmethod
     def _post(stream: _Stream, item) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:             # the client's event loop is gone
-            pass
+        AsyncEngine._post_many([(stream, item)])
+
+    @staticmethod
+    def _post_many(posts: list[tuple[_Stream, object]]) -> None:
+        """Hand items to their streams' event loops: ONE thread-safe call per loop per step, not
+        one per request (each call writes to the loop's wake-up pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in posts:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:         # the client's event loop is gone
+                pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

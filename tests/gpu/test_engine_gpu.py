@@ -182,3 +182,25 @@ def test_reuse_from_host_memory_on_cuda_equals_reuse_from_the_pool():
     hits = llm.engine.kv_manager.stats["hit_tokens"]
     assert hits[1] >= 16 * 9, hits
     assert (f, s) == (f_ref, s_ref)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_top_k_equals_per_request_rule_on_cuda(seed):
+    """select_top_k's shared buffer (topk on column views of it) picks the same tied slots as
+    one topk per request over its own canvas-length row, on CUDA's topk too."""
+    from test_paged_engine import _top_k_one_by_one, random_top_k_case
+
+    from flash_dllm.decoding.policies import select_top_k
+    conf, positions, bounds, ks, lens = random_top_k_case(seed, "cuda")
+    got = select_top_k(conf, positions, bounds, ks, lens)
+    want = _top_k_one_by_one(conf.cpu(), positions.cpu(), bounds, ks, lens)
+    # the per-request rule on CUDA (the reference sampler's device), row by row
+    ref = torch.zeros_like(conf, dtype=torch.bool)
+    for (s, e), k, n in zip(bounds, ks, lens):
+        row = torch.full((n,), float("-inf"), device="cuda")
+        row[positions[s:e]] = conf[s:e]
+        local = torch.zeros(n, dtype=torch.bool, device="cuda")
+        local[torch.topk(row, min(k, e - s)).indices] = True
+        ref[s:e] = local[positions[s:e]]
+    assert torch.equal(got, ref)
+    assert int(got.sum()) == int(want.sum())
