@@ -122,14 +122,14 @@ group_serve() {
   # one server (warmed up before ready) serves every concurrency in turn (issue 21)
   run serve_warmup_h200 300 "$OUT/serve_warmup_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
-    --concurrency 1 8 32 64 --requests 128 --json "$OUT/serve_warmup_h200.json"
+    --concurrency 1 8 32 64 --requests 512 --json "$OUT/serve_warmup_h200.json"
   # the first 64 requests after ready against the next 64 (a fresh server each)
   run serve_first64_h200 200 "$OUT/serve_first64_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --concurrency 32 32 --requests 64 --json "$OUT/serve_first64_h200.json"
   run serve_first64_llada8b_h200 300 "$OUT/serve_first64_llada8b_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full --dtype bfloat16 \
-    --model-shape llada-8b --max-tokens 64 --concurrency 32 32 1 --requests 64 \
+    --model-shape llada-8b --max-tokens 64 --concurrency 32 32 --requests 64 \
     --json "$OUT/serve_first64_llada8b_h200.json"
 }
 

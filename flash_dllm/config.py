@@ -156,7 +156,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_cuda_graphs: int = 256
     cuda_graph_max_rows: int = 128       # steps with more rows per request: captured later
-    cuda_graph_max_tokens: int = 8192    # steps with more rows in all always run eagerly
+    # steps with more rows in all always run eagerly: 64 requests of up to 256 positions fit (at
+    # 8192, a small model served at concurrency 64 ran ~half its steps eagerly, issue 21)
+    cuda_graph_max_tokens: int = 16384
     # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
     # head, proposal, commit; the runner's ``step`` capture mode, ``engine/step_graph.py``) while
     # batch x block_length <= the row cap (2048: batch 64 x 32). None (default): on when CUDA

@@ -32,6 +32,8 @@ from flash_dllm.entrypoints.loader import load_engine
 # FLASH_DLLM_PD_DEVICE=cuda runs the process tests on the GPU (workers sharing one GPU read each
 # other's staging over CUDA IPC; NCCL when each has its own); the default is the CPU with gloo
 DEVICE = os.environ.get("FLASH_DLLM_PD_DEVICE", "cpu")
+# float32 on any device: token-for-token equality across different batch mixes (bf16 rounding
+# could flip a near-tie)
 CONFIG = dict(max_num_seqs=4, num_kv_pages=256)
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10] * 3, [1, 20, 21, 22], [1, 30, 31, 32, 33, 34] * 5, [1, 40]]
 
@@ -71,8 +73,8 @@ def pd(request):
     backend, groups = request.param
     if backend == "nixl":
         pytest.importorskip("nixl", reason="nixl does not import here")
-    eng = launch(EngineArgs(device=DEVICE), 1, 1, timeout_s=20.0, layer_groups=groups,
-                 backend=backend, **CONFIG)
+    eng = launch(EngineArgs(device=DEVICE, dtype="float32"), 1, 1, timeout_s=20.0,
+                 layer_groups=groups, backend=backend, **CONFIG)
     eng.wait_ready(300)
     yield eng
     eng.close()
@@ -83,7 +85,7 @@ def test_disaggregated_equals_colocated_token_for_token(pd):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(ps))]
     reqs = [pd.add_request(p, q) for p, q in zip(prompts, ps)]
     _drain(pd)
-    local = load_engine(EngineArgs(device=DEVICE), **CONFIG).engine
+    local = load_engine(EngineArgs(device=DEVICE, dtype="float32"), **CONFIG).engine
     ref = [local.add_request(p, q) for p, q in zip(prompts, ps)]
     run_to_completion(local, ref)
     for i, (a, b) in enumerate(zip(reqs, ref)):

@@ -285,3 +285,25 @@ def test_helper_is_deterministic(tmp_path):
     ta, tb, tc = (load_file(str(f / "model.safetensors")) for f in (a, b, c))
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
     assert not torch.equal(ta["model.embed_tokens.weight"], tc["model.embed_tokens.weight"])
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_the_cpu():
+    import torch
+
+    from flash_dllm.entrypoints.args import EngineArgs
+    from flash_dllm.models.loader import parse_dtype
+    assert EngineArgs().dtype == "auto"
+    assert parse_dtype("auto", "cpu") is torch.float32
+    assert parse_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
+    assert parse_dtype("auto") is torch.float32
+    assert parse_dtype("bfloat16", "cpu") is torch.bfloat16     # an explicit dtype wins
+    with pytest.raises(ValueError, match="auto"):
+        parse_dtype("fp8")
+
+
+def test_llm_default_dtype_on_the_cpu_is_float32():
+    import torch
+
+    from flash_dllm.entrypoints.llm import LLM
+    llm = LLM()
+    assert next(llm.engine.model.parameters()).dtype is torch.float32

@@ -63,8 +63,9 @@ def dream_folder(tmp_path_factory):
 @pytest.mark.parametrize("which", ["demo", "dream"])
 def test_tp2_equals_tp1_token_for_token(which, request):
     folder = default_model_path() if which == "demo" else request.getfixturevalue("dream_folder")
-    ref = _run(LLM(folder, device=DEVICE, engine_config=CONFIG))
-    with LLM(folder, device=DEVICE, engine_config=CONFIG, tensor_parallel_size=2) as llm:
+    ref = _run(LLM(folder, device=DEVICE, dtype="float32", engine_config=CONFIG))
+    with LLM(folder, device=DEVICE, dtype="float32", engine_config=CONFIG,
+             tensor_parallel_size=2) as llm:
         assert llm.engine.runner.kv_heads == llm.cfg.num_kv_heads // 2
         got = _run(llm)
         hits = sum(llm.engine.kv_manager.stats["hit_tokens"])

@@ -196,7 +196,7 @@ class ForwardGraphs:
     set as an eager run sets it)."""
 
     def __init__(self, model, cache: GraphCache, max_rows: int = 128,
-                 max_tokens: int = 8192, scratch_page: int | None = None) -> None:
+                 max_tokens: int = 16384, scratch_page: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.max_rows = max_rows

@@ -57,9 +57,11 @@ class EngineArgs:
                              "model"})
     device: str = field(default="cpu", metadata={
         "type": str, "help": "cpu, cuda, cuda:N or auto (default: %(default)s)"})
-    dtype: str = field(default="float32", metadata={
-        "type": str, "choices": ["float32", "bfloat16", "float16"],
-        "help": "weights and activations (default: %(default)s)"})
+    dtype: str = field(default="auto", metadata={
+        "type": str, "choices": ["auto", "float32", "bfloat16", "float16"],
+        "help": "weights and activations; auto: bfloat16 on a GPU (the real checkpoints' dtype; "
+                "float32 there runs full-precision attention, many times slower), float32 on "
+                "the CPU (default: %(default)s)"})
     threads: int | None = field(default=None, metadata={
         "type": positive_int,
         "help": "CPU threads for torch's operators (default: $OMP_NUM_THREADS when set; on the "

@@ -249,6 +249,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         with InProcessServer(app, aeng) as srv:
             report = go(srv.url)
         report["model"] = name
+        if getattr(aeng.engine, "dtype", None) is not None:   # (a disaggregated front end: none)
+            report["dtype"] = str(aeng.engine.dtype).removeprefix("torch.")
         report["server"] = "in-process"
         report["client"] = "in-process" if in_process_client else "own process"
     text = json.dumps(report, indent=2)

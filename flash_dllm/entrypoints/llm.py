@@ -18,13 +18,14 @@ class LLM:
     >>> llm = LLM("path/to/checkpoint", device="cpu", dtype="float32")
     >>> outs = llm.generate(["prompt a", "prompt b"], SamplingParams(max_tokens=64))
 
+    ``dtype="auto"`` (the default): bfloat16 on a GPU, float32 on the CPU.
     ``tensor_parallel_size=N`` splits the model over N GPUs (``device="cuda"``; rank r on cuda:r)
     or N CPU processes: the other ranks are worker processes started here and stopped by
     ``close()`` (or ``with LLM(...) as llm:``, or at exit).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "cpu",
-                 dtype: str = "float32", max_num_seqs: int | None = None,
+                 dtype: str = "auto", max_num_seqs: int | None = None,
                  engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)

@@ -101,7 +101,7 @@ def _seconds(text: str) -> float:
     return v
 
 
-def load_async_engine(model=None, device: str = "cpu", dtype: str = "float32",
+def load_async_engine(model=None, device: str = "cpu", dtype: str = "auto",
                       config: EngineConfig | None = None, args: EngineArgs | None = None):
     """(AsyncEngine, Tokenizer, folder) for a checkpoint folder (default: the demo model), with
     ``config`` replacing the engine knobs; or for parsed ``args``."""

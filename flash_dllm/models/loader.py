@@ -23,11 +23,16 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded as it is; the message says what is wrong."""
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``"auto"``: bfloat16 on a CUDA ``device`` (the checkpoints'
+    own dtype; float32 there runs full-precision attention, far slower), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -129,7 +134,7 @@ def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
     ``tp`` (``distributed.tp.TPGroup``): only this rank's shard is ever allocated."""
     if isinstance(cfg, dict):
         cfg = registry.resolve(cfg).parse_config(cfg)
-    dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype, device)
     with _default_dtype(dtype), torch.device("meta"):
         model = DiffusionTransformer(cfg)
     if tp is not None and tp.world > 1:
