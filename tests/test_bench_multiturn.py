@@ -141,7 +141,7 @@ def test_cli_parses_and_validates(capsys):
 
 
 def test_compare_runs_both_servers(tmp_path, monkeypatch, capsys):
-    from flash_dllm.entrypoints import bench
+    from flash_dllm.entrypoints import bench_multiturn as bench
 
     if "prefix_reuse" not in {f.name for f in dataclasses.fields(EngineArgs)}:
         # the engine has no --no-prefix-reuse yet: check the plumbing with two equal servers
@@ -177,3 +177,19 @@ def test_bench_serve_whole_answers_equal_streamed_ones(server, endpoint):
     b = asyncio.run(run_load(server.url, whole, 2, endpoint))
     assert a["ok"] == b["ok"] == 2 and a["texts"] == b["texts"]
     assert b["ttft_s"] == b["latency_s"]
+
+
+def test_bench_serve_requests_per_concurrency(server, tmp_path, capsys):
+    """``--requests`` takes one count per ``--concurrency`` value (few at concurrency 1, many
+    at high concurrency); any other number of values is a named error before any run."""
+    out = tmp_path / "s.json"
+    assert main(["bench", "serve", "--url", server.url, "--concurrency", "1", "2",
+                 "--requests", "1", "3", "--max-tokens", "8", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [(r["concurrency"], r["requests"], r["ok"]) for r in rep["runs"]] == [(1, 1, 1),
+                                                                               (2, 3, 3)]
+    capsys.readouterr()
+    assert main(["bench", "serve", "--url", server.url, "--concurrency", "1", "2", "4",
+                 "--requests", "1", "3"]) == 2
+    assert "--requests takes one value, or one per --concurrency value (3), got 2" in \
+        capsys.readouterr().err

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from flash_dllm.engine.warmup import WARMUP_LEVELS
-from flash_dllm.entrypoints.args import CommandError, EngineArgs, require_matplotlib
+from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
+from flash_dllm.entrypoints.bench_client import check_server, run_against
+from flash_dllm.entrypoints.bench_multiturn import add_multiturn_parser
 from flash_dllm.entrypoints.bench_overflow import add_overflow_parser
 from flash_dllm.entrypoints.bench_pd import add_pd_parser
 from flash_dllm.entrypoints.bench_plot import add_plot_parser, write_png
@@ -25,7 +27,10 @@ def add_parser(sub) -> None:
     s.add_argument("--concurrency", type=int, nargs="+", default=[16],
                    help="clients in flight; several values run one after another against the "
                         "same server (one report with a run per value)")
-    s.add_argument("--requests", type=int, default=64, help="requests in all")
+    s.add_argument("--requests", type=int, nargs="+", default=[64],
+                   help="requests per run; one value per --concurrency value gives each run "
+                        "its own (steady state needs many times the concurrency; concurrency 1 "
+                        "needs few)")
     s.add_argument("--endpoint", choices=["completions", "chat", "generate"], default="completions")
     s.add_argument("--prompt", default=None,
                    help="one prompt for every request (default: held-out arith questions)")
@@ -112,7 +117,7 @@ def add_parser(sub) -> None:
                         "processes are started here); figures are rank 0's (default: 1)")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
-    _add_multiturn_parser(bsub)
+    add_multiturn_parser(bsub)
     add_pd_parser(bsub)
     add_overflow_parser(bsub)
 
@@ -167,43 +172,11 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
     return 0
 
 
-def check_server(url: str, timeout: float = 10.0) -> None:
-    """Fail at once, in one line, when nothing answers at ``url`` (any HTTP answer will do)."""
-    import httpx
-
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--url must start with http:// or https://, got {url!r}")
-    try:
-        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
-    except httpx.HTTPError as e:
-        raise CommandError(f"no server answers at {url} ({_reason(e)}); start one with "
-                           "'flash-dllm serve', or leave --url out to bench one in-process") \
-            from None
-
-
-def _reason(e: Exception) -> str:
-    """The innermost cause's text: 'Connection refused' rather than httpx's summary."""
-    while e.__cause__ is not None or e.__context__ is not None:
-        e = e.__cause__ or e.__context__
-    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
-    return text
-
-
-def _run_against(url: str, run):
-    """``run(url)``, with a server lost mid-run reported in one line."""
-    import httpx
-
-    try:
-        return run(url)
-    except httpx.HTTPError as e:
-        raise CommandError(f"lost the server at {url}: {_reason(e)}") from None
-
-
 def _prompts(a: argparse.Namespace) -> list[str]:
     if a.prompt is not None:
         return [a.prompt]
     from flash_dllm.evals.tasks import get_suite
-    return [p.prompt for p in get_suite("arith").test_problems(max(a.requests, 1), seed=0)]
+    return [p.prompt for p in get_suite("arith").test_problems(max(*a.requests, 1), seed=0)]
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
@@ -211,7 +184,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                                         startup_report)
     from flash_dllm.entrypoints.serve import build_server_app
 
-    if min(a.concurrency) < 1 or a.requests < 1:
+    if len(a.requests) not in (1, len(a.concurrency)):
+        raise ValueError(f"--requests takes one value, or one per --concurrency value "
+                         f"({len(a.concurrency)}), got {len(a.requests)}")
+    counts = list(zip(a.concurrency, a.requests * (len(a.concurrency) // len(a.requests))))
+    if min(a.concurrency) < 1 or min(a.requests) < 1:
         raise ValueError("--concurrency and --requests must be >= 1")
     knobs = {k: v for k, v in dict(max_tokens=a.max_tokens, block_length=a.block_length,
                                    steps=a.steps, decode=a.decode, cache=a.cache,
@@ -226,12 +203,12 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     def go(url: str) -> dict:
         if in_process_client:
             async def runs():
-                return [await bench(url, prompts, a.requests, c, a.endpoint, knobs, a.api_key,
-                                    a.sequential) for c in a.concurrency]
+                return [await bench(url, prompts, n, c, a.endpoint, knobs, a.api_key,
+                                    a.sequential) for c, n in counts]
             out = asyncio.run(runs())
         else:
-            out = [bench_in_subprocess(url, prompts, a.requests, c, a.endpoint, knobs,
-                                       a.api_key, a.sequential) for c in a.concurrency]
+            out = [bench_in_subprocess(url, prompts, n, c, a.endpoint, knobs,
+                                       a.api_key, a.sequential) for c, n in counts]
         start = asyncio.run(startup_report(url))
         if len(out) == 1:
             report = out[0]
@@ -242,7 +219,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
     if a.url is not None:
         check_server(a.url)
-        report = _run_against(a.url, go)
+        report = run_against(a.url, go)
     else:
         a.served_model_name, a.max_body_bytes = None, 1 << 20
         app, aeng, name = build_server_app(a)
@@ -263,138 +240,3 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------- multiturn
-def _add_multiturn_parser(bsub) -> None:
-    m = bsub.add_parser(
-        "multiturn", help="multi-turn chat sessions: per-turn TTFT, prefix-cache hits per tier",
-        description="USERS concurrent chat sessions of TURNS turns each over a growing history "
-                    "(POST /v1/chat/completions, streamed). Reports TTFT per turn, throughput, "
-                    "and the server's prefix-cache / KV-tier counters over the run. A session "
-                    "whose next prompt + --max-tokens would exceed the server's max_model_len "
-                    "stops there (recorded under 'stopped', not an error).")
-    m.add_argument("--url", default=None,
-                   help="server to load (e.g. http://127.0.0.1:8000); default: start one "
-                        "in-process for --model on a free loopback port")
-    m.add_argument("--users", type=int, default=8,
-                   help="concurrent sessions (default: %(default)s)")
-    m.add_argument("--turns", type=int, default=4, help="turns per session (default: %(default)s)")
-    m.add_argument("--history-tokens", type=int, default=128,
-                   help="size of each session's opening system message, in tokens estimated as "
-                        "history-tokens x --chars-per-token characters of seeded synthetic text "
-                        "(default: %(default)s)")
-    m.add_argument("--chars-per-token", type=float, default=1.0,
-                   help="characters per token for that estimate: 1.0 for the demo model's "
-                        "character tokenizer, ~4 for English BPE (default: %(default)s)")
-    m.add_argument("--idle-s", type=float, default=0.0,
-                   help="seconds a session sleeps between turns, so other sessions' traffic can "
-                        "push its KV out of GPU memory (default: %(default)s)")
-    m.add_argument("--session-seed", type=int, default=0,
-                   help="seed of the synthetic histories and questions (default: %(default)s)")
-    m.add_argument("--shared-prefix", action="store_true",
-                   help="all sessions open with the same system message (cross-user reuse)")
-    m.add_argument("--compare", action="store_true",
-                   help="run the same sessions against two in-process servers, prefix reuse on "
-                        "and --no-prefix-reuse, and report per-turn TTFT of both and off/on")
-    m.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up request")
-    m.add_argument("--timeout-s", type=float, default=600.0,
-                   help="per-request HTTP timeout (default: %(default)s)")
-    m.add_argument("--keep-texts", action="store_true",
-                   help="keep each answer's text in the report's records")
-    m.add_argument("--api-key", default=None)
-    m.add_argument("--json", default=None, help="also write the JSON report here")
-    m.add_argument("--png", default=None, help="draw TTFT per turn and throughput here "
-                                               "(matplotlib)")
-    g = m.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
-    g.add_argument("--max-tokens", type=int, default=32, help="answer tokens per turn "
-                                                              "(default: %(default)s)")
-    g.add_argument("--block-length", type=int, default=None)
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--decode", default=None)
-    g.add_argument("--cache", default=None)
-    g.add_argument("--threshold", type=float, default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
-    m.add_argument("--model-shape", default=None,
-                   help="in-process only: serve a random-init model of this shape (llada-8b, "
-                        "dream-7b) with the demo tokenizer, instead of --model (timing only)")
-    m.add_argument("--model-max-len", type=int, default=None,
-                   help="with --model-shape: at least this many positions (LLaDA-8B's config "
-                        "says 4096; longer histories need more)")
-    EngineArgs.add_cli_args(m, defaults=SERVE_DEFAULTS)
-    m.set_defaults(func=cmd_bench_multiturn)
-
-
-def _has_prefix_reuse(a: argparse.Namespace) -> bool:
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return "prefix_reuse" in names and hasattr(a, "prefix_reuse")
-
-
-def _tiers_off(ns: argparse.Namespace) -> None:
-    """Host / disk tiers hold cached pages for reuse: the no-reuse server runs without them."""
-    import dataclasses
-
-    from flash_dllm.config import EngineConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for name in ("kv_cpu_gb", "kv_disk_gb", "kv_disk_path"):
-        if hasattr(ns, name) and name in defaults:
-            setattr(ns, name, defaults[name])
-
-
-def cmd_bench_multiturn(a: argparse.Namespace) -> int:
-    import copy
-
-    from flash_dllm.bench.multiturn import MultiturnConfig, compare_turns, run_multiturn, table
-    from flash_dllm.bench.serve import InProcessServer
-    from flash_dllm.entrypoints.serve import build_server_app
-
-    knobs = {k: v for k, v in dict(block_length=a.block_length, steps=a.steps, decode=a.decode,
-                                   cache=a.cache, threshold=a.threshold).items() if v is not None}
-    cfg = MultiturnConfig(users=a.users, turns=a.turns, history_tokens=a.history_tokens,
-                          chars_per_token=a.chars_per_token, max_tokens=a.max_tokens,
-                          idle_s=a.idle_s, seed=a.session_seed, shared_prefix=a.shared_prefix,
-                          temperature=a.temperature, knobs=knobs, timeout_s=a.timeout_s)
-    if a.compare and a.url is not None:
-        raise ValueError("--compare starts two in-process servers; it cannot be used with --url")
-    if a.png:
-        require_matplotlib("--png")      # before the run, not after it
-
-    def go(url: str) -> dict:
-        return asyncio.run(run_multiturn(url, cfg, a.api_key, warmup=not a.no_warmup,
-                                         keep_texts=a.keep_texts))
-
-    def in_process(ns: argparse.Namespace) -> dict:
-        ns.served_model_name, ns.max_body_bytes = None, 1 << 20
-        app, aeng, name = build_server_app(ns)
-        with InProcessServer(app, aeng) as srv:
-            rep = go(srv.url)
-        rep.update(model=name, server="in-process")
-        if hasattr(ns, "prefix_reuse"):
-            rep["prefix_reuse"] = ns.prefix_reuse
-        return rep
-
-    if a.url is not None:
-        check_server(a.url)
-        report = _run_against(a.url, go)
-    elif a.compare and _has_prefix_reuse(a):
-        on, off = copy.copy(a), copy.copy(a)
-        on.prefix_reuse, off.prefix_reuse = True, False
-        _tiers_off(off)
-        r_on = in_process(on)
-        r_off = in_process(off)
-        report = {"reuse_on": r_on, "reuse_off": r_off, "compare": compare_turns(r_on, r_off),
-                  "errors": r_on["errors"] + r_off["errors"]}
-    else:
-        report = in_process(a)
-        if a.compare:
-            msg = ("--compare skipped: this build's EngineArgs has no prefix_reuse flag "
-                   "(--no-prefix-reuse); ran with the engine's defaults only")
-            report["compare"] = {"skipped": msg}
-            print(msg, file=sys.stderr)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {a.json}", file=sys.stderr)
-    print(table(report))
-    write_png(report, a.png)
-    return 0 if report["errors"] == 0 else 1

@@ -1,0 +1,37 @@
+"""What the load-generating benchmarks (``bench serve``, ``bench multiturn``) need from a
+server at a URL: fail at once, in one line, when nothing answers, or when it is lost mid-run."""
+from __future__ import annotations
+
+from flash_dllm.entrypoints.args import CommandError
+
+
+def check_server(url: str, timeout: float = 10.0) -> None:
+    """Fail at once, in one line, when nothing answers at ``url`` (any HTTP answer will do)."""
+    import httpx
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {url!r}")
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise CommandError(f"no server answers at {url} ({reason(e)}); start one with "
+                           "'flash-dllm serve', or leave --url out to bench one in-process") \
+            from None
+
+
+def reason(e: Exception) -> str:
+    """The innermost cause's text: 'Connection refused' rather than httpx's summary."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text
+
+
+def run_against(url: str, run):
+    """``run(url)``, with a server lost mid-run reported in one line."""
+    import httpx
+
+    try:
+        return run(url)
+    except httpx.HTTPError as e:
+        raise CommandError(f"lost the server at {url}: {reason(e)}") from None
