@@ -9,7 +9,8 @@ from pathlib import Path
 
 from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
-from flash_dllm.entrypoints.bench_client import check_server, run_against
+from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server,
+                                                 request_knobs, run_against)
 from flash_dllm.entrypoints.bench_multiturn import add_multiturn_parser
 from flash_dllm.entrypoints.bench_overflow import add_overflow_parser
 from flash_dllm.entrypoints.bench_pd import add_pd_parser
@@ -50,14 +51,7 @@ def add_parser(sub) -> None:
     s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
                    help="the in-process server's warm-up before ready (see 'serve --help'; "
                         "default: full on a GPU, none on the CPU)")
-    g = s.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--block-length", type=int, default=None)
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--decode", default=None)
-    g.add_argument("--cache", default=None)
-    g.add_argument("--threshold", type=float, default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g = add_request_knobs(s, max_tokens=64)
     g.add_argument("--no-stream", action="store_true",
                    help="ask for whole answers (no per-token events; TTFT = latency): how much "
                         "of the serving cost is streaming")
@@ -190,10 +184,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     counts = list(zip(a.concurrency, a.requests * (len(a.concurrency) // len(a.requests))))
     if min(a.concurrency) < 1 or min(a.requests) < 1:
         raise ValueError("--concurrency and --requests must be >= 1")
-    knobs = {k: v for k, v in dict(max_tokens=a.max_tokens, block_length=a.block_length,
-                                   steps=a.steps, decode=a.decode, cache=a.cache,
-                                   threshold=a.threshold, temperature=a.temperature).items()
-             if v is not None}
+    knobs = {"max_tokens": a.max_tokens, **request_knobs(a), "temperature": a.temperature}
     if a.no_stream:
         knobs["stream"] = False
     prompts = _prompts(a)

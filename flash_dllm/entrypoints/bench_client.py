@@ -2,7 +2,30 @@
 server at a URL: fail at once, in one line, when nothing answers, or when it is lost mid-run."""
 from __future__ import annotations
 
+import argparse
+
 from flash_dllm.entrypoints.args import CommandError
+
+KNOBS = ("block_length", "steps", "decode", "cache", "threshold")
+
+
+def add_request_knobs(p: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str = ""):
+    """The sampling knobs a load generator sends in each request's body (unset: the server's
+    defaults); returns the argument group."""
+    g = p.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help or None)
+    g.add_argument("--block-length", type=int, default=None)
+    g.add_argument("--steps", type=int, default=None)
+    g.add_argument("--decode", default=None)
+    g.add_argument("--cache", default=None)
+    g.add_argument("--threshold", type=float, default=None)
+    g.add_argument("--temperature", type=float, default=0.0)
+    return g
+
+
+def request_knobs(a: argparse.Namespace) -> dict:
+    """The knobs of ``add_request_knobs`` that were set (max_tokens and temperature aside)."""
+    return {k: getattr(a, k) for k in KNOBS if getattr(a, k) is not None}
 
 
 def check_server(url: str, timeout: float = 10.0) -> None:

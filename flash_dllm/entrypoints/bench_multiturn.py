@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
-from flash_dllm.entrypoints.bench_client import check_server, run_against
+from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server,
+                                                 request_knobs, run_against)
 from flash_dllm.entrypoints.bench_plot import write_png
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
@@ -54,15 +55,8 @@ def add_multiturn_parser(bsub) -> None:
     m.add_argument("--json", default=None, help="also write the JSON report here")
     m.add_argument("--png", default=None, help="draw TTFT per turn and throughput here "
                                                "(matplotlib)")
-    g = m.add_argument_group("request knobs (sent in the body; unset: the server's defaults)")
-    g.add_argument("--max-tokens", type=int, default=32, help="answer tokens per turn "
-                                                              "(default: %(default)s)")
-    g.add_argument("--block-length", type=int, default=None)
-    g.add_argument("--steps", type=int, default=None)
-    g.add_argument("--decode", default=None)
-    g.add_argument("--cache", default=None)
-    g.add_argument("--threshold", type=float, default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
+    add_request_knobs(m, max_tokens=32,
+                      max_tokens_help="answer tokens per turn (default: %(default)s)")
     m.add_argument("--model-shape", default=None,
                    help="in-process only: serve a random-init model of this shape (llada-8b, "
                         "dream-7b) with the demo tokenizer, instead of --model (timing only)")
@@ -99,8 +93,7 @@ def cmd_bench_multiturn(a: argparse.Namespace) -> int:
     from flash_dllm.bench.serve import InProcessServer
     from flash_dllm.entrypoints.serve import build_server_app
 
-    knobs = {k: v for k, v in dict(block_length=a.block_length, steps=a.steps, decode=a.decode,
-                                   cache=a.cache, threshold=a.threshold).items() if v is not None}
+    knobs = request_knobs(a)
     cfg = MultiturnConfig(users=a.users, turns=a.turns, history_tokens=a.history_tokens,
                           chars_per_token=a.chars_per_token, max_tokens=a.max_tokens,
                           idle_s=a.idle_s, seed=a.session_seed, shared_prefix=a.shared_prefix,
