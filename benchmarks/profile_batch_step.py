@@ -54,13 +54,12 @@ class Loop:
         self.i += 1
         self.live.add(self.engine.add_request(ids, self.params).request_id)
 
-    def step(self) -> int:
+    def step(self) -> None:
         outs = self.engine.step()
         for o in outs:
             if o.finished:
                 self.live.discard(o.request_id)
                 self._add()
-        return len(outs)
 
     def drain(self):
         for rid in list(self.live):

@@ -117,8 +117,8 @@ def multiturn_figure(report: dict):
                             top=0.84, wspace=0.28)
     ax = fig.add_subplot(grid[0, 0])
     colors = ["#4c72b0", "#dd8452"]
-    for (name, run), c in zip(runs, colors):
-        turns, p50, p99 = _turns(run)
+    per_run = [_turns(run) for _, run in runs]
+    for (name, _), (turns, p50, p99), c in zip(runs, per_run, colors):
         ax.plot(turns, p50, "o-", color=c, label=f"{name}: p50")
         ax.plot(turns, p99, "--", color=c, lw=0.9, label=f"{name}: p99")
         for t, v in zip(turns, p50):
@@ -126,10 +126,10 @@ def multiturn_figure(report: dict):
                 continue
             ax.annotate(f"{v:.2f}", (t, v), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=7, color=c)
-    ax.set_xticks(_turns(runs[0][1])[0])
+    ax.set_xticks(per_run[0][0])
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token (s)")
-    seen = [v for _, run in runs for v in _turns(run)[1] + _turns(run)[2] if not math.isnan(v)]
+    seen = [v for _, p50, p99 in per_run for v in p50 + p99 if not math.isnan(v)]
     ax.set_ylim(0, max(seen, default=1.0) * 1.12 or 1.0)
     ax.legend(fontsize=8, loc="lower left")
     cfg = runs[0][1].get("config", {})

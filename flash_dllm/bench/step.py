@@ -11,10 +11,8 @@ cached step for ``prefix``/``dual``; ``ms_refresh`` is reported apart.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -290,10 +288,3 @@ def row_line(r: dict) -> str:
             f"block {r.get('ms_per_step_in_block', float('nan')):8.2f})  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "
             f"(weights+KV {r['expected_gib']:.2f})")
-
-
-def write_report(report: dict, path: str | None) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)

@@ -38,6 +38,7 @@ from flash_dllm.cache.disk_store import DiskStore, LatencyHistogram
 from flash_dllm.cache.host_store import HostStore
 from flash_dllm.cache.tiers import Fetch, Load, Spill, Store, StoreDisk
 from flash_dllm.kernels import kv_pages
+from flash_dllm.transfer import h2d
 
 OFFLOAD_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 RECORD_ALIGN = 256   # record size multiple: see the module docstring
@@ -251,24 +252,17 @@ class KVOffloader:
         rec[:, lay.sums_at + 16:].zero_()     # the pad: never another request's stale bytes
         return rec
 
+    # NOTE: keys and ids cross through pinned memory (``transfer.h2d``): a copy from pageable
+    # memory first waits for the stream's earlier work, so a store issued between steps would
+    # wait for the step in flight
     def _keys(self, keys: list[bytes]) -> torch.Tensor:
         """[n, 16] uint8 on the device (one host->device copy)."""
         raw = b"".join(k.ljust(16, b"\0")[:16] for k in keys)
-        return self._to_device(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 16))
+        return h2d(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 16), torch.uint8,
+                   self.device)
 
     def _ids(self, pages: list[int]) -> torch.Tensor:
-        return self._to_device(torch.tensor(pages, dtype=torch.int64))
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device without a host sync.
-
-        NOTE: a copy from pageable memory first waits for the stream's earlier work (CUDA
-        synchronises the stream before a pageable host->device copy): a store issued between
-        steps would wait for the step in flight. From pinned memory it is queued like a kernel,
-        and the caching host allocator keeps the pinned block until the copy has run."""
-        if not self.cuda:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return h2d(pages, torch.int64, self.device)
 
     def _store(self, ops: list) -> None:
         t0 = time.perf_counter()

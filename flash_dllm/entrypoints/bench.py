@@ -5,8 +5,8 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 
+from flash_dllm.bench import write_report
 from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
 from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server,
@@ -131,16 +131,14 @@ def cmd_bench_memory(a: argparse.Namespace) -> int:
     report = run_memory_bench(a.model_shape, a.device, a.dtype, a.pages, a.page_size, a.reps,
                               tuple(a.offload_dtype), a.disk_path, a.disk_mb,
                               tuple(a.group_pages) if a.group_pages else None, a.disk_reps)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(report, a.json)
     print(table(report))
     write_png(report, a.png)
     return 0
 
 
 def cmd_bench_step(a: argparse.Namespace) -> int:
-    from flash_dllm.bench.step import run_bench, write_report
+    from flash_dllm.bench.step import run_bench
     from flash_dllm.models.loader import resolve_device
 
     for name in ("steps", "prompt_len", "gen_len", "block_length"):
@@ -221,11 +219,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
             report["dtype"] = str(aeng.engine.dtype).removeprefix("torch.")
         report["server"] = "in-process"
         report["client"] = "in-process" if in_process_client else "own process"
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(text + "\n", encoding="utf-8")
+    print(json.dumps(report, indent=2))
+    if write_report(report, a.json):
         print(f"wrote {a.json}", file=sys.stderr)
     return 0 if report["errors"] == 0 else 1
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-from pathlib import Path
 
+from flash_dllm.bench import write_report
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
 from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server,
                                                  request_knobs, run_against)
@@ -135,9 +134,7 @@ def cmd_bench_multiturn(a: argparse.Namespace) -> int:
                    "(--no-prefix-reuse); ran with the engine's defaults only")
             report["compare"] = {"skipped": msg}
             print(msg, file=sys.stderr)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if write_report(report, a.json):
         print(f"wrote {a.json}", file=sys.stderr)
     print(table(report))
     write_png(report, a.png)

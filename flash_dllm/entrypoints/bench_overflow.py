@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from flash_dllm.bench import write_report
 
 
 def add_overflow_parser(bsub) -> None:
@@ -35,8 +35,6 @@ def cmd_bench_overflow(a: argparse.Namespace) -> int:
     report = run_overflow_bench(a.model_shape, a.device, a.dtype, a.prompt_len, a.gen_len,
                                 a.block_length, a.resident, a.page_size, a.cache,
                                 progress=lambda m: print(m, flush=True))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(report, a.json)
     print(table(report))
     return 0

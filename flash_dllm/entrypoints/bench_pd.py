@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
+from flash_dllm.bench import write_report
 from flash_dllm.entrypoints.args import EngineArgs, positive_int
 
 
@@ -77,8 +76,6 @@ def cmd_bench_pd(a: argparse.Namespace) -> int:
                           requests=a.requests, rate=a.rate, long_frac=a.long_frac,
                           long_len=a.long_prompt, short_len=a.short_prompt,
                           max_tokens=a.max_tokens, block_length=a.block_length)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_report(report, a.json)
     print(table(report))
     return 0

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES
-from flash_dllm.entrypoints.args import (CommandError, EngineArgs, add_sampling_flags,
-                                         require_matplotlib,
-                                        sampling_from_args)
+from flash_dllm.entrypoints.args import (EngineArgs, add_sampling_flags, require_matplotlib,
+                                         sampling_from_args)
 from flash_dllm.evals.tasks import SUITES
 
 
@@ -99,10 +98,7 @@ def run(a: argparse.Namespace) -> int:
     if a.matrix:
         print(matrix_table(reports))
     report = {"rows": reports} if a.matrix else reports[0]
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+    if write_report(report, a.json):
         print(f"wrote {a.json}", file=sys.stderr)
     if a.matrix:
         png = a.plot or (str(Path(a.json).with_suffix(".png")) if a.json else f"eval_{a.suite}.png")
