@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -113,6 +114,8 @@ def device_profile(loop: Loop, steps: int, dev) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--model-shape", default=None,
+                    help="a random-init model of a real shape (llada-8b, dream-7b) instead")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 22, 32])
@@ -124,8 +127,21 @@ def main() -> None:
     ap.add_argument("--cache", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    llm = LLM(a.model, device=a.device, dtype=a.dtype or "auto", max_num_seqs=64,
-              engine_config=EngineConfig(max_num_seqs=64, **SERVE_DEFAULTS))
+    config = EngineConfig(max_num_seqs=64, prefix_reuse=SERVE_DEFAULTS["prefix_reuse"])
+    if a.model_shape:
+        from types import SimpleNamespace
+
+        from flash_dllm.entrypoints.args import EngineArgs
+        from flash_dllm.entrypoints.loader import load_random_engine
+        sized = {"gpu_memory_utilization": 0.8} if a.device.startswith("cuda") else {}
+        loaded = load_random_engine(a.model_shape, EngineArgs(device=a.device,
+                                                              dtype=a.dtype or "auto"),
+                                    **{**dataclasses.asdict(config), **sized})
+        llm = SimpleNamespace(engine=loaded.engine, tokenizer=loaded.tokenizer,
+                              cfg=loaded.engine.cfg)
+    else:
+        llm = LLM(a.model, device=a.device, dtype=a.dtype or "auto", max_num_seqs=64,
+                  engine_config=config)
     dev = llm.engine.device
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     if dev.type == "cuda":
@@ -141,7 +157,8 @@ def main() -> None:
     params = SamplingParams(**knobs)
     prompts = [llm.tokenizer.encode(p.prompt)
                for p in get_suite("arith").test_problems(128, seed=0)]
-    report = {"device": str(dev), "dtype": dtype, "params": knobs, "runs": []}
+    report = {"device": str(dev), "dtype": dtype, "model": a.model_shape or a.model or "demo",
+              "params": knobs, "runs": []}
     for b in a.batch:
         loop = Loop(llm, b, params, prompts)
         for _ in range(a.warm):

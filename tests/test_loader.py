@@ -307,3 +307,34 @@ def test_llm_default_dtype_on_the_cpu_is_float32():
     from flash_dllm.entrypoints.llm import LLM
     llm = LLM()
     assert next(llm.engine.model.parameters()).dtype is torch.float32
+
+
+def test_serve_sizes_the_kv_pool_from_gpu_memory_unless_told():
+    """serve / bench serve leave --kv-cache-gb unset: on a GPU the pool then takes 0.8 of its
+    memory minus the weights (split between engines sharing it), elsewhere 1 GiB; any explicit
+    pool size wins (issue 21: 1 GiB held ~13 requests of the LLaDA-8B shape)."""
+    import argparse
+
+    from flash_dllm.entrypoints.args import AUTO_GPU_MEMORY_UTILIZATION as U, EngineArgs
+    from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
+
+    auto = EngineArgs(device="cuda", kv_cache_gb=None)
+    assert auto.kv_sizing() == {"kv_cache_gb": 1.0, "gpu_memory_utilization": U}
+    assert auto.kv_sizing(share=2)["gpu_memory_utilization"] == U / 2
+    assert EngineArgs(device="cpu", kv_cache_gb=None).kv_sizing() == {"kv_cache_gb": 1.0}
+    assert EngineArgs(device="cuda:1", kv_cache_gb=None, num_kv_pages=64).kv_sizing() == \
+        {"kv_cache_gb": 1.0}
+    assert EngineArgs(device="cuda", kv_cache_gb=None,
+                      gpu_memory_utilization=0.5).engine_config().gpu_memory_utilization == 0.5
+    assert EngineArgs(device="cuda", kv_cache_gb=2.0).kv_sizing() == {}
+    assert EngineArgs(device="cuda").engine_config().gpu_memory_utilization is None   # library
+    # the serve flags: unset by default, and the CPU engine config is the library's
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p, defaults=SERVE_DEFAULTS)
+    args = EngineArgs.from_cli_args(p.parse_args([]))
+    assert args.kv_cache_gb is None
+    cfg = args.engine_config()
+    assert (cfg.kv_cache_gb, cfg.gpu_memory_utilization) == (1.0, None)
+    args = EngineArgs.from_cli_args(p.parse_args(["--kv-cache-gb", "3", "--device", "cuda"]))
+    assert (args.engine_config().kv_cache_gb, args.engine_config().gpu_memory_utilization) \
+        == (3.0, None)

@@ -155,7 +155,15 @@ class ModelRunner:
             raise ValueError("gpu_memory_utilization needs a CUDA device; use kv_cache_gb on "
                              f"{self.device}")
         total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(0, int(u * total) - torch.cuda.memory_allocated(self.device))
+        budget = max(0, int(u * total) - torch.cuda.memory_allocated(self.device))
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if budget > free:       # another process holds part of the GPU: say so, not an OOM
+            raise ValueError(
+                f"gpu_memory_utilization={u} asks for a {budget / 2**30:.1f} GiB KV pool, but "
+                f"only {free / 2**30:.1f} GiB of {self.device}'s {total / 2**30:.1f} GiB are "
+                "free (another process?): pass a smaller --gpu-memory-utilization or a pool "
+                "size (--kv-cache-gb / --num-kv-pages)")
+        return budget
 
     def _compat(self, config: EngineConfig) -> bytes:
         """What a cached page's bytes depend on besides its tokens (prefix-tree namespace and

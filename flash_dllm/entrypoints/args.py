@@ -12,6 +12,11 @@ from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES, VERIFY_RULES, EngineConfig, SamplingParams
 
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# serving on a GPU sizes the KV pool from the device's memory (``EngineArgs.kv_sizing``): the 1 GiB
+# library default holds ~2k tokens of an 8B model, which capped the LLaDA-8B shape's served batch
+# at ~13 requests (issue 21). 0.8 as lm-eval's adapter: the rest holds activations (a 64 x 256
+# canvas of an 8B model in one forward) and CUDA graphs.
+AUTO_GPU_MEMORY_UTILIZATION = 0.8
 
 
 class CommandError(Exception):
@@ -70,9 +75,13 @@ class EngineArgs:
     max_num_seqs: int = _knob("max_num_seqs", int, "requests decoded together in one forward "
                                                    "(default: %(default)s)")
     page_size: int = _knob("page_size", int, "tokens per KV page (default: %(default)s)")
-    kv_cache_gb: float = _knob("kv_cache_gb", float,
-                               "KV page pool size in GiB; requests are admitted while their "
-                               "pages fit (default: %(default)s)")
+    # None (serve's default): auto, see ``kv_sizing``
+    kv_cache_gb: float | None = _knob("kv_cache_gb", float,
+                                      "KV page pool size in GiB; requests are admitted while "
+                                      "their pages fit (default: 1; serve and bench serve on a "
+                                      "GPU: --gpu-memory-utilization "
+                                      f"{AUTO_GPU_MEMORY_UTILIZATION} unless a pool size is "
+                                      "given, as serving engines do)")
     num_kv_pages: int | None = _knob("num_kv_pages", int,
                                      "explicit KV pool size in pages (overrides --kv-cache-gb)")
     gpu_memory_utilization: float | None = _knob(
@@ -159,11 +168,33 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
+    def kv_sizing(self, share: int = 1) -> dict:
+        """The KV pool sizing ``kv_cache_gb=None`` (serve's default) stands for: on a CUDA device,
+        unless ``num_kv_pages`` or ``gpu_memory_utilization`` is given, the pool takes
+        ``AUTO_GPU_MEMORY_UTILIZATION`` of the GPU's memory minus the weights (split between
+        ``share`` engines on one GPU); elsewhere ``EngineConfig``'s 1 GiB. Empty when
+        ``kv_cache_gb`` was given."""
+        if self.kv_cache_gb is not None:
+            return {}
+        out = {"kv_cache_gb": _CONFIG_DEFAULTS["kv_cache_gb"]}
+        if self.num_kv_pages is None and self.gpu_memory_utilization is None \
+                and _is_cuda(self.device):
+            out["gpu_memory_utilization"] = round(AUTO_GPU_MEMORY_UTILIZATION / share, 4)
+        return out
+
     def engine_config(self, **override) -> EngineConfig:
         names = set(_CONFIG_DEFAULTS)
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+        kw.update(self.kv_sizing())
         kw.update(override)
         return EngineConfig(**kw)
+
+
+def _is_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
 
 
 # --------------------------------------------------------------------------------- sampling

@@ -69,6 +69,9 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
         if n < 1:
             raise ValueError(f"device {args.device!r}: no CUDA device is visible")
         devices = [f"cuda:{r % n}" for r in range(world)]
+    # serve's auto KV sizing: workers sharing a GPU split its memory
+    config_override = {**args.kv_sizing(share=max(map(devices.count, devices))),
+                       **config_override}
     if backend is None:            # NCCL needs a GPU per rank; workers sharing one read
         backend = ("gloo" if devices[0] == "cpu"     # each other's staging over CUDA IPC
                    else "nccl" if len(set(devices)) == world else "ipc")

@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
     s.set_defaults(func=run)
 
 
-# serving turns prefix reuse on (multi-turn chat reuses its history's KV pages); elsewhere off
-SERVE_DEFAULTS = {"prefix_reuse": True}
+# serving turns prefix reuse on (multi-turn chat reuses its history's KV pages; elsewhere off)
+# and sizes the KV pool from the GPU's memory (``EngineArgs.kv_sizing``; elsewhere 1 GiB)
+SERVE_DEFAULTS = {"prefix_reuse": True, "kv_cache_gb": None}
 
 
 def add_server_flags(s: argparse.ArgumentParser) -> None:
