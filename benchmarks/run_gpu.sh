@@ -127,8 +127,12 @@ group_serve() {
   run serve_first64_h200 200 "$OUT/serve_first64_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --concurrency 32 32 --requests 64 --json "$OUT/serve_first64_h200.json"
+  run serve_steady_llada8b_h200 360 "$OUT/serve_steady_llada8b_h200.json" \
+    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
+    --model-shape llada-8b --max-tokens 64 --concurrency 1 32 64 --requests 32 256 512 \
+    --json "$OUT/serve_steady_llada8b_h200.json"
   run serve_first64_llada8b_h200 300 "$OUT/serve_first64_llada8b_h200.json" \
-    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full --dtype bfloat16 \
+    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --model-shape llada-8b --max-tokens 64 --concurrency 32 32 --requests 64 \
     --json "$OUT/serve_first64_llada8b_h200.json"
 }

@@ -20,8 +20,9 @@ recently used dropped. All graphs share one memory pool: they never run at the s
 
 **Padded forward shapes.** A forward graph is keyed on buckets, not on the step's exact shape, so
 that a few graphs captured before ready serve every step after it: rows ``T`` rounded up to a
-power of two (only while the forward is launch-bound, below ``GraphCache.heavy_tokens`` rows: a
-GEMM-bound forward would pay for its padding rows and gains nothing from a graph), requests ``B``
+power of two (only below ``GraphCache.heavy_tokens`` rows, while eager launches would cost the
+host more than the padded forward costs the GPU; a larger forward runs eagerly, its launches
+hidden behind its GEMMs), requests ``B``
 to a power of two, the longest query ``max_q`` to a power of two (the attention grid; programs
 past a request's rows exit at once). The real requests fill the first ``B`` request slots, the
 slots after them are empty (no rows, no keys), and one last **dummy request** owns the padding
@@ -61,7 +62,13 @@ class GraphCache:
     """The captured graphs of one runner and the capture policy they share."""
 
     MAX_SEEN = 4096              # uncaptured shapes remembered (refresh shapes follow prompts)
-    HEAVY_FLOPS = 1e12           # a forward this big is GEMM-bound (~1.5 ms on an H200)
+    # NOTE: a forward of more FLOPs than this runs eagerly (exact rows, no padding). Eager
+    # launches cost the host ~20 ms per forward of the LLaDA-8B shape (32 layers, ~2.7k ops),
+    # which a GPU only hides behind a forward of >~10 TFLOP. At 1e12 (rows >= 62 for 8B) its
+    # batch-1 step (~110 rows, 5.8 ms of GPU work) took 23.7 ms (issue 21,
+    # profile_batch_step_llada8b_h200.json); at 4e12 (rows < 250 for 8B) such a step replays a
+    # graph padded to at most 256 rows (~8 ms of GPU work), still below the eager host time.
+    HEAVY_FLOPS = 4e12
 
     def __init__(self, max_graphs: int, first_capture: int = 2) -> None:
         self.max_graphs = max_graphs
