@@ -22,16 +22,19 @@ from flash_dllm.evals.runner import run_eval
 from flash_dllm.evals.tasks import get_suite
 
 
-def run_one(budget: float | None, decode: str, n: int) -> dict:
+def run_one(budget: float | None, decode: str, n: int, sentinel: float | None = None) -> dict:
     llm = LLM(engine_config=EngineConfig(page_size=4, num_kv_pages=9, kv_overflow_gb=0.01,
-                                         lazy_load_budget=budget))
+                                         lazy_load_budget=budget, lazy_load_sentinel=sentinel))
     params = SamplingParams(max_tokens=64, block_length=32, cache="dual", decode=decode)
     r = run_eval(llm, get_suite("arith"), n, params, progress=False)
     st = llm.engine.runner.overflow.stats
-    return {"decode": decode, "lazy_load_budget": budget, "accuracy": r["accuracy"],
+    return {"decode": decode, "lazy_load_budget": budget, "lazy_load_sentinel": sentinel,
+            "accuracy": r["accuracy"],
             "forwards_per_sample": r.get("forwards_per_sample"), "n": n,
             "overflow_steps": st["steps"], "h2d_bytes": st["h2d_bytes"],
-            "d2h_bytes": st["d2h_bytes"], "skipped_pages": st["skipped_pages"]}
+            "d2h_bytes": st["d2h_bytes"], "skipped_pages": st["skipped_pages"],
+            "measuring_steps": st["measuring_steps"], "sentinel_checks": st["sentinel_checks"],
+            "sentinel_triggers": st["sentinel_triggers"]}
 
 
 def main() -> int:
@@ -39,20 +42,25 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
+    p.add_argument("--sentinels", type=float, nargs="*", default=[0.5],
+                   help="--lazy-load-sentinel values, each run at every budget too")
+    p.add_argument("--decode", nargs="+", default=["threshold", "vanilla"])
     a = p.parse_args()
     rows = []
-    for decode in ("threshold", "vanilla"):
-        for budget in [None, *a.budgets]:
-            row = run_one(budget, decode, a.n)
+    for decode in a.decode:
+        runs = [(None, None)] + [(b, j) for b in a.budgets for j in [None, *a.sentinels]]
+        for budget, sentinel in runs:
+            row = run_one(budget, decode, a.n, sentinel)
             ref = next((r for r in rows if r["decode"] == decode
                         and r["lazy_load_budget"] is None), None)
             if ref is not None:
                 row["h2d_vs_exact"] = row["h2d_bytes"] / max(ref["h2d_bytes"], 1)
                 row["accuracy_change_points"] = 100 * (row["accuracy"] - ref["accuracy"])
             rows.append(row)
-            print(f"{decode:9s} budget {str(budget):5s}: accuracy {100 * row['accuracy']:5.1f} % "
-                  f"h2d {row['h2d_bytes'] / 2**20:8.2f} MiB  skipped pages "
-                  f"{row['skipped_pages']}", flush=True)
+            print(f"{decode:9s} budget {str(budget):5s} sentinel {str(sentinel):5s}: accuracy "
+                  f"{100 * row['accuracy']:5.1f} % h2d {row['h2d_bytes'] / 2**20:8.2f} MiB  "
+                  f"skipped pages {row['skipped_pages']}  sentinel "
+                  f"{row['sentinel_triggers']}/{row['sentinel_checks']}", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"suite": "arith", "rows": rows}, indent=1) + "\n")
     return 0

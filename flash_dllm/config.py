@@ -187,6 +187,10 @@ class EngineConfig:
     # pages loads only this share of them, the most attended at the block's first step, and
     # attends to those and the GPU-resident pages only. None: every page, every step (exact)
     lazy_load_budget: float | None = None
+    # its sentinel: each lazy step measures which loaded host pages its block attends to most
+    # (top-k) and compares them with the block's measuring step; an overlap (Jaccard) below this
+    # makes the next step load every page and measure again (force-load). None: off
+    lazy_load_sentinel: float | None = None
     kv_placement: str = "lru"            # which cached pages leave a tier first
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
@@ -246,6 +250,13 @@ class EngineConfig:
             if not self.kv_overflow_gb:
                 raise ValueError("lazy_load_budget applies to requests larger than the GPU pool: "
                                  "set kv_overflow_gb (--kv-overflow-gb) too")
+        j = self.lazy_load_sentinel
+        if j is not None:
+            if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 < j <= 1:
+                raise ValueError(f"lazy_load_sentinel must be in (0, 1] or None, got {j!r}")
+            if b is None:
+                raise ValueError("lazy_load_sentinel watches lazy loading: set lazy_load_budget "
+                                 "(--lazy-load-budget) too")
         _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
         _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
         _check_int("kag_top_k", self.kag_top_k, 1)

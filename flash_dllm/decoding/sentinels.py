@@ -8,13 +8,16 @@
   with that slot's top-k at its previous step; a Jaccard overlap below ``j_min`` means the context
   it reads has drifted, and the engine recomputes the cached K/V of the keys it now relies on.
 
+- **lazy load** (``engine/kv_overflow.py``): under lazy loading, the host pages a block attends
+  to most drifting from those its measuring step chose force the next step to load every page.
+
 Names in ``SENTINELS`` key the engine's counters (``Engine.stats["sentinel_checks"/"_triggers"]``).
 """
 from __future__ import annotations
 
 import torch
 
-SENTINELS = ("entropy", "perturbation", "kv_consistency")
+SENTINELS = ("entropy", "perturbation", "kv_consistency", "lazy_load")
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flash_dllm.engine.lazy_load import LazyPlan, select_pages, sentinel_overlap
 from flash_dllm.engine.plan import OverflowPlan
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
@@ -74,7 +75,8 @@ class OverflowKV:
 
     def __init__(self, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_pages: int,
-                 host_bytes: int, lazy_budget: float | None = None) -> None:
+                 host_bytes: int, lazy_budget: float | None = None,
+                 lazy_sentinel: float | None = None) -> None:
         L, ps, H, D = num_layers, page_size, kv_heads, head_dim
         self.num_layers = L
         self.page_shape = (ps, H, D)
@@ -86,12 +88,13 @@ class OverflowKV:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.lazy_budget = lazy_budget
-        self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "skipped_pages": 0}
+        self.lazy_sentinel = lazy_sentinel
+        self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "skipped_pages": 0,
+                      "measuring_steps": 0, "sentinel_checks": 0, "sentinel_triggers": 0}
 
     @property
     def max_pages(self) -> int:
         return self.stage.shape[2]
-
     def host_bytes_for(self, spill: int) -> int:
         return spill * self.num_layers * self.page_layer_bytes
 
@@ -130,7 +133,8 @@ class OverflowKV:
         and measures (last layer) how much attention the active block's rows give each page;
         its later steps load only the share ``lazy_budget`` of the spilled pages that received
         the most (``select_pages``), plus the spilled pages the step writes, and their attention
-        skips the others (approximate)."""
+        skips the others (approximate). With ``lazy_sentinel``, each lazy step also measures
+        its loaded pages; ``observe`` forces a new measuring step when they drift."""
         ps = self.page_shape[0]
         s, n = plan.spill, plan.num_pages
         p0, p1 = window[0] // ps, -(-window[1] // ps)
@@ -153,10 +157,31 @@ class OverflowKV:
                                                       ranges, written))
         if self.lazy_budget is not None and not full and s and state.page_mass is None:
             out.mass_layer = self.num_layers - 1   # every page here: where the block attends
+            out.mass_pages = n
+            self.stats["measuring_steps"] += 1
         if lazy is not None and lazy.table is not None:
             out.block_table, out.seq_lens, out.max_k = lazy.table, lazy.seq_lens, lazy.max_k
             self.stats["skipped_pages"] += lazy.skipped
+            if self.lazy_sentinel is not None and lazy.watched is not None:
+                out.mass_layer = self.num_layers - 1     # the loaded pages: for the sentinel
+                out.mass_pages, out.lazy = len(lazy.keep), lazy
         return out
+
+    def observe(self, state: OverflowState, lazy: LazyPlan | None, mass: np.ndarray
+                ) -> tuple[bool, bool]:
+        """Take a step's attention mass per page of its block table (``mass`` [pages]):
+        a measuring step's (``lazy`` None) becomes the block's ``page_mass``; a lazy step's
+        is the sentinel's evidence. Returns (checked, triggered)."""
+        if lazy is None:
+            state.page_mass = mass
+            return False, False
+        j = sentinel_overlap(state.page_mass, lazy.keep, lazy.watched, mass)
+        self.stats["sentinel_checks"] += 1
+        if j >= self.lazy_sentinel:
+            return True, False
+        self.stats["sentinel_triggers"] += 1
+        state.page_mass = state.lazy = None      # the next step loads every page, measures
+        return True, True
 
     def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
                    canvas_len: int, like: torch.Tensor) -> LazyPlan:
@@ -168,24 +193,16 @@ class OverflowKV:
         if ranges == [(0, s)]:
             return LazyPlan(written, ranges)
         keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
+        # the sentinel watches the loaded host pages it could have skipped (not the written)
+        w0, w1 = written
+        watched = [i for i, p in enumerate(keep) if p < s and not w0 <= p < w1]
         keys = (len(keep) - 1) * ps + (canvas_len - (n - 1) * ps)
         table = np.zeros(like.shape, dtype=np.int32)
         table[0, :len(keep)] = keep
         return LazyPlan(written, ranges, h2d(table, torch.int32, like.device),
                         h2d([keys], torch.int32, like.device), seqlen_bound(keys),
-                        s - sum(b - a for a, b in ranges))
-
-
-@dataclass
-class LazyPlan:
-    """A lazy step's loads, kept for the block's later steps with the same written pages."""
-
-    written: tuple[int, int]
-    ranges: list[tuple[int, int]]
-    table: torch.Tensor | None = None       # compacted [1, width] block table (device)
-    seq_lens: torch.Tensor | None = None
-    max_k: int = 0
-    skipped: int = 0
+                        s - sum(b - a for a, b in ranges), np.asarray(keep),
+                        np.asarray(watched) if len(watched) >= 2 else None)
 
 
 @dataclass
@@ -199,41 +216,6 @@ class OverflowState:
     resident_idx: torch.Tensor              # [n - spill] long, on the device
     page_mass: np.ndarray | None = None     # [n] float, host
     lazy: LazyPlan | None = None            # the current block's lazy loads
-
-
-def select_pages(mass: np.ndarray, budget: float, written: tuple[int, int]
-                 ) -> list[tuple[int, int]]:
-    """Which spilled pages a lazy step loads, as sorted disjoint ranges ``[a, b)``: every
-    spilled page in ``written`` (the step rewrites part of it, so all of it must be there to go
-    back), plus the ``ceil(budget * spill)`` other pages of most attention ``mass`` [spill],
-    chosen in chunks of ``ceil(spill / 256)`` pages (fewer, larger copies).
-
-    NOTE: the written pages are left out of the ranking: the active block attends to itself
-    most, so ranked with the rest they took the whole budget and the prompt's pages were all
-    skipped (demo arith, threshold: 88 % at budgets 0.25 and 0.1 alike, against 98 %)."""
-    s = mass.shape[0]
-    w0, w1 = max(0, written[0]), max(0, min(s, written[1]))
-    ranked = np.ones(s, dtype=bool)
-    ranked[w0:w1] = False
-    chunk = -(-s // 256)
-    n_chunks = -(-s // chunk)
-    starts = np.arange(0, s, chunk)
-    # a chunk's mass: its ranked pages' sum (a chunk of written pages only comes last)
-    per_chunk = np.where(np.logical_or.reduceat(ranked, starts),
-                         np.add.reduceat(np.where(ranked, mass, 0.0), starts), -np.inf)
-    take = min(n_chunks, -(-int(np.ceil(budget * s)) // chunk))
-    pick = np.zeros(s, dtype=bool)
-    for c in np.argsort(-per_chunk, kind="stable")[:take]:
-        pick[c * chunk:(c + 1) * chunk] = True
-    pick[w0:w1] = True
-    ranges, a = [], None
-    for i, p in enumerate(pick.tolist() + [False]):
-        if p and a is None:
-            a = i
-        elif not p and a is not None:
-            ranges.append((a, i))
-            a = None
-    return ranges
 
 
 class _StepCopies:
@@ -329,6 +311,8 @@ class OverflowMetadata(PagedAttentionMetadata):
     stage (``_StepCopies``), with the copies around it."""
 
     copies: _StepCopies
+    mass_pages: int = 0                # pages of the block table ``mass`` covers
+    lazy: LazyPlan | None = None       # a lazy step the sentinel checks
 
     @classmethod
     def wrap(cls, meta: PagedAttentionMetadata, copies: _StepCopies) -> "OverflowMetadata":

@@ -34,7 +34,7 @@ from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
 from flash_dllm.engine.step_graph import StepGraphs
-from flash_dllm.engine.verify_step import kv_consistency, update_drafts
+from flash_dllm.engine.verify_step import kv_consistency, new_counters, update_drafts
 from flash_dllm.layers.attention_backend import PagedAttentionBackend
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.transfer import h2d
@@ -92,7 +92,8 @@ class ModelRunner:
             self.overflow = OverflowKV(cfg.num_layers, config.page_size, self.kv_heads,
                                        cfg.head_dim, self.dtype, self.device, self.table_width,
                                        int(config.kv_overflow_gb * 2**30),
-                                       lazy_budget=config.lazy_load_budget)
+                                       lazy_budget=config.lazy_load_budget,
+                                       lazy_sentinel=config.lazy_load_sentinel)
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
@@ -282,16 +283,22 @@ class ModelRunner:
                 page_mass = mass.view(mass.shape[0], -1, self.page_size).sum(-1)
         lazy_mass = None
         if isinstance(step.meta, OverflowMetadata) and step.meta.mass is not None:
-            # lazy loading: where the block's first step attended, per page (for its next
-            # steps); reduced on the device here, read after the step's one sync below
-            n = plan.seqs[0].overflow.num_pages
+            # lazy loading: where the step attended, per page of its block table (a measuring
+            # step: every page, for the block's next steps; a lazy step: the loaded ones, for
+            # the sentinel); reduced on the device here, read after the step's one sync below
+            n = step.meta.mass_pages
             lazy_mass = step.meta.mass[0, :n * self.page_size].view(n, -1).sum(-1).float()
         tokens, conf, keep, counters = sample_and_commit(
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
         blocks = blocks.cpu().numpy()                      # the step's one device->host copy
         if lazy_mass is not None:
-            self._overflow_req.page_mass = lazy_mass.cpu().numpy()
+            checked, trig = self.overflow.observe(self._overflow_req, step.meta.lazy,
+                                                  lazy_mass.cpu().numpy())
+            if checked:
+                counters[0] = counters[0] or new_counters()
+                counters[0]["sentinel_checks"]["lazy_load"] += 1
+                counters[0]["sentinel_triggers"]["lazy_load"] += trig
         if page_mass is not None:          # (ema / kag placement: after it, never mid-step)
             per_page = page_mass.cpu().numpy()
             page_mass = {batch[i].request_id: per_page[i] for i in step.flash}

@@ -123,6 +123,12 @@ class EngineArgs:
         "with --kv-overflow-gb: a step that does not rewrite a long request's host pages loads "
         "only this share of them (0-1], the most attended at its block's first step, and its "
         "attention skips the rest (approximate; default: every page, exact)")
+    lazy_load_sentinel: float | None = _knob(
+        "lazy_load_sentinel", float,
+        "with --lazy-load-budget: each lazy step compares the host pages its block attends to "
+        "most (top 8 of those loaded) with the block's measuring step; an overlap (Jaccard) "
+        "below this value makes the next step load every page and measure again (counted as "
+        "sentinel 'lazy_load'; default: off)")
     kv_placement: str = _knob("kv_placement", str,
                               "which cached pages leave a tier first: lru (least recently "
                               "used), ema (least attended: moving average of the attention mass "

@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict
 
 from flash_dllm.config import SamplingParams
+from flash_dllm.decoding.sentinels import SENTINELS
 from flash_dllm.evals.tasks import get_suite
 
 
@@ -51,7 +52,7 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
                    for k in ("candidates", "accepted")},
         "sentinels": {name: {k: sum(o.metrics.get(f"sentinel_{k}", {}).get(name, 0) for o in outs)
                              for k in ("checks", "triggers")}
-                      for name in ("entropy", "perturbation", "kv_consistency")},
+                      for name in SENTINELS},
         "params": asdict(params),
         "model": str(llm.model_path), "device": str(llm.device),
         "dtype": str(next(llm.engine.model.parameters()).dtype).replace("torch.", ""),

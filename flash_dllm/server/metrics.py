@@ -15,12 +15,12 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from flash_dllm.decoding.sentinels import SENTINELS
 from flash_dllm.engine.async_engine import AsyncEngine
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES, runtime_counts
 from flash_dllm.engine.request import RequestOutput
 
 PREFIX = "flash_dllm_"
-SENTINELS = ("entropy", "kv_consistency", "perturbation")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -1,0 +1,89 @@
+"""Lazy loading's sentinel (``--lazy-load-sentinel``, ``engine/lazy_load.py``), on the CPU: the
+overlap it measures, that a sentinel which never fires changes no token of a lazy run, that one
+which fires forces the next step to load every page and measure again, counted per request, per
+engine and in the server's sentinel metrics; bad values are named errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flash_dllm.config import EngineConfig
+from flash_dllm.engine.engine import Engine
+from flash_dllm.engine.lazy_load import SENTINEL_TOP_K, sentinel_overlap
+from test_kv_overflow import LONG, PS, _params, _run
+from test_sampler import tiny
+
+LAZY = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01, lazy_load_budget=0.5)
+
+
+def test_sentinel_overlap_is_the_jaccard_of_the_top_pages_then_and_now():
+    keep = np.array([0, 1, 2, 3, 7, 8, 9, 20, 21])       # compacted table: logical pages
+    watched = np.array([0, 1, 2, 3, 4, 5, 6])            # host pages it could have skipped
+    ref = np.zeros(22)
+    ref[[0, 1, 2]] = [5.0, 4.0, 3.0]                     # then: pages 0, 1, 2 (k = 3 of 7)
+    same = np.array([9.0, 8.0, 7.0, 0, 0, 0, 0, 99, 99])  # resident pages are not watched
+    assert sentinel_overlap(ref, keep, watched, same) == 1.0
+    moved = np.array([0, 0, 0, 0, 3.0, 2.0, 1.0, 0, 0])
+    assert sentinel_overlap(ref, keep, watched, moved) == 0.0
+    half = np.array([9.0, 8.0, 0, 0, 7.0, 0, 0, 0, 0])   # {0, 1, 4} vs {0, 1, 2}: 2 / 4
+    assert sentinel_overlap(ref, keep, watched, half) == 0.5
+    # many pages: the top sets have SENTINEL_TOP_K pages (8), not half of them (20)
+    assert SENTINEL_TOP_K == 8
+    many, ref = np.arange(40), np.arange(40.0)           # then: pages 32..39
+    now = ref.copy()
+    now[31] = 32.5                                       # now: 31 and 33..39
+    assert sentinel_overlap(ref, many, many, now) == 7 / 9
+
+
+def test_a_sentinel_that_never_fires_changes_no_token(monkeypatch):
+    import flash_dllm.engine.kv_overflow as ko
+    model = tiny("llada", seed=5)
+    params = _params("dual", "vanilla")
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(**LAZY)), [LONG], params)
+    monkeypatch.setattr(ko, "sentinel_overlap", lambda *a: 1.0)
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_sentinel=0.5, **LAZY))
+    got, reqs = _run(eng, [LONG], params)
+    st = eng.runner.overflow.stats
+    assert got == ref
+    assert st["sentinel_checks"] > 0 and st["sentinel_triggers"] == 0
+    assert reqs[0].counters["sentinel_checks"]["lazy_load"] == st["sentinel_checks"]
+
+
+def test_a_firing_sentinel_forces_a_measuring_step_that_loads_every_page(monkeypatch):
+    import flash_dllm.engine.kv_overflow as ko
+    model = tiny("llada", seed=5)
+    params = _params("dual", "vanilla")
+    plain = Engine(model, model.cfg, EngineConfig(**LAZY))
+    _run(plain, [LONG], params)
+    monkeypatch.setattr(ko, "sentinel_overlap", lambda *a: 0.0)
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_sentinel=0.5, **LAZY))
+    got, reqs = _run(eng, [LONG], params)
+    st, st0 = eng.runner.overflow.stats, plain.runner.overflow.stats
+    assert reqs[0].finished and len(got[0]) == len(LONG) + 16
+    assert st["sentinel_triggers"] == st["sentinel_checks"] > 0
+    # every lazy step fires, so the next step loads every page and measures again: lazy and
+    # measuring steps alternate inside a block
+    assert st["measuring_steps"] > st0["measuring_steps"]
+    assert st["measuring_steps"] >= st["sentinel_triggers"]
+    assert st["skipped_pages"] < st0["skipped_pages"] and st["h2d_bytes"] > st0["h2d_bytes"]
+    assert eng.stats["sentinel_triggers"]["lazy_load"] == st["sentinel_triggers"]
+    assert reqs[0].counters["sentinel_triggers"]["lazy_load"] == st["sentinel_triggers"]
+    assert eng.runner._overflow_req is None and eng.kv_manager.num_used == 0
+
+
+def test_the_real_sentinel_runs_and_its_counts_add_up():
+    model = tiny("llada", seed=5)
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_sentinel=1.0, **LAZY))
+    got, reqs = _run(eng, [LONG], _params("dual", "vanilla"))
+    st = eng.runner.overflow.stats
+    assert reqs[0].finished and st["sentinel_checks"] > 0
+    assert 0 <= st["sentinel_triggers"] <= st["sentinel_checks"]
+    assert eng.stats["sentinel_checks"]["lazy_load"] == st["sentinel_checks"]
+
+
+def test_bad_sentinel_values_are_named():
+    with pytest.raises(ValueError, match="set lazy_load_budget"):
+        EngineConfig(kv_overflow_gb=0.01, lazy_load_sentinel=0.5)
+    for bad in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match=r"lazy_load_sentinel must be in \(0, 1\]"):
+            EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0.5, lazy_load_sentinel=bad)
