@@ -65,7 +65,7 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata={
         "type": str, "choices": ["auto", "float32", "bfloat16", "float16"],
         "help": "weights and activations; auto: bfloat16 on a GPU (the real checkpoints' dtype; "
-                "float32 there runs full-precision attention, many times slower), float32 on "
+                "float32 there runs its GEMMs without tensor cores, slower), float32 on "
                 "the CPU (default: %(default)s)"})
     threads: int | None = field(default=None, metadata={
         "type": positive_int,
