@@ -131,9 +131,10 @@ def main() -> None:
     if a.model_shape:
         from types import SimpleNamespace
 
-        from flash_dllm.entrypoints.args import EngineArgs
+        from flash_dllm.entrypoints.args import AUTO_GPU_MEMORY_UTILIZATION, EngineArgs
         from flash_dllm.entrypoints.loader import load_random_engine
-        sized = {"gpu_memory_utilization": 0.8} if a.device.startswith("cuda") else {}
+        sized = {"gpu_memory_utilization": AUTO_GPU_MEMORY_UTILIZATION} \
+            if a.device.startswith("cuda") else {}
         loaded = load_random_engine(a.model_shape, EngineArgs(device=a.device,
                                                               dtype=a.dtype or "auto"),
                                     **{**dataclasses.asdict(config), **sized})

@@ -338,3 +338,32 @@ def test_serve_sizes_the_kv_pool_from_gpu_memory_unless_told():
     args = EngineArgs.from_cli_args(p.parse_args(["--kv-cache-gb", "3", "--device", "cuda"]))
     assert (args.engine_config().kv_cache_gb, args.engine_config().gpu_memory_utilization) \
         == (3.0, None)
+
+
+def test_a_kv_pool_larger_than_the_free_gpu_memory_is_a_named_error(monkeypatch):
+    """``gpu_memory_utilization`` sizes the pool from the device's total memory; when another
+    process holds part of it the engine says so instead of failing with an OOM. Memory this
+    process's allocator keeps cached (an engine freed before) counts as free."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flash_dllm.config import EngineConfig
+    from flash_dllm.engine.runner import ModelRunner
+
+    G = 2**30
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "get_device_properties", lambda d: SimpleNamespace(
+        total_memory=100 * G))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda d: 10 * G)      # the weights
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d: 10 * G)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d: (90 * G, 100 * G))
+    fake = SimpleNamespace(config=EngineConfig(gpu_memory_utilization=0.8),
+                           device=torch.device("cuda", 0))
+    assert ModelRunner._kv_budget(fake) == 70 * G
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d: (40 * G, 100 * G))  # someone else
+    with pytest.raises(ValueError, match=r"70\.0 GiB KV pool, but only 40\.0 GiB .*another "
+                                         r"process"):
+        ModelRunner._kv_budget(fake)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d: 40 * G)  # 30 GiB cached by us
+    assert ModelRunner._kv_budget(fake) == 70 * G

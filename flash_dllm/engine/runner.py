@@ -157,7 +157,10 @@ class ModelRunner:
                              f"{self.device}")
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = max(0, int(u * total) - torch.cuda.memory_allocated(self.device))
-        free = torch.cuda.mem_get_info(self.device)[0]
+        # free on the device, plus what this process's allocator keeps cached (an engine freed
+        # before this one, e.g. bench multiturn --compare's first server)
+        free = (torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+                - torch.cuda.memory_allocated(self.device))
         if budget > free:       # another process holds part of the GPU: say so, not an OOM
             raise ValueError(
                 f"gpu_memory_utilization={u} asks for a {budget / 2**30:.1f} GiB KV pool, but "

@@ -78,8 +78,8 @@ class EngineArgs:
     # None (serve's default): auto, see ``kv_sizing``
     kv_cache_gb: float | None = _knob("kv_cache_gb", float,
                                       "KV page pool size in GiB; requests are admitted while "
-                                      "their pages fit (default: 1; serve and bench serve on a "
-                                      "GPU: --gpu-memory-utilization "
+                                      "their pages fit (default: 1; serve, bench serve and bench "
+                                      "multiturn on a GPU: --gpu-memory-utilization "
                                       f"{AUTO_GPU_MEMORY_UTILIZATION} unless a pool size is "
                                       "given, as serving engines do)")
     num_kv_pages: int | None = _knob("num_kv_pages", int,

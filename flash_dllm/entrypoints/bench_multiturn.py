@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 
 from flash_dllm.bench import write_report
@@ -124,6 +125,7 @@ def cmd_bench_multiturn(a: argparse.Namespace) -> int:
         on.prefix_reuse, off.prefix_reuse = True, False
         _tiers_off(off)
         r_on = in_process(on)
+        gc.collect()            # the first server's KV pool goes back before the second sizes its
         r_off = in_process(off)
         report = {"reuse_on": r_on, "reuse_off": r_off, "compare": compare_turns(r_on, r_off),
                   "errors": r_on["errors"] + r_off["errors"]}

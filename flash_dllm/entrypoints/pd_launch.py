@@ -69,9 +69,6 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
         if n < 1:
             raise ValueError(f"device {args.device!r}: no CUDA device is visible")
         devices = [f"cuda:{r % n}" for r in range(world)]
-    # serve's auto KV sizing: workers sharing a GPU split its memory
-    config_override = {**args.kv_sizing(share=max(map(devices.count, devices))),
-                       **config_override}
     if backend is None:            # NCCL needs a GPU per rank; workers sharing one read
         backend = ("gloo" if devices[0] == "cpu"     # each other's staging over CUDA IPC
                    else "nccl" if len(set(devices)) == world else "ipc")
@@ -89,7 +86,10 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
     workers = []
     for r in range(world):
         spec = WorkerSpec(rank=r, world=world, init_method=init, address=listener.address,
-                          authkey=authkey, args=args, config_override=dict(config_override),
+                          authkey=authkey, args=args,
+                          # serve's auto KV sizing: workers sharing a GPU split its memory
+                          config_override={**args.kv_sizing(share=devices.count(devices[r])),
+                                           **config_override},
                           device=devices[r], backend=backend, timeout_s=timeout_s,
                           staging_bytes=max(1 << 20, int(staging_gb * 2**30)),
                           warmup=warmup, model_shape=model_shape, layer_groups=layer_groups)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_dllm.config import DEFAULT_BLOCK_LENGTH, EngineConfig, SamplingParams
+from flash_dllm.entrypoints.args import AUTO_GPU_MEMORY_UTILIZATION
 from flash_dllm.entrypoints.llm import LLM
 from flash_dllm.layers.attention import DenseContext
 from flash_dllm.server.stops import find_stop
@@ -134,7 +135,7 @@ class FlashDLLM(LM):
                                            "gpu_memory_utilization"} & set(engine):
                 # EngineConfig's 1 GiB holds ~2k tokens of an 8B model; leave room for the
                 # likelihood forwards, which run outside the KV pool
-                engine["gpu_memory_utilization"] = 0.8
+                engine["gpu_memory_utilization"] = AUTO_GPU_MEMORY_UTILIZATION
             self.llm = LLM(pretrained, device=str(dev), dtype=dtype,
                            engine_config=EngineConfig(**engine))
         self.tokenizer = self.llm.tokenizer

@@ -313,7 +313,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             lse.stride(1) if splits > 1 else 0, splits,
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, TRACK=bool(return_mass),
-            # fp32 inputs: full-precision dots (Triton's default would be TF32, ~1e-3 off)
+            # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
             num_warps=num_warps, num_stages=num_stages)
         if splits > 1:

@@ -4,8 +4,8 @@ Gauges are read from the engine at scrape time; counters and histograms are fed 
 through the ``StepObserver`` hooks (``prometheus_client`` metrics are thread-safe).
 
 NOTE: ``flash_dllm_sentinel_triggers_total{sentinel=...}`` is read from
-``Engine.stats["sentinel_triggers"]`` at scrape time; an engine without sentinels exports the three
-names (entropy, kv_consistency, perturbation) at 0.
+``Engine.stats["sentinel_triggers"]`` at scrape time; an engine without sentinels exports every
+name of ``decoding.sentinels.SENTINELS`` at 0.
 """
 from __future__ import annotations
 
@@ -221,8 +221,8 @@ class _TierCollector:
         except RuntimeError:               # resized by the engine thread mid-copy
             n_checks = n_trig = 0
         rate = GaugeMetricFamily(PREFIX + "sentinel_trigger_rate",
-                                 "Sentinel triggers per checked slot, all sentinels, since "
-                                 "start.")
+                                 "Sentinel triggers per check (a slot; for lazy_load a step), "
+                                 "all sentinels, since start.")
         rate.add_metric([], n_trig / n_checks if n_checks else 0.0)
         yield rate
         n, t, r = self._evictions
