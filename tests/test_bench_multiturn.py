@@ -193,3 +193,29 @@ def test_bench_serve_requests_per_concurrency(server, tmp_path, capsys):
                  "--requests", "1", "3"]) == 2
     assert "--requests takes one value, or one per --concurrency value (3), got 2" in \
         capsys.readouterr().err
+
+
+def test_sse_events_stop_at_done_and_name_what_went_wrong():
+    """The load generators' one stream reader (bench serve and bench multiturn): events up to
+    [DONE]; an error event or a stream cut short is a StreamError with the text they report."""
+    import asyncio
+
+    from flash_dllm.bench.serve import StreamError, sse_events
+
+    class Cut:                          # fault injection: a response whose lines are given
+        def __init__(self, lines):
+            self.lines = lines
+
+        async def aiter_lines(self):
+            for line in self.lines:
+                yield line
+
+    async def read(lines):
+        return [ev async for ev in sse_events(Cut(lines))]
+
+    ok = ['data: {"a": 1}', "", ": keep-alive", 'data: {"a": 2}', "data: [DONE]", 'data: {"a": 3}']
+    assert asyncio.run(read(ok)) == [{"a": 1}, {"a": 2}]
+    with pytest.raises(StreamError, match="stream ended without"):
+        asyncio.run(read(['data: {"a": 1}']))
+    with pytest.raises(StreamError, match='"error"'):
+        asyncio.run(read(['data: {"a": 1}', 'data: {"error": {"message": "boom"}}']))

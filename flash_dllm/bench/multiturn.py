@@ -22,7 +22,6 @@ decides before sending; a 400 ``context_length_exceeded`` answer stops it the sa
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import re
@@ -30,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flash_dllm.bench.serve import scrape, summary, wait_pages_free
+from flash_dllm.bench.serve import StreamError, scrape, sse_events, summary, wait_pages_free
 
 CHAT = "/v1/chat/completions"
 # Counters whose run deltas the report gives, by short name (the Prometheus names end in _total).
@@ -118,17 +117,7 @@ async def chat_turn(client, body: dict) -> dict:
                 return {"ok": False, "error": f"HTTP {r.status_code}: {raw[:300]}",
                         "context_length": r.status_code == 400
                         and "context_length_exceeded" in raw}
-            done = False
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    break
-                ev = json.loads(data)
-                if "error" in ev:
-                    return {"ok": False, "error": json.dumps(ev)[:300]}
+            async for ev in sse_events(r):
                 for c in ev.get("choices") or []:
                     d = (c.get("delta") or {}).get("content") or ""
                     if d and ttft is None:
@@ -136,8 +125,8 @@ async def chat_turn(client, body: dict) -> dict:
                     text.append(d)
                 if ev.get("usage"):
                     usage = ev["usage"]
-            if not done:
-                return {"ok": False, "error": "stream ended without [DONE]"}
+    except StreamError as e:
+        return {"ok": False, "error": str(e)}
     except Exception as e:  # noqa: BLE001 - a load test reports every failure
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     lat = time.perf_counter() - t0

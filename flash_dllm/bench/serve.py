@@ -65,6 +65,26 @@ def _delta_text(endpoint: str, ev: dict, chat_key: str = "delta") -> str:
     return ""
 
 
+class StreamError(Exception):
+    """A streamed answer that went wrong after its 200: the load generator's error text."""
+
+
+async def sse_events(response):
+    """The JSON events of an OpenAI-style server-sent-event stream, up to ``[DONE]``. An error
+    event, or a stream that ends without ``[DONE]``, raises ``StreamError``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            return
+        ev = json.loads(data)
+        if "error" in ev:
+            raise StreamError(json.dumps(ev)[:300])
+        yield ev
+    raise StreamError("stream ended without [DONE]")
+
+
 async def one_request(client, endpoint: str, body: dict) -> dict:
     """Stream one request; returns latency, TTFT, completion tokens, text or an error. A
     non-streamed request (``body["stream"]`` false) has its TTFT equal to its latency."""
@@ -77,25 +97,15 @@ async def one_request(client, endpoint: str, body: dict) -> dict:
             if r.status_code != 200:
                 detail = (await r.aread()).decode(errors="replace")[:300]
                 return {"ok": False, "error": f"HTTP {r.status_code}: {detail}"}
-            done = False
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    break
-                ev = json.loads(data)
-                if "error" in ev:
-                    return {"ok": False, "error": json.dumps(ev)[:300]}
+            async for ev in sse_events(r):
                 d = _delta_text(endpoint, ev)
                 if d and ttft is None:
                     ttft = time.perf_counter() - t0
                 text.append(d)
                 if ev.get("usage"):
                     tokens = ev["usage"]["completion_tokens"]
-            if not done:
-                return {"ok": False, "error": "stream ended without [DONE]"}
+    except StreamError as e:
+        return {"ok": False, "error": str(e)}
     except Exception as e:  # noqa: BLE001 - a load test reports every failure
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     lat = time.perf_counter() - t0
