@@ -131,13 +131,12 @@ def main() -> None:
     if a.model_shape:
         from types import SimpleNamespace
 
-        from flash_dllm.entrypoints.args import AUTO_GPU_MEMORY_UTILIZATION, EngineArgs
+        from flash_dllm.entrypoints.args import EngineArgs
         from flash_dllm.entrypoints.loader import load_random_engine
-        sized = {"gpu_memory_utilization": AUTO_GPU_MEMORY_UTILIZATION} \
-            if a.device.startswith("cuda") else {}
-        loaded = load_random_engine(a.model_shape, EngineArgs(device=a.device,
-                                                              dtype=a.dtype or "auto"),
-                                    **{**dataclasses.asdict(config), **sized})
+        args = EngineArgs(device=a.device, dtype=a.dtype or "auto", kv_cache_gb=None)
+        # the pool serve would size (an 8B model's batch does not fit the 1 GiB default)
+        loaded = load_random_engine(a.model_shape, args,
+                                    **{**dataclasses.asdict(config), **args.kv_sizing()})
         llm = SimpleNamespace(engine=loaded.engine, tokenizer=loaded.tokenizer,
                               cfg=loaded.engine.cfg)
     else:

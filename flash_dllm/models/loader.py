@@ -25,7 +25,7 @@ class CheckpointError(ValueError):
 
 def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
     """``dtype`` as a torch dtype; ``"auto"``: bfloat16 on a CUDA ``device`` (the checkpoints'
-    own dtype; float32 there runs full-precision attention, far slower), else float32."""
+    own dtype; float32 there runs its GEMMs without tensor cores, slower), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
