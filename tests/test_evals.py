@@ -1,4 +1,6 @@
-"""Offline eval suites: determinism, train/test disjointness, length budgets, charset, scorers."""
+"""Offline eval suites: determinism, train/test disjointness, length budgets, charset, scorers.
+
+The long suites' own checks (worked steps, programs, token lengths) are in test_long_suites.py."""
 from __future__ import annotations
 
 import random
@@ -11,6 +13,7 @@ from flash_dllm.evals import (CHARSET, MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, SUITE
                               get_suite, split_of)
 from flash_dllm.evals import arith, code
 from flash_dllm.evals.sandbox import run_programs
+from flash_dllm.evals.tasks import SHORT_SUITES
 
 SUITE_NAMES = sorted(SUITES)
 
@@ -19,7 +22,9 @@ SUITE_NAMES = sorted(SUITES)
 
 
 def test_registry():
-    assert set(SUITES) == {"arith", "code"}
+    assert set(SUITES) == {"arith", "code", "chain", "code-long"}
+    assert {n: s.gen_length for n, s in SUITES.items()} == {
+        "arith": 64, "code": 64, "chain": 256, "code-long": 256}
     for name, suite in SUITES.items():
         assert suite.name == name and get_suite(name) is suite
     with pytest.raises(KeyError, match="unknown eval suite"):
@@ -49,7 +54,7 @@ def test_train_and_test_are_disjoint(name):
     assert len({p.prompt for p in s.test_problems(400)}) == 400  # test sets have no repeats
 
 
-@pytest.mark.parametrize("name", SUITE_NAMES)
+@pytest.mark.parametrize("name", SHORT_SUITES)
 def test_lengths_charset_and_shape(name):
     s = SUITES[name]
     problems = s.train_problems(4000, 3) + s.test_problems(500, seed=3)

@@ -47,6 +47,8 @@ GEN_LENGTHS = (64, 96, 128)
 EVAL_GEN_LENGTH = 64
 EVAL_BLOCK = 32
 VOCAB_PADDED = 128  # 103 real tokens, rounded up for tidy matmuls (LLaDA pads its vocab too)
+# token arrays of the data pool (uint8 fits the demo's 103 ids; train_proxy.py sets int16)
+TOKEN_DTYPE = np.uint8
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -80,7 +82,7 @@ def chat_texts(tok, prompts: list[str], check: int = 500) -> list[str]:
 
 def _pad_rows(seqs: list[list[int]], fill: int, width: int | None = None):
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    arr = np.full((len(seqs), width or int(lens.max())), fill, dtype=np.uint8)
+    arr = np.full((len(seqs), width or int(lens.max())), fill, dtype=TOKEN_DTYPE)
     for i, s in enumerate(seqs):
         arr[i, :len(s)] = s
     return arr, lens
@@ -104,14 +106,15 @@ def _gen_chunk(job: tuple[str, int, int, str, int]) -> dict[str, np.ndarray]:
 
 
 class Pool:
-    """Token arrays of every training problem, resident on the training device (uint8: V < 256).
+    """Token arrays of every training problem, resident on the training device (``TOKEN_DTYPE``).
 
     ``plain``/``chat`` hold the encoded prompt (BOS + chars, or the chat-templated version), ``ans``
     the answer's character ids; each is EOS-padded with its ``*_len`` alongside.
     """
 
     def __init__(self, suites: list[str], per_suite: int, seed: int, tok_folder: str, eos: int,
-                 device: torch.device, workers: int, chunk: int = 10000) -> None:
+                 device: torch.device, workers: int, chunk: int = 10000,
+                 min_gen_length: int | None = min(GEN_LENGTHS)) -> None:
         jobs = []
         for s_idx, suite in enumerate(suites):
             for c in range(math.ceil(per_suite / chunk)):
@@ -129,7 +132,7 @@ class Pool:
         self.n = sum(self.counts.values())
         for name in ("plain", "chat", "ans"):
             width = max(part[name].shape[1] for part in parts)
-            arr = np.full((self.n, width), eos, dtype=np.uint8)
+            arr = np.full((self.n, width), eos, dtype=TOKEN_DTYPE)
             row = 0
             for part in parts:
                 k, w = part[name].shape
@@ -139,9 +142,10 @@ class Pool:
             setattr(self, name, torch.from_numpy(arr).to(device))
             setattr(self, name + "_len", torch.from_numpy(lens).to(device))
         self.max_answer = int(self.ans_len.max())
-        if self.max_answer >= min(GEN_LENGTHS):
+        # NOTE: min_gen_length None: answers longer than a canvas are cut to it (proxy models)
+        if min_gen_length is not None and self.max_answer >= min_gen_length:
             raise ValueError(f"an answer has {self.max_answer} tokens; the shortest generation "
-                             f"length {min(GEN_LENGTHS)} must leave room for EOS")
+                             f"length {min_gen_length} must leave room for EOS")
 
 
 def make_batch(pool: Pool, batch_size: int, glen: int, chat_frac: float, eos: int, mask_id: int,
@@ -184,11 +188,13 @@ def make_batch(pool: Pool, batch_size: int, glen: int, chat_frac: float, eos: in
 @torch.no_grad()
 def reference_generate(model, prompts: list[list[int]], mask_id: int, pad_id: int,
                        gen_length: int = EVAL_GEN_LENGTH, block: int = EVAL_BLOCK,
-                       device: torch.device | str = "cpu", autocast: bool = False) -> torch.Tensor:
+                       device: torch.device | str = "cpu", autocast: bool = False,
+                       shift: int = 0) -> torch.Tensor:
     """LLaDA's sampler at temperature 0, one token per step, low-confidence remasking, semi-AR blocks.
 
     Prompts are left-padded with ``pad_id`` behind a key mask (RoPE is relative, so this equals the
-    unpadded computation). Returns the generated ids ``[B, gen_length]``.
+    unpadded computation). ``shift`` 1: Dream's shifted logits (position i read from output i-1).
+    Returns the generated ids ``[B, gen_length]``.
     """
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -205,7 +211,7 @@ def reference_generate(model, prompts: list[list[int]], mask_id: int, pad_id: in
         in_block = (pos >= b * block) & (pos < (b + 1) * block)
         for _ in range(block):
             with torch.autocast(dev_type, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(x, key_mask)[:, P:].float()                  # [B, G, V]
+                logits = model(x, key_mask)[:, P - shift:P + gen_length - shift].float()
             conf, x0 = F.softmax(logits, dim=-1).max(-1)
             masked = x[:, P:] == mask_id
             conf = torch.where(masked & in_block, conf, torch.full_like(conf, -math.inf))
@@ -225,7 +231,8 @@ def decode_completions(tok, gen: torch.Tensor, stop_ids: set[int]) -> list[str]:
 
 
 def evaluate(model, tok, suites: list[str], n: int, ids: dict, device, batch: int = 256,
-             chat: bool = False, autocast: bool = False, show: int = 0) -> dict[str, float]:
+             chat: bool = False, autocast: bool = False, show: int = 0,
+             gen_length: int = EVAL_GEN_LENGTH, shift: int = 0) -> dict[str, float]:
     """Accuracy per suite on the first ``n`` held-out problems (reference sampler)."""
     model.eval()
     acc = {}
@@ -238,7 +245,7 @@ def evaluate(model, tok, suites: list[str], n: int, ids: dict, device, batch: in
             texts = [chat_text(tok, p.prompt) if chat else p.prompt for p in chunk]
             prompts = [tok(t)["input_ids"] for t in texts]
             gen = reference_generate(model, prompts, ids["mask"], ids["eos"], device=device,
-                                     autocast=autocast)
+                                     autocast=autocast, gen_length=gen_length, shift=shift)
             comps += decode_completions(tok, gen, {ids["eos"], ids["eot"]})
         ok = suite.score_batch(probs, comps)
         acc[suite_name] = sum(ok) / max(len(ok), 1)
@@ -264,6 +271,16 @@ def hf_config(args, ids: dict) -> dict:
         "mask_token_id": ids["mask"], "eos_token_id": ids["eos"], "pad_token_id": ids["eos"],
         "bos_token_id": ids["bos"],
     }
+
+
+def make_optimizer(model, args, cuda: bool) -> torch.optim.AdamW:
+    """AdamW (beta 0.9/0.95), weight decay on matrices only, fused on CUDA."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                             **({"fused": True} if cuda else {}))
 
 
 def lr_at(step: int, progress: float, args) -> float:
@@ -357,12 +374,7 @@ def main(argv=None) -> dict:
     print(f"model: d={args.d_model} layers={args.n_layers} heads={args.n_heads} mlp={args.mlp} "
           f"vocab={VOCAB_PADDED}: {n_params / 1e6:.2f}M params ({n_params * 2 / 1e6:.1f} MB bf16)",
           flush=True)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            **({"fused": True} if cuda else {}))
+    opt = make_optimizer(model, args, cuda)
     fwd = torch.compile(model, dynamic=False) if args.compile else model
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     glen_rng = random.Random(args.seed + 2)  # generation length per batch (host side: no sync)

@@ -205,8 +205,9 @@ def test_problems(n: int, seed: int = 0) -> list[Problem]:
     return sample_split(make_problem, SUITE, "test", n, seed, unique=True)
 
 
-def extract_code(completion: str) -> str | None:
-    """The first top-level ``def`` block of a completion, or None.
+def extract_code(completion: str, *, many_defs: bool = False) -> str | None:
+    """The first top-level ``def`` block of a completion (``many_defs``: and every ``def`` block
+    right after it), or None.
 
     Like HumanEval's stop sequences: trailing junk on a later unindented line is cut, so a model
     that writes a correct function and then keeps babbling still passes.
@@ -219,15 +220,15 @@ def extract_code(completion: str) -> str | None:
         return None
     block = [lines[start]]
     for line in lines[start + 1:]:
-        if line.strip() and not line[0].isspace():
+        if line.strip() and not line[0].isspace() and not (many_defs and line.startswith("def ")):
             break
         block.append(line)
     return "\n".join(block).rstrip()
 
 
-def build_program(problem: Problem, completion: str) -> str | None:
+def build_program(problem: Problem, completion: str, *, many_defs: bool = False) -> str | None:
     """Solution plus hidden asserts, or None when the completion has no function at all."""
-    code = extract_code(completion)
+    code = extract_code(completion, many_defs=many_defs)
     if code is None:
         return None
     return code + "\n\n" + "\n".join(problem.meta["tests"]) + "\n"
@@ -236,12 +237,19 @@ def build_program(problem: Problem, completion: str) -> str | None:
 def score_batch(problems: Sequence[Problem], completions: Sequence[str], *,
                 timeout: float = DEFAULT_TIMEOUT_S, workers: int | None = None) -> list[bool]:
     """pass@1 per (problem, completion), run concurrently in the sandbox; bad input is a miss."""
+    return score_programs(build_program, problems, completions, timeout=timeout, workers=workers)
+
+
+def score_programs(build: Callable[[Problem, str], str | None], problems: Sequence[Problem],
+                   completions: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S,
+                   workers: int | None = None) -> list[bool]:
+    """pass@1 of ``build(problem, completion)`` (a program, or None for a miss) in the sandbox."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     programs: list[str | None] = []
     for p, c in zip(problems, completions):
         try:
-            programs.append(build_program(p, c))
+            programs.append(build(p, c))
         except Exception:  # noqa: BLE001 - a malformed problem/completion is a miss
             programs.append(None)
     todo = [i for i, prog in enumerate(programs) if prog is not None]

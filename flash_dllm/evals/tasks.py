@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from flash_dllm.evals import arith, code
+from flash_dllm.evals import arith, chain, code, code_long
 from flash_dllm.evals.problem import Problem, format_prompt
 
 
@@ -22,6 +22,7 @@ class Suite:
     score: Callable[[Problem, str], bool]
     score_batch: Callable[..., list[bool]]
     format_prompt: Callable[[str], str] = format_prompt
+    gen_length: int = 64  # the default canvas (``--max-tokens``) its answers are made for
 
     def accuracy(self, problems: Sequence[Problem], completions: Sequence[str], **kw) -> float:
         """Fraction of completions that pass; 0.0 for an empty set."""
@@ -29,11 +30,15 @@ class Suite:
         return sum(ok) / len(ok) if ok else 0.0
 
 
+# NOTE: arith and code fit the demo model's 64-slot canvas; chain and code-long are the proxy
+# models' long-answer suites (100-250 BPE tokens), decoded into 256 slots by default.
 SUITES: dict[str, Suite] = {
     m.SUITE: Suite(name=m.SUITE, train_problems=m.train_problems, test_problems=m.test_problems,
-                   score=m.score, score_batch=m.score_batch)
-    for m in (arith, code)
+                   score=m.score, score_batch=m.score_batch, gen_length=gen_length)
+    for m, gen_length in ((arith, 64), (code, 64), (chain, 256), (code_long, 256))
 }
+SHORT_SUITES = ("arith", "code")
+LONG_SUITES = ("chain", "code-long")
 
 
 def get_suite(name: str) -> Suite:
