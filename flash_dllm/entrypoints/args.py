@@ -58,8 +58,9 @@ class EngineArgs:
     """What loads an engine: the checkpoint, the device, and ``EngineConfig``'s knobs."""
 
     model: str | None = field(default=None, metadata={
-        "type": str, "help": "checkpoint folder (Hugging Face layout); default: the shipped demo "
-                             "model"})
+        "type": str, "help": "checkpoint folder (Hugging Face layout), or a name: demo (the "
+                             "shipped model, the default), proxy-llada, proxy-dream (the "
+                             "repository's checkpoints/)"})
     device: str = field(default="cpu", metadata={
         "type": str, "help": "cpu, cuda, cuda:N or auto (default: %(default)s)"})
     dtype: str = field(default="auto", metadata={

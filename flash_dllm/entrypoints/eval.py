@@ -16,7 +16,8 @@ from flash_dllm.evals.tasks import SUITES
 def add_parser(sub) -> None:
     e = sub.add_parser("eval", help="score the model on a task suite")
     e.add_argument("--suite", choices=sorted(SUITES) + ["jsonl"], default="arith",
-                   help="arith, code: the project's suites; jsonl: your own file (--data)")
+                   help="arith, code: the demo model's suites; chain, code-long: the proxy "
+                        "models' long-answer suites; jsonl: your own file (--data)")
     e.add_argument("--n", type=int, default=None,
                    help="problems to score (default: 100 held-out ones; jsonl: the whole file)")
     j = e.add_argument_group("--suite jsonl (one JSON object per line)")
@@ -45,7 +46,9 @@ def add_parser(sub) -> None:
     e.add_argument("--no-progress", action="store_true")
     EngineArgs.add_cli_args(e)
     add_sampling_flags(e)
-    e.set_defaults(func=run)
+    # NOTE: --max-tokens defaults to the suite's canvas (64 for arith/code/jsonl, 256 for the
+    # long suites), so `eval --suite chain` decodes whole answers without a flag
+    e.set_defaults(func=run, max_tokens=None)
 
 
 def _suite(a: argparse.Namespace):
@@ -75,6 +78,8 @@ def run(a: argparse.Namespace) -> int:
     if a.n is not None and a.n < 1:
         raise ValueError(f"--n must be >= 1, got {a.n}")
     suite = _suite(a)
+    if a.max_tokens is None:
+        a.max_tokens = SUITES[suite].gen_length if isinstance(suite, str) else 64
     if a.matrix:
         require_matplotlib()        # before any pair runs, not after all of them
     base = sampling_from_args(a)

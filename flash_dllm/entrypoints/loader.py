@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flash_dllm.engine.engine import Engine
 from flash_dllm.entrypoints.args import EngineArgs
-from flash_dllm.models.loader import default_model_path, load_model, resolve_device
+from flash_dllm.models.loader import load_model, model_path, resolve_device
 from flash_dllm.models.tokenizer import Tokenizer
 
 
@@ -29,7 +29,7 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
         if "WORLD_SIZE" in os.environ:
             return LoadedEngine(*tp_launch.from_environment(args, **config_override))
         return LoadedEngine(*tp_launch.launch(args, world, **config_override))
-    folder = Path(args.model) if args.model is not None else default_model_path()
+    folder = model_path(args.model)
     net, cfg = load_model(folder, device=resolve_device(args.device), dtype=args.dtype)
     tok = Tokenizer(folder)
     cfg = tok.resolve_ids(cfg)

@@ -11,7 +11,6 @@ import os
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Listener
-from pathlib import Path
 
 import torch
 
@@ -32,7 +31,7 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
     worker unpacks straight from the prefill worker's staging buffer); ``backend="nixl"``: NIXL
     (UCX) one-sided writes between workers, e.g. across hosts."""
     from flash_dllm.distributed.launch import free_port, spawn
-    from flash_dllm.models.loader import default_model_path, read_config
+    from flash_dllm.models.loader import model_path, read_config
 
     for name, n in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -59,7 +58,7 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
         raw = shape_config(model_shape)
         cfg = registry.resolve(raw).parse_config(raw)
     else:
-        folder = Path(args.model) if args.model is not None else default_model_path()
+        folder = model_path(args.model)
         _, cfg, _ = read_config(folder)
     world = prefill_workers + decode_workers
     devices = ["cpu"] * world

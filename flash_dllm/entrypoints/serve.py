@@ -149,7 +149,7 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
     from flash_dllm.engine.async_engine import AsyncEngine
     from flash_dllm.engine.warmup import default_level
     from flash_dllm.entrypoints.pd_launch import launch
-    from flash_dllm.models.loader import DEMO_MODEL, default_model_path, resolve_device
+    from flash_dllm.models.loader import DEMO_MODEL, model_path, resolve_device
     from flash_dllm.models.tokenizer import Tokenizer
 
     args = EngineArgs.from_cli_args(a)
@@ -158,7 +158,7 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
                          staging_gb=a.pd_staging_gb, role_switching=a.pd_role_switching,
                          model_shape=shape, warmup=level, layer_groups=a.pd_layer_groups,
                          backend=None if a.pd_transport == "auto" else a.pd_transport)
-    folder = Path(shape) if shape else (Path(args.model) if args.model else default_model_path())
+    folder = Path(shape) if shape else model_path(args.model)
     tok = Tokenizer(DEMO_MODEL if shape else folder)
     aeng = AsyncEngine(pd)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,10 +27,10 @@ def check_supported(config) -> None:
 
 def _load(args, tp, dev):
     """(engine model, cfg, tokenizer, folder) of this rank's shard."""
-    from flash_dllm.models.loader import default_model_path, load_model
+    from flash_dllm.models.loader import load_model, model_path
     from flash_dllm.models.tokenizer import Tokenizer
 
-    folder = Path(args.model) if args.model is not None else default_model_path()
+    folder = model_path(args.model)
     model, cfg = load_model(folder, device=dev, dtype=args.dtype, tp=tp)
     tok = Tokenizer(folder)
     return model, tok.resolve_ids(cfg), tok, folder
@@ -59,9 +58,9 @@ def launch(args, world: int, **config_override):
     The other ranks are fresh interpreters (``spawn_ranks``)."""
     from flash_dllm.distributed.tp import check_divisible
     from flash_dllm.engine.tp_engine import TPEngine
-    from flash_dllm.models.loader import default_model_path, read_config
+    from flash_dllm.models.loader import model_path, read_config
 
-    folder = Path(args.model) if args.model is not None else default_model_path()
+    folder = model_path(args.model)
     _, cfg, _ = read_config(folder)
     check_divisible(cfg, world)
     check_supported(args.engine_config(**config_override))
@@ -92,12 +91,12 @@ def from_environment(args, **config_override):
     from flash_dllm.distributed.tp import check_divisible
     from flash_dllm.engine.engine import Engine
     from flash_dllm.engine.tp_engine import TPEngine, follow
-    from flash_dllm.models.loader import default_model_path, read_config
+    from flash_dllm.models.loader import model_path, read_config
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = args.engine_config(**config_override)
     check_supported(config)
-    folder = Path(args.model) if args.model is not None else default_model_path()
+    folder = model_path(args.model)
     check_divisible(read_config(folder)[1], world)
     dev = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank)), world)
     tp, control = init_groups(rank, world, "env://", dev)

@@ -38,12 +38,17 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
     forwards = sum(o.num_forwards for o in outs)
     slots = sum(o.metrics["committed_slots"] for o in outs)
     answer_tokens = sum(len(o.token_ids) for o in outs)
+    blocks = [f for o in outs for f in o.metrics.get("block_forwards", ())]
     report = {
         "suite": suite_name, "n": len(problems), "seed": seed, "chat": chat, "repeat": repeat,
         "accuracy": sum(ok) / len(ok) if ok else 0.0,
         "forwards_per_sample": forwards / max(len(outs), 1),
         "tokens_per_forward": slots / max(forwards, 1),
         "answer_tokens_per_forward": answer_tokens / max(forwards, 1),
+        # forwards each decoded block took (blocks skipped by early stop are not decoded)
+        "forwards_per_block": {
+            "mean": sum(blocks) / len(blocks) if blocks else 0.0, "blocks": len(blocks),
+            "histogram": {str(k): blocks.count(k) for k in sorted(set(blocks))}},
         "seconds": seconds, "decode_seconds": decode_s,
         "answer_tokens_per_second": answer_tokens / decode_s if decode_s > 0 else 0.0,
         "early_stopped": sum(o.early_stopped for o in outs),
@@ -129,5 +134,7 @@ def summary_line(r: dict) -> str:
     p = r["params"]
     return (f"{r['suite']:6s} cache={p['cache']:6s} decode={p['decode']:9s} n={r['n']:4d} "
             f"acc={100 * r['accuracy']:6.2f}%  fwd/sample={r['forwards_per_sample']:7.2f}  "
-            f"tok/fwd={r['tokens_per_forward']:5.2f}  {r['seconds']:7.1f}s  "
+            f"tok/fwd={r['tokens_per_forward']:5.2f}  "
+            f"fwd/block={r.get('forwards_per_block', {}).get('mean', 0.0):5.2f}  "
+            f"{r['seconds']:7.1f}s  "
             f"{r['answer_tokens_per_second']:8.1f} tok/s")

@@ -239,6 +239,36 @@ def default_model_path() -> Path:
     return DEMO_MODEL
 
 
+# The proxy checkpoints live in the repository's checkpoints/ folder, outside the package (the
+# wheel stays small): a source checkout finds them there, an installed package through
+# FLASH_DLLM_CHECKPOINTS (folders that hold them, separated by os.pathsep).
+NAMED_MODELS = ("demo", "proxy-llada", "proxy-dream")
+CHECKPOINTS_ENV = "FLASH_DLLM_CHECKPOINTS"
+SOURCE_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+def model_path(model: str | os.PathLike | None) -> Path:
+    """The checkpoint folder for ``--model``: None is the shipped demo model; an existing folder
+    is itself; a name from ``NAMED_MODELS`` is looked up (a folder of that name wins)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if path.exists() or str(model) not in NAMED_MODELS:
+        return path
+    if str(model) == "demo":
+        return default_model_path()
+    roots = [Path(r) for r in os.environ.get(CHECKPOINTS_ENV, "").split(os.pathsep) if r]
+    roots.append(SOURCE_CHECKPOINTS)
+    for root in roots:
+        if (root / str(model) / "config.json").is_file():
+            return root / str(model)
+    raise FileNotFoundError(
+        f"model {str(model)!r} is one of the project's proxy checkpoints, but no "
+        f"{model}/config.json is in {', '.join(str(r) for r in roots)}; they ship in the source "
+        f"repository's checkpoints/ folder, not in the wheel: set {CHECKPOINTS_ENV} to the "
+        f"folder that holds them, or pass the checkpoint folder itself")
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) -> a usable ``torch.device``."""
     if device == "auto":
