@@ -2,13 +2,18 @@
 
 For each suite and cache mode it runs, on the same held-out problems:
 - the exact sampler (cache none, vanilla, one token per step) — the accuracy reference;
-- threshold decoding at tau (same cache mode) — the forwards reference;
-- verify at tau for every gamma x rule (same cache mode).
-It writes ``<out>.json`` (every run's report without samples, plus ratios) and ``<out>.png``
-(accuracy against forwards per sample, one panel per suite x cache), and prints a table last.
+- threshold decoding at every tau (same cache mode) — the forwards reference;
+- verify at every tau x gamma x rule x max_verify (same cache mode).
+It writes ``<out>.json`` (every run's report without samples, plus ratios and, per suite x cache,
+the ``frontier``: the verify run with the fewest forwards among those within one point of the
+exact sampler, against the fewest forwards threshold needs for the same accuracy) and
+``<out>.png`` (accuracy against forwards per sample and against seconds per sample, one row per
+suite x cache), and prints a table last.
 
     python benchmarks/verify_curve.py --n 200                       # demo model, CPU
     python benchmarks/verify_curve.py --caches none dual --jobs 4 --threads 2
+    python benchmarks/verify_curve.py --model proxy-dream --suites chain --caches dual \
+        --tau 0.5 0.7 0.8 0.9 0.95 0.99 --device cuda --max-num-seqs 1   # a Pareto sweep, H200
 """
 from __future__ import annotations
 
@@ -25,24 +30,42 @@ RULES = ("agree", "cumprod")
 
 
 def _configs(a) -> list[dict]:
-    base = dict(max_tokens=a.max_tokens, block_length=a.block_length)
+    from flash_dllm.evals.tasks import SUITES
     runs = []
     for suite in a.suites:
+        # unset --max-tokens: the suite's own canvas (64 for arith/code, 256 for chain/code-long)
+        base = dict(max_tokens=a.max_tokens or SUITES[suite].gen_length,
+                    block_length=a.block_length)
         if not a.no_exact:
             runs.append(dict(suite=suite, name="exact", cache="none",
                              params=dict(base, decode="vanilla", cache="none")))
         for cache in a.caches:
-            runs.append(dict(suite=suite, name="threshold", cache=cache,
-                             params=dict(base, decode="threshold", threshold=a.tau, cache=cache)))
-            for rule in a.rules:
-                for g in a.gammas:
-                    runs.append(dict(suite=suite, name=f"verify-{rule}-{g}", cache=cache,
-                                     rule=rule, gamma=g,
-                                     params=dict(base, decode="verify", threshold=a.tau, gamma=g,
-                                                 verify_rule=rule, max_verify=a.max_verify,
-                                                 cache=cache, entropy_max=a.entropy_max,
-                                                 perturb_sigma=a.perturb_sigma)))
+            for tau in a.tau:
+                runs.append(dict(suite=suite, name="threshold", cache=cache, tau=tau,
+                                 params=dict(base, decode="threshold", threshold=tau,
+                                             cache=cache)))
+            for tau in a.tau:
+                for rule in a.rules:
+                    for g in a.gammas:
+                        for mv in a.max_verify:
+                            runs.append(dict(
+                                suite=suite, name=_verify_name(rule, g, tau, mv, a), cache=cache,
+                                rule=rule, gamma=g, tau=tau, max_verify=mv,
+                                params=dict(base, decode="verify", threshold=tau, gamma=g,
+                                            verify_rule=rule, max_verify=mv, cache=cache,
+                                            entropy_max=a.entropy_max,
+                                            perturb_sigma=a.perturb_sigma)))
     return runs
+
+
+def _verify_name(rule: str, gamma: float, tau: float, max_verify, a) -> str:
+    """``verify-<rule>-<gamma>``, plus the tau / max_verify when several are swept."""
+    name = f"verify-{rule}-{gamma}"
+    if len(a.tau) > 1:
+        name += f"-t{tau}"
+    if len(a.max_verify) > 1:
+        name += f"-m{max_verify}"
+    return name
 
 
 _LLM = None
@@ -59,7 +82,8 @@ def _run(job: dict) -> dict:
     if job["threads"]:
         torch.set_num_threads(job["threads"])
     if _LLM is None:
-        _LLM = LLM(job["model"], device="cpu", dtype="float32", max_num_seqs=job["n"])
+        _LLM = LLM(job["model"], device=job["device"], dtype=job["dtype"],
+                   max_num_seqs=job["max_num_seqs"] or job["n"])
     params = SamplingParams(**job["params"])
     if job["warmup"]:
         run_eval(_LLM, job["suite"], 4, params, seed=job["seed"] + 1, progress=False)
@@ -73,7 +97,8 @@ def _run(job: dict) -> dict:
     # no policy can beat one forward per decoded block: the floor under these forwards
     r["forwards_floor_per_sample"] = r["tokens_per_forward"] * r["forwards_per_sample"] / (
         params.block_length)
-    r.update({k: job[k] for k in ("name", "cache", "rule", "gamma") if k in job})
+    r.update({k: job[k] for k in ("name", "cache", "rule", "gamma", "tau", "max_verify")
+              if k in job})
     print(f"{job['suite']:5s} {job['cache']:6s} {job['name']:22s} acc={100 * r['accuracy']:6.2f}% "
           f"fwd/sample={r['forwards_per_sample']:6.2f} s/sample={r['decode_seconds'] / r['n']:.4f}",
           file=sys.stderr, flush=True)
@@ -88,9 +113,9 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     for r in rows:
         exact = next((x for x in rows if x["suite"] == r["suite"] and x["name"] == "exact"), None)
         thr = next((x for x in rows if x["suite"] == r["suite"] and x["name"] == "threshold"
-                    and x["cache"] == r["cache"]), None)
+                    and x["cache"] == r["cache"] and x.get("tau") == r.get("tau")), None)
         sps = r["decode_seconds"] / r["n"]
-        row = {"suite": r["suite"], "cache": r["cache"], "run": r["name"],
+        row = {"suite": r["suite"], "cache": r["cache"], "run": r["name"], "tau": r.get("tau"),
                "accuracy": r["accuracy"],
                "accuracy_minus_exact": r["accuracy"] - exact["accuracy"] if exact else None,
                "forwards_per_sample": r["forwards_per_sample"], "seconds_per_sample": sps,
@@ -105,7 +130,8 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
         def f(v, fmt):
             return "-".rjust(len(format(0.0, fmt))) if v is None else format(v, fmt)
         dacc = None if exact is None else 100 * row["accuracy_minus_exact"]
-        lines.append(f"{r['suite']:5s} {r['cache']:6s} {r['name']:22s} {100 * r['accuracy']:6.2f} "
+        label = r["name"] + (f"-t{r['tau']}" if r["name"] == "threshold" else "")
+        lines.append(f"{r['suite']:5s} {r['cache']:6s} {label:22s} {100 * r['accuracy']:6.2f} "
                      f"{f(dacc, '+6.2f')} "
                      f"{r['forwards_per_sample']:7.2f} "
                      f"{r['forwards_floor_per_sample']:6.2f} "
@@ -122,51 +148,111 @@ def pts_params(rows: list[dict], suite: str, cache: str) -> dict:
     return {} if r is None else {k: r["params"].get(k) for k in ("entropy_max", "perturb_sigma")}
 
 
+def frontier(rows: list[dict]) -> list[dict]:
+    """Issue 17's figures, per suite x cache: of the verify runs within one point of the exact
+    sampler, the one with the fewest forwards, against the threshold run with the fewest forwards
+    among those at least as accurate (``forwards_ratio``; ``wall_ratio`` compares their seconds
+    per sample). No exact run: every verify run qualifies. No threshold run that accurate: the
+    ratios are None and ``threshold_reaches`` is False (verify is then ahead at any cost)."""
+    out = []
+    for suite, cache in sorted({(r["suite"], r["cache"]) for r in rows if r["name"] != "exact"}):
+        exact = next((r for r in rows if r["suite"] == suite and r["name"] == "exact"), None)
+        same = [r for r in rows if r["suite"] == suite and r["cache"] == cache]
+        thr = [r for r in same if r["name"] == "threshold"]
+        ver = [r for r in same if r.get("rule")]
+        floor = exact["accuracy"] - 0.01 - 1e-9 if exact else -1.0
+        ok = [v for v in ver if v["accuracy"] >= floor]
+        e = {"suite": suite, "cache": cache,
+             "exact_accuracy": exact["accuracy"] if exact else None,
+             "verify_runs": len(ver), "within_one_point": len(ok)}
+        if ok:
+            best = min(ok, key=lambda v: (v["forwards_per_sample"], -v["accuracy"]))
+            match = [t for t in thr if t["accuracy"] >= best["accuracy"] - 1e-9]
+            ref = min(match, key=lambda t: t["forwards_per_sample"]) if match else None
+            sps = best["decode_seconds"] / best["n"]
+            e.update(best=best["name"], best_accuracy=best["accuracy"],
+                     best_forwards=best["forwards_per_sample"], best_seconds_per_sample=sps,
+                     threshold_reaches=ref is not None)
+            if ref is not None:
+                rsps = ref["decode_seconds"] / ref["n"]
+                e.update(threshold_tau=ref.get("tau"), threshold_accuracy=ref["accuracy"],
+                         threshold_forwards=ref["forwards_per_sample"],
+                         threshold_seconds_per_sample=rsps,
+                         forwards_ratio=best["forwards_per_sample"] / ref["forwards_per_sample"],
+                         wall_ratio=sps / rsps if rsps > 0 else None)
+        out.append(e)
+    return out
+
+
+def _label(ax, text: str, x: float, y: float, used: dict, below: bool = False) -> None:
+    """Annotate a point; labels of points that coincide (equal runs) stack instead of overlapping."""
+    key = (round(x, 6), round(y, 4), below)
+    k = used.get(key, 0)
+    used[key] = k + 1
+    dy = -(9 + 8 * k) if below else 3 + 8 * k
+    ax.annotate(text, (x, y), fontsize=6, xytext=(3, dy), textcoords="offset points")
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["suite"], r["cache"]) for r in rows if r["name"] != "exact"})
-    ncols = min(2, len(panels))
-    nrows = -(-len(panels) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.4 * nrows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax, (suite, cache) in zip(axes.flat, panels):
+    fronts = {(f["suite"], f["cache"]): f for f in frontier(rows)}
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
+    for (suite, cache), pair in zip(panels, axes):
         exact = next((r for r in rows if r["suite"] == suite and r["name"] == "exact"), None)
-        thr = next(r for r in rows if r["suite"] == suite and r["cache"] == cache
-                   and r["name"] == "threshold")
-        if exact is not None:
-            ax.axhline(100 * exact["accuracy"], color="gray", ls="--", lw=1,
-                       label=f"exact ({exact['forwards_per_sample']:.1f} fwd)")
-            ax.axhspan(100 * exact["accuracy"] - 1, 100 * exact["accuracy"], color="gray",
-                       alpha=0.1)
-        ax.axvline(0.7 * thr["forwards_per_sample"], color="tab:red", ls=":", lw=1,
-                   label="0.7 x threshold forwards")
-        ax.axvline(thr["forwards_floor_per_sample"], color="tab:green", ls=":", lw=1,
-                   label="floor: 1 forward per decoded block")
-        ax.scatter([thr["forwards_per_sample"]], [100 * thr["accuracy"]], marker="s", s=50,
-                   color="black", label="threshold τ", zorder=3)
-        for rule, color in zip(RULES, ("tab:blue", "tab:orange")):
-            pts = sorted((r for r in rows if r["suite"] == suite and r["cache"] == cache
-                          and r.get("rule") == rule), key=lambda r: r["gamma"])
-            if not pts:
-                continue
-            xs = [r["forwards_per_sample"] for r in pts]
-            ys = [100 * r["accuracy"] for r in pts]
-            ax.plot(xs, ys, "o-", color=color, label=f"verify {rule}")
-            for r, x, y in zip(pts, xs, ys):
-                ax.annotate(f"γ{r['gamma']}", (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
-        tau = thr["params"]["threshold"]
-        sent = {k: v for k, v in pts_params(rows, suite, cache).items() if v is not None}
-        ax.set_title(f"{suite}, cache={cache}, τ={tau} (n={thr['n']})"
-                     + (f"\nverify with {sent}" if sent else ""), fontsize=9)
-        ax.set_xlabel("forwards per sample")
-        ax.set_ylabel("accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        thr = sorted((r for r in rows if r["suite"] == suite and r["cache"] == cache
+                      and r["name"] == "threshold"), key=lambda r: r.get("tau") or 0)
+        front = fronts[(suite, cache)]
+        many_tau = len({r.get("tau") for r in rows if r.get("rule")}) > 1
+        for ax, metric in zip(pair, ("forwards", "seconds")):
+            used: dict = {}
+
+            def x_of(r):
+                return (r["forwards_per_sample"] if metric == "forwards"
+                        else r["decode_seconds"] / r["n"])
+            if exact is not None:
+                ax.axhline(100 * exact["accuracy"], color="gray", ls="--", lw=1,
+                           label=f"exact ({x_of(exact):.3g} {metric})")
+                ax.axhspan(100 * exact["accuracy"] - 1, 100 * exact["accuracy"], color="gray",
+                           alpha=0.1)
+            ref = front.get(f"threshold_{metric}" if metric == "forwards"
+                            else "threshold_seconds_per_sample")
+            if ref:
+                k = 0.7 if metric == "forwards" else 0.8
+                ax.axvline(k * ref, color="tab:red", ls=":", lw=1,
+                           label=f"{k} x threshold at equal accuracy")
+            if metric == "forwards" and thr:
+                ax.axvline(min(r["forwards_floor_per_sample"] for r in thr), color="tab:green",
+                           ls=":", lw=1, label="floor: 1 forward per decoded block")
+            if thr:
+                ax.plot([x_of(r) for r in thr], [100 * r["accuracy"] for r in thr], "s-",
+                        color="black", ms=5, label="threshold (τ)", zorder=3)
+                for r in thr:
+                    _label(ax, f"τ{r.get('tau')}", x_of(r), 100 * r["accuracy"], used, below=True)
+            for rule, color in zip(RULES, ("tab:blue", "tab:orange")):
+                pts = sorted((r for r in rows if r["suite"] == suite and r["cache"] == cache
+                              and r.get("rule") == rule), key=lambda r: (r.get("tau") or 0,
+                                                                         r["gamma"]))
+                if not pts:
+                    continue
+                style = "o" if many_tau else "o-"
+                ax.plot([x_of(r) for r in pts], [100 * r["accuracy"] for r in pts], style,
+                        color=color, ms=4, label=f"verify {rule}")
+                for r in pts:
+                    lab = f"γ{r['gamma']}" + (f"/τ{r.get('tau')}" if many_tau else "")
+                    _label(ax, lab, x_of(r), 100 * r["accuracy"], used)
+            sent = {k: v for k, v in pts_params(rows, suite, cache).items() if v is not None}
+            n = thr[0]["n"] if thr else (exact["n"] if exact else 0)
+            ax.set_title(f"{suite}, cache={cache} (n={n})"
+                         + (f"\nverify with {sent}" if sent else ""), fontsize=9)
+            ax.set_xlabel("forwards per sample" if metric == "forwards"
+                          else "seconds per sample (decode)")
+            ax.set_ylabel("accuracy (%)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -175,15 +261,23 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint folder or name (default: the demo model)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (one process: --jobs 1)")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on the CPU, bfloat16 on a GPU")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="requests decoded together (default: --n; 1 = batch-1 wall time)")
     ap.add_argument("--suites", nargs="+", default=["arith", "code"])
     ap.add_argument("--caches", nargs="+", default=["none"])
     ap.add_argument("--gammas", nargs="+", type=float, default=list(GAMMAS))
     ap.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
-    ap.add_argument("--tau", type=float, default=0.9)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--tau", type=float, nargs="+", default=[0.9],
+                    help="threshold(s): threshold and verify run at each")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="canvas (default: the suite's, 64 for arith/code, 256 for the long ones)")
     ap.add_argument("--block-length", type=int, default=32)
-    ap.add_argument("--max-verify", type=int, default=None)
+    ap.add_argument("--max-verify", type=int, nargs="+", default=[None],
+                    help="drafts verified per forward, each a run (default: the block length)")
     ap.add_argument("--entropy-max", type=float, default=None, help="sentinel for the verify runs")
     ap.add_argument("--perturb-sigma", type=float, default=None,
                     help="sentinel for the verify runs")
@@ -199,14 +293,16 @@ def main(argv=None) -> int:
                     help="writes OUT.json and OUT.png")
     ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing JSON")
     a = ap.parse_args(argv)
+    if a.device != "cpu" and a.jobs > 1:
+        ap.error("--jobs > 1 runs several processes: CPU only")
     if a.replot:
         src = Path(a.replot)
         _plot(json.loads(src.read_text(encoding="utf-8"))["runs"], src.with_suffix(".png"))
         return 0
-    from flash_dllm.models.loader import default_model_path
-    model = str(a.model or default_model_path())
+    from flash_dllm.models.loader import model_path
+    model = str(model_path(a.model))
     jobs = [dict(j, model=model, n=a.n, seed=a.seed, threads=a.threads, warmup=not a.no_warmup,
-                 repeat=a.repeat)
+                 repeat=a.repeat, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
             for j in _configs(a)]
     t0 = time.perf_counter()
     if a.jobs > 1:
@@ -221,11 +317,23 @@ def main(argv=None) -> int:
             "block_length": a.block_length, "max_verify": a.max_verify, "jobs": a.jobs,
             "entropy_max": a.entropy_max, "perturb_sigma": a.perturb_sigma,
             "threads": a.threads, "repeat": a.repeat, "cpu_count": os.cpu_count(),
-            "seconds": time.perf_counter() - t0}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": rows},
-                                                   indent=2), encoding="utf-8")
+            "device": a.device, "dtype": a.dtype, "max_num_seqs": a.max_num_seqs,
+            "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0}
+    fronts = frontier(rows)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "frontier": fronts, "runs": rows}, indent=2),
+        encoding="utf-8")
     _plot(rows, out.with_suffix(".png"))
     print(table)
+    for f in fronts:
+        if "best" not in f:
+            print(f"{f['suite']} {f['cache']}: no verify run within one point of exact")
+            continue
+        ratio = ("threshold never that accurate" if not f["threshold_reaches"] else
+                 f"forwards {f['forwards_ratio']:.3f}x, wall {f['wall_ratio']:.3f}x threshold "
+                 f"tau {f['threshold_tau']} ({100 * f['threshold_accuracy']:.1f} %)")
+        print(f"{f['suite']} {f['cache']}: best verify {f['best']} "
+              f"({100 * f['best_accuracy']:.1f} %, {f['best_forwards']:.2f} fwd): {ratio}")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}", file=sys.stderr)
     return 0
 
