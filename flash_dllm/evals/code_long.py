@@ -1,11 +1,15 @@
 """Several-function Python programs for the proxy models, scored by hidden asserts in the sandbox.
 
-The prompt names two to four list helpers and one reducer, each by a spec, and a ``solve`` that
+The prompt names three or four list helpers and one reducer, each by a spec, and a ``solve`` that
 chains them; the answer defines all of them. Each body is written, at random, in one of the
 styles people use (a comprehension or a loop with ``append``; a builtin or an accumulator loop),
-so the answer is ~100-250 BPE tokens whose later lines cannot be known before the earlier ones
-are written. The hidden asserts call ``solve`` on five inputs and every helper on one, from the
-reference implementations.
+so the answer (~80-220 BPE tokens of the proxies' tokenizer) has later lines that cannot be known
+before the earlier ones are written. The hidden asserts call ``solve`` on five inputs and every
+helper on two lists of three or more items, from the reference implementations.
+
+Train and test are split on the program itself (helpers, their constants, their order:
+``meta["split_key"]``), not on the question text: function and argument names are cosmetic, so a
+renamed copy of a test program never reaches training.
 """
 from __future__ import annotations
 
@@ -98,8 +102,8 @@ ARGS = ("xs", "nums", "items", "vals", "data", "lst")
 _ORDINAL = ("first", "then", "then")
 
 
-def _draw_list(rng: random.Random) -> list[int]:
-    return [rng.randint(-3, 12) for _ in range(rng.randint(0, 7))]
+def _draw_list(rng: random.Random, min_len: int = 0) -> list[int]:
+    return [rng.randint(-3, 12) for _ in range(rng.randint(min_len, 7))]
 
 
 def _function(name: str, arg: str, helper: Helper, k: int, style: int) -> str:
@@ -108,7 +112,7 @@ def _function(name: str, arg: str, helper: Helper, k: int, style: int) -> str:
 
 
 def make_problem(rng: random.Random) -> Problem:
-    """One random program: two to four transforms, one reducer, and ``solve``; a composition
+    """One random program: three or four transforms, one reducer, and ``solve``; a composition
     whose output barely depends on its input (``keep_gt 9`` then ``keep_lt 0``) is redrawn."""
     for _ in range(100):
         p = _draw_problem(rng)
@@ -118,7 +122,7 @@ def make_problem(rng: random.Random) -> Problem:
 
 
 def _draw_problem(rng: random.Random) -> Problem | None:
-    parts = rng.sample(TRANSFORMS, rng.randint(2, 4)) + [rng.choice(REDUCERS)]
+    parts = rng.sample(TRANSFORMS, rng.randint(3, 4)) + [rng.choice(REDUCERS)]
     names = rng.sample(NAMES, len(parts))
     arg = rng.choice(ARGS)
     ks = [rng.randint(*h.k) if h.k else 0 for h in parts]
@@ -143,6 +147,7 @@ def _draw_problem(rng: random.Random) -> Problem | None:
         return None
     return Problem(id=problem_id(SUITE, question), prompt=format_prompt(question), answer=answer,
                    meta={"question": question, "template": "-".join(h.id for h in parts),
+                         "split_key": "|".join(f"{h.id}:{k}" for h, k in zip(parts, ks)),
                          "entry_point": "solve", "tests": tests})
 
 
@@ -156,8 +161,8 @@ def _solve_ref(parts: Sequence[Helper], ks: Sequence[int], xs: list) -> Any:
 def hidden_tests(parts: Sequence[Helper], names: Sequence[str], ks: Sequence[int],
                  seed: str) -> tuple[str, ...] | None:
     """Asserts: ``solve`` on ``N_SOLVE_TESTS`` inputs (redrawn until the outputs take at least two
-    values, so a constant answer never passes) and each helper on one input; None when 100 draws
-    of inputs never give two distinct outputs."""
+    values, so a constant answer never passes) and each helper on two lists of 3+ items (an empty
+    list would pass most wrong helpers); None when 100 draws never give two distinct outputs."""
     rng = random.Random(seed)
     for _ in range(100):
         inputs = [_draw_list(rng) for _ in range(N_SOLVE_TESTS)]
@@ -168,8 +173,9 @@ def hidden_tests(parts: Sequence[Helper], names: Sequence[str], ks: Sequence[int
         return None
     tests = [f"assert solve({v!r}) == {e!r}" for v, e in zip(inputs, expected)]
     for n, h, k in zip(names, parts, ks):
-        v = _draw_list(rng)
-        tests.append(f"assert {n}({v!r}) == {h.ref(v, k)!r}")
+        for _ in range(2):
+            v = _draw_list(rng, min_len=3)
+            tests.append(f"assert {n}({v!r}) == {h.ref(v, k)!r}")
     return tuple(tests)
 
 

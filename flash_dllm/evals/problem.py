@@ -78,7 +78,10 @@ def sample_split(make: Callable[[random.Random], Problem], suite: str, split: st
             raise ValueError(f"{suite}: could not draw {n} {'distinct ' if unique else ''}"
                              f"{split} problems; the template space is too small")
         p = make(rng)
-        if split_of(p.meta["question"]) != split:
+        # NOTE: a suite whose question text varies only cosmetically (code-long: names) sets
+        # meta["split_key"] to what the problem really is, so a renamed copy of a test problem
+        # can never be a training problem
+        if split_of(p.meta.get("split_key", p.meta["question"])) != split:
             continue
         if unique:
             if p.prompt in seen:

@@ -31,7 +31,7 @@ class Suite:
 
 
 # NOTE: arith and code fit the demo model's 64-slot canvas; chain and code-long are the proxy
-# models' long-answer suites (100-250 BPE tokens), decoded into 256 slots by default.
+# models' long-answer suites (~80-260 BPE tokens), decoded into 256 slots by default.
 SUITES: dict[str, Suite] = {
     m.SUITE: Suite(name=m.SUITE, train_problems=m.train_problems, test_problems=m.test_problems,
                    score=m.score, score_batch=m.score_batch, gen_length=gen_length)
