@@ -148,15 +148,20 @@ def pts_params(rows: list[dict], suite: str, cache: str) -> dict:
     return {} if r is None else {k: r["params"].get(k) for k in ("entropy_max", "perturb_sigma")}
 
 
-def frontier(rows: list[dict]) -> list[dict]:
+def frontier(rows: list[dict], exact_given: dict | None = None) -> list[dict]:
     """Issue 17's figures, per suite x cache: of the verify runs within one point of the exact
     sampler, the one with the fewest forwards, against the threshold run with the fewest forwards
     among those at least as accurate (``forwards_ratio``; ``wall_ratio`` compares their seconds
-    per sample). No exact run: every verify run qualifies. No threshold run that accurate: the
-    ratios are None and ``threshold_reaches`` is False (verify is then ahead at any cost)."""
+    per sample). No exact run: the accuracy in ``exact_given[suite]`` (``--exact-accuracy``, e.g.
+    a checkpoint's train_log.json), else every verify run qualifies. No threshold run that
+    accurate: the ratios are None and ``threshold_reaches`` is False (verify is ahead at any
+    cost)."""
     out = []
     for suite, cache in sorted({(r["suite"], r["cache"]) for r in rows if r["name"] != "exact"}):
         exact = next((r for r in rows if r["suite"] == suite and r["name"] == "exact"), None)
+        given = (exact_given or {}).get(suite)
+        if exact is None and given is not None:
+            exact = {"accuracy": given}
         same = [r for r in rows if r["suite"] == suite and r["cache"] == cache]
         thr = [r for r in same if r["name"] == "threshold"]
         ver = [r for r in same if r.get("rule")]
@@ -164,6 +169,8 @@ def frontier(rows: list[dict]) -> list[dict]:
         ok = [v for v in ver if v["accuracy"] >= floor]
         e = {"suite": suite, "cache": cache,
              "exact_accuracy": exact["accuracy"] if exact else None,
+             "exact_from": None if exact is None else ("run" if given is None or "n" in exact
+                                                       else "--exact-accuracy"),
              "verify_runs": len(ver), "within_one_point": len(ok)}
         if ok:
             best = min(ok, key=lambda v: (v["forwards_per_sample"], -v["accuracy"]))
@@ -193,16 +200,17 @@ def _label(ax, text: str, x: float, y: float, used: dict, below: bool = False) -
     ax.annotate(text, (x, y), fontsize=6, xytext=(3, dy), textcoords="offset points")
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["suite"], r["cache"]) for r in rows if r["name"] != "exact"})
-    fronts = {(f["suite"], f["cache"]): f for f in frontier(rows)}
+    fronts = {(f["suite"], f["cache"]): f for f in frontier(rows, exact_given)}
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
     for (suite, cache), pair in zip(panels, axes):
         exact = next((r for r in rows if r["suite"] == suite and r["name"] == "exact"), None)
+        given = (exact_given or {}).get(suite)
         thr = sorted((r for r in rows if r["suite"] == suite and r["cache"] == cache
                       and r["name"] == "threshold"), key=lambda r: r.get("tau") or 0)
         front = fronts[(suite, cache)]
@@ -213,11 +221,12 @@ def _plot(rows: list[dict], path: Path) -> None:
             def x_of(r):
                 return (r["forwards_per_sample"] if metric == "forwards"
                         else r["decode_seconds"] / r["n"])
-            if exact is not None:
-                ax.axhline(100 * exact["accuracy"], color="gray", ls="--", lw=1,
-                           label=f"exact ({x_of(exact):.3g} {metric})")
-                ax.axhspan(100 * exact["accuracy"] - 1, 100 * exact["accuracy"], color="gray",
-                           alpha=0.1)
+            if exact is not None or given is not None:
+                acc = 100 * (exact["accuracy"] if exact is not None else given)
+                what = (f"exact ({x_of(exact):.3g} {metric})" if exact is not None
+                        else "exact (given, not run here)")
+                ax.axhline(acc, color="gray", ls="--", lw=1, label=what)
+                ax.axhspan(acc - 1, acc, color="gray", alpha=0.1)
             ref = front.get(f"threshold_{metric}" if metric == "forwards"
                             else "threshold_seconds_per_sample")
             if ref:
@@ -292,12 +301,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/verify_curve",
                     help="writes OUT.json and OUT.png")
     ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing JSON")
+    ap.add_argument("--exact-accuracy", nargs="+", default=[], metavar="SUITE=ACC",
+                    help="with --no-exact: the exact sampler's accuracy per suite measured "
+                         "elsewhere (e.g. a checkpoint's train_log.json), for the frontier")
     a = ap.parse_args(argv)
     if a.device != "cpu" and a.jobs > 1:
         ap.error("--jobs > 1 runs several processes: CPU only")
+    try:
+        given = {k: float(v) for k, v in (x.split("=", 1) for x in a.exact_accuracy)}
+    except ValueError:
+        ap.error(f"--exact-accuracy takes SUITE=ACC (a fraction), got {a.exact_accuracy}")
+    for k, v in given.items():
+        if not 0.0 <= v <= 1.0:
+            ap.error(f"--exact-accuracy {k}={v}: an accuracy is a fraction in [0, 1]")
+        if k not in a.suites and not a.replot:
+            ap.error(f"--exact-accuracy names suite {k!r}, which is not in --suites {a.suites}")
+    if given and not a.no_exact and not a.replot:
+        ap.error("--exact-accuracy stands in for the exact runs: use it with --no-exact")
     if a.replot:
         src = Path(a.replot)
-        _plot(json.loads(src.read_text(encoding="utf-8"))["runs"], src.with_suffix(".png"))
+        rep = json.loads(src.read_text(encoding="utf-8"))
+        _plot(rep["runs"], src.with_suffix(".png"), given or rep["meta"].get("exact_accuracy"))
         return 0
     from flash_dllm.models.loader import model_path
     model = str(model_path(a.model))
@@ -318,12 +342,13 @@ def main(argv=None) -> int:
             "entropy_max": a.entropy_max, "perturb_sigma": a.perturb_sigma,
             "threads": a.threads, "repeat": a.repeat, "cpu_count": os.cpu_count(),
             "device": a.device, "dtype": a.dtype, "max_num_seqs": a.max_num_seqs,
-            "command": " ".join(sys.argv), "seconds": time.perf_counter() - t0}
-    fronts = frontier(rows)
+            "command": " ".join(sys.argv), "exact_accuracy": given or None,
+            "seconds": time.perf_counter() - t0}
+    fronts = frontier(rows, given)
     out.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "frontier": fronts, "runs": rows}, indent=2),
         encoding="utf-8")
-    _plot(rows, out.with_suffix(".png"))
+    _plot(rows, out.with_suffix(".png"), given)
     print(table)
     for f in fronts:
         if "best" not in f:

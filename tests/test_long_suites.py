@@ -58,9 +58,11 @@ def test_chain_variety_and_scoring():
     problems = chain.train_problems(3000, 0)
     kinds = {k for p in problems for k in p.meta["template"].split("-")}
     assert kinds == set(chain.EVENTS)
-    # phrasing is drawn per sentence: the same first event reads differently across problems
-    openings = {p.answer.split(".")[0].split(" ", 1)[1].rsplit(" ", 2)[0] for p in problems}
-    assert len(openings) >= 3
+    # phrasing is drawn per sentence: the same event reads differently across problems
+    gains = [p for p in problems if p.meta["template"].startswith("gain")]
+    second = {re.sub(r"[A-Z][a-z]+|\d+", "_", p.answer.split(". ")[1]).split(" _ + _")[0]
+              for p in gains}
+    assert len(second) >= 4, second
     p = problems[0]
     n = p.meta["final"]
     assert chain.score(p, f"lots of words\n#### {n}") and not chain.score(p, f"#### {n + 1}")
@@ -78,12 +80,13 @@ def test_code_long_reference_programs_pass_and_wrong_ones_fail():
     p = problems[0]
     names = re.findall(r"^def (\w+)\(", p.answer, flags=re.M)
     assert names[-1] == "solve" and len(names) >= 4
-    assert len(p.meta["tests"]) == code_long.N_SOLVE_TESTS + len(names) - 1
+    assert len(p.meta["tests"]) == code_long.N_SOLVE_TESTS + 2 * (len(names) - 1)
+    assert "([])" not in " ".join(t for t in p.meta["tests"] if "solve(" not in t)
     wrong = [
         p.answer.replace("def solve(", "def solve_(", 1),                # solve missing
         p.answer.rsplit("\n", 1)[0] + "\n    return 0",                    # constant result
         p.answer.split("\n\ndef solve")[0],                                 # no solve at all
-        "  " + p.answer,                                                    # no top-level def
+        "  " + p.answer,                               # first helper indented away: lost
         "", None,
     ]
     assert code_long.score_batch([p] * len(wrong), wrong) == [False] * len(wrong)
@@ -202,7 +205,7 @@ def test_proxy_generates_through_the_engine_and_counts_block_forwards():
     out = llm.generate([p.prompt], params)[0]
     assert out.text and out.num_forwards > 2
     blocks = out.metrics["block_forwards"]
-    assert len(blocks) == 2 and sum(blocks) == out.num_forwards
+    assert 1 <= len(blocks) <= 2 and sum(blocks) == out.num_forwards
 
 
 def test_eval_cli_defaults_to_the_suites_canvas(tmp_path):
@@ -237,6 +240,15 @@ def test_train_proxy_smoke(tmp_path):
     assert log["steps"] == 3 and set(log["final_eval"]["plain"]) == {"chain", "code-long"}
     o = LLM(str(out)).generate(["hi"], SamplingParams(max_tokens=8))[0]
     assert o.num_forwards == 8
+    # continuing keeps the tokenizer the weights were trained with (no retraining of merges)
+    again = tmp_path / "q"
+    args = r.args[:]
+    args[args.index(str(out))] = str(again)
+    args[args.index("--tokenizer-corpus") + 1] = "50"
+    r2 = subprocess.run(args + ["--init-from", str(out)], capture_output=True, text=True,
+                        timeout=300)
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    assert (again / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
 
 
 def test_chain_problem_draws_are_reproducible():

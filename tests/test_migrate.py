@@ -70,6 +70,7 @@ def test_migrated_requests_finish_as_if_they_stayed(family, after):
         got = b.output(req)
         assert got.token_ids == want.token_ids, (i, ps[i])
         assert got.num_forwards == want.num_forwards
+        assert got.metrics["block_forwards"] == want.metrics["block_forwards"]
         assert got.finish_reason == want.finish_reason
     assert other.finished and b.kv_manager.num_used == 0
 

@@ -59,3 +59,15 @@ def test_configs_sweep_tau_and_max_verify_with_the_suites_canvas():
     names = {r["name"] for r in per_suite if r.get("rule")}
     assert names == {"verify-agree-0.8-t0.7-mNone", "verify-agree-0.8-t0.7-m4",
                      "verify-agree-0.8-t0.9-mNone", "verify-agree-0.8-t0.9-m4"}
+
+
+def test_frontier_takes_an_exact_accuracy_measured_elsewhere():
+    rows = [_run("threshold", 0.90, 10, 1.0, tau=0.9),
+            _run("verify-agree-0.8", 0.93, 8, 0.9, tau=0.9, rule="agree", gamma=0.8),
+            _run("verify-agree-0.6", 0.90, 6, 0.8, tau=0.9, rule="agree", gamma=0.6)]
+    (f,) = vc.frontier(rows, {"chain": 0.935})
+    assert f["exact_from"] == "--exact-accuracy" and f["within_one_point"] == 1
+    assert f["best"] == "verify-agree-0.8" and f["threshold_reaches"] is False
+    (g,) = vc.frontier(rows)               # nothing given: every verify run qualifies
+    assert g["exact_from"] is None and g["best"] == "verify-agree-0.6"
+    assert g["forwards_ratio"] == 0.6

@@ -16,7 +16,7 @@ are learnable digit by digit), then GPT-2 byte-level splitting; the BPE merges a
 ``vocab_size``: the same corpus gives the same ids.
 
 ``python tools/proxy_tokenizer.py {llada|dream} OUT_DIR`` writes just the tokenizer files, trained
-on the default corpus (20k problems of each long suite).
+on the default corpus (10k problems of each long suite, as train_proxy.py).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ DREAM_CHAT_TEMPLATE = (
 )
 
 FORMATS = ("llada", "dream")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def specials(fmt: str) -> tuple[str, ...]:
@@ -59,7 +60,7 @@ def specials(fmt: str) -> tuple[str, ...]:
     return LLADA_SPECIALS if fmt == "llada" else DREAM_SPECIALS
 
 
-def default_corpus(n: int = 20000, seed: int = 12345) -> list[str]:
+def default_corpus(n: int = 10000, seed: int = 12345) -> list[str]:
     """Training text of the long suites (prompts and answers), never a test question."""
     from flash_dllm.evals.tasks import SUITES
     out: list[str] = []

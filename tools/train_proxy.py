@@ -2,7 +2,7 @@
 """Train a proxy dLLM (LLaDA- or Dream-format, ~20 M parameters) on the long-answer suites.
 
 The proxies stand in for LLaDA-8B and Dream-7B where the demo model cannot: their answers are
-100-250 tokens of a real byte-level BPE tokenizer, in varied phrasing, so a 32-token block takes
+~80-260 tokens of a real byte-level BPE tokenizer, in varied phrasing, so a 32-token block takes
 several threshold forwards, as on the real models. Same objective and data path as
 ``train_demo.py`` (its Pool / make_batch / reference sampler are reused), with:
 
@@ -15,9 +15,11 @@ several threshold forwards, as on the real models. Same objective and data path 
   gives a sensible (possibly truncated) answer; the batch size follows G so every batch holds
   about ``--batch-tokens`` tokens.
 
-Reproduce the committed checkpoints (one H200 each, see checkpoints/README.md):
-    python tools/train_proxy.py --format llada --out $OUT/proxy-llada
-    python tools/train_proxy.py --format dream --out $OUT/proxy-dream
+Reproduce the committed checkpoints (one H200 each, one 10-minute command; checkpoints/README.md):
+    python tools/train_proxy.py --format llada --out $OUT/proxy-llada --minutes 7.6 --pool 300000
+    python tools/train_proxy.py --format dream --out $OUT/proxy-dream --minutes 7.6
+Continue one (same dims, its tokenizer kept, fresh optimizer and schedule):
+    python tools/train_proxy.py --format dream --out $OUT/proxy-dream --init-from checkpoints/proxy-dream
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -87,9 +90,10 @@ def parse_args(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--format", choices=proxy_tokenizer.FORMATS, required=True)
     ap.add_argument("--out", required=True, help="checkpoint folder")
-    ap.add_argument("--minutes", type=float, default=8.0,
+    ap.add_argument("--minutes", type=float, default=7.6,
                     help="wall-clock budget from start to the end of training (the LR schedule "
-                         "follows it); saving and the final eval add ~1 min")
+                         "follows it); saving and the final eval (2 x 200 problems per suite, "
+                         "float32) add ~2 min on an H200: 7.6 fits a 10-minute command")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0 = time)")
     ap.add_argument("--batch-tokens", type=int, default=65536)
     ap.add_argument("--lr", type=float, default=8e-4)
@@ -138,8 +142,14 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     shift = 1 if args.format == "dream" else 0
 
-    corpus = proxy_tokenizer.default_corpus(n=args.tokenizer_corpus)
-    proxy_tokenizer.build_tokenizer(out, args.format, corpus, vocab_size=args.vocab)
+    if args.init_from:
+        # NOTE: the ids must stay those the weights were trained with: keep the tokenizer
+        for name in proxy_tokenizer.TOKENIZER_FILES:
+            if Path(args.init_from).resolve() != out.resolve():
+                shutil.copy(Path(args.init_from) / name, out / name)
+    else:
+        corpus = proxy_tokenizer.default_corpus(n=args.tokenizer_corpus)
+        proxy_tokenizer.build_tokenizer(out, args.format, corpus, vocab_size=args.vocab)
     ids = proxy_tokenizer.token_ids(args.format)
     train_demo.TOKEN_DTYPE = np.int16
     workers = args.workers or max(1, min(16, os.cpu_count() or 1))
@@ -220,6 +230,7 @@ def main(argv=None) -> dict:
                 evals.append({"step": step, "n": args.eval_interim_n, **acc})
                 print(f"eval @ step {step}: {acc}", flush=True)
             except Exception as e:  # noqa: BLE001 - an eval hiccup must not cost the run
+                evals.append({"step": step, "error": repr(e)})
                 print(f"interim eval failed: {e!r}", flush=True)
             model.train()
             next_eval += args.eval_every * 60

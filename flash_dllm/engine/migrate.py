@@ -40,8 +40,9 @@ from flash_dllm.engine.request import Request
 from flash_dllm.kernels.kv_pages import pack_pages, packed_shape, unpack_pages
 
 # host request fields copied verbatim (see ``Request``)
-_REQ_FIELDS = ("block", "num_masked", "step_in_block", "first_step", "num_forwards",
-               "num_tokens", "reused_len", "arrival_time", "first_token_time", "early_stopped")
+_REQ_FIELDS = ("block", "num_masked", "step_in_block", "block_forwards", "first_step",
+               "num_forwards", "num_tokens", "reused_len", "arrival_time", "first_token_time",
+               "early_stopped")
 # runner device state (``SeqState``) that outlives a step
 _STATE_TENSORS = ("refresh", "kv_history")
 
@@ -113,7 +114,8 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     return RequestSnapshot(
         request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
         prompt=req.prompt, tokens=dev["canvas"].numpy().copy(),
-        fields={f: getattr(req, f) for f in _REQ_FIELDS}, counters=copy.deepcopy(req.counters),
+        fields={f: copy.copy(getattr(req, f)) for f in _REQ_FIELDS},
+        counters=copy.deepcopy(req.counters),
         num_pages=len(pages), kv_shape=tuple(packed_shape(runner.kv.shape, len(pages))),
         kv_dtype=str(runner.kv.dtype).removeprefix("torch."), device_state=dev)
 

@@ -49,6 +49,10 @@ def add_parser(sub) -> None:
     # NOTE: --max-tokens defaults to the suite's canvas (64 for arith/code/jsonl, 256 for the
     # long suites), so `eval --suite chain` decodes whole answers without a flag
     e.set_defaults(func=run, max_tokens=None)
+    for action in e._actions:
+        if action.dest == "max_tokens":
+            action.help = ("MASK slots after the prompt (default: the suite's canvas, 64 for "
+                           "arith, code and jsonl, 256 for chain and code-long)")
 
 
 def _suite(a: argparse.Namespace):
