@@ -148,14 +148,30 @@ def pts_params(rows: list[dict], suite: str, cache: str) -> dict:
     return {} if r is None else {k: r["params"].get(k) for k in ("entropy_max", "perturb_sigma")}
 
 
+def _match(v: dict, thr: list[dict]) -> dict:
+    """Verify run ``v`` against the threshold run with the fewest forwards among those at least as
+    accurate: the ratios, or ``threshold_reaches`` False when none is (verify ahead at any cost)."""
+    match = [t for t in thr if t["accuracy"] >= v["accuracy"] - 1e-9]
+    ref = min(match, key=lambda t: t["forwards_per_sample"]) if match else None
+    sps = v["decode_seconds"] / v["n"]
+    e = {"run": v["name"], "accuracy": v["accuracy"], "forwards": v["forwards_per_sample"],
+         "seconds_per_sample": sps, "threshold_reaches": ref is not None}
+    if ref is not None:
+        rsps = ref["decode_seconds"] / ref["n"]
+        e.update(threshold_tau=ref.get("tau"), threshold_accuracy=ref["accuracy"],
+                 threshold_forwards=ref["forwards_per_sample"], threshold_seconds_per_sample=rsps,
+                 forwards_ratio=v["forwards_per_sample"] / ref["forwards_per_sample"],
+                 wall_ratio=sps / rsps if rsps > 0 else None)
+    return e
+
+
 def frontier(rows: list[dict], exact_given: dict | None = None) -> list[dict]:
-    """Issue 17's figures, per suite x cache: of the verify runs within one point of the exact
-    sampler, the one with the fewest forwards, against the threshold run with the fewest forwards
-    among those at least as accurate (``forwards_ratio``; ``wall_ratio`` compares their seconds
-    per sample). No exact run: the accuracy in ``exact_given[suite]`` (``--exact-accuracy``, e.g.
-    a checkpoint's train_log.json), else every verify run qualifies. No threshold run that
-    accurate: the ratios are None and ``threshold_reaches`` is False (verify is ahead at any
-    cost)."""
+    """Issue 17's figures, per suite x cache. ``verify``: every verify run against the threshold
+    run with the fewest forwards among those at least as accurate (``forwards_ratio``;
+    ``wall_ratio`` compares their seconds per sample). ``best``: of the verify runs within one
+    point of the exact sampler (an exact run, else ``exact_given[suite]``, i.e.
+    ``--exact-accuracy``), the one with the fewest forwards, with its match; no best without an
+    exact accuracy."""
     out = []
     for suite, cache in sorted({(r["suite"], r["cache"]) for r in rows if r["name"] != "exact"}):
         exact = next((r for r in rows if r["suite"] == suite and r["name"] == "exact"), None)
@@ -165,37 +181,33 @@ def frontier(rows: list[dict], exact_given: dict | None = None) -> list[dict]:
         same = [r for r in rows if r["suite"] == suite and r["cache"] == cache]
         thr = [r for r in same if r["name"] == "threshold"]
         ver = [r for r in same if r.get("rule")]
-        floor = exact["accuracy"] - 0.01 - 1e-9 if exact else -1.0
-        ok = [v for v in ver if v["accuracy"] >= floor]
         e = {"suite": suite, "cache": cache,
              "exact_accuracy": exact["accuracy"] if exact else None,
              "exact_from": None if exact is None else ("run" if given is None or "n" in exact
                                                        else "--exact-accuracy"),
-             "verify_runs": len(ver), "within_one_point": len(ok)}
-        if ok:
-            best = min(ok, key=lambda v: (v["forwards_per_sample"], -v["accuracy"]))
-            match = [t for t in thr if t["accuracy"] >= best["accuracy"] - 1e-9]
-            ref = min(match, key=lambda t: t["forwards_per_sample"]) if match else None
-            sps = best["decode_seconds"] / best["n"]
-            e.update(best=best["name"], best_accuracy=best["accuracy"],
-                     best_forwards=best["forwards_per_sample"], best_seconds_per_sample=sps,
-                     threshold_reaches=ref is not None)
-            if ref is not None:
-                rsps = ref["decode_seconds"] / ref["n"]
-                e.update(threshold_tau=ref.get("tau"), threshold_accuracy=ref["accuracy"],
-                         threshold_forwards=ref["forwards_per_sample"],
-                         threshold_seconds_per_sample=rsps,
-                         forwards_ratio=best["forwards_per_sample"] / ref["forwards_per_sample"],
-                         wall_ratio=sps / rsps if rsps > 0 else None)
+             "verify": [_match(v, thr) for v in ver]}
+        if exact is not None:
+            ok = [v for v in ver if v["accuracy"] >= exact["accuracy"] - 0.01 - 1e-9]
+            e["within_one_point"] = len(ok)
+            if ok:
+                best = min(ok, key=lambda v: (v["forwards_per_sample"], -v["accuracy"]))
+                m = _match(best, thr)
+                e.update(best=m.pop("run"), **{f"best_{k}" if k in (
+                    "accuracy", "forwards", "seconds_per_sample") else k: v
+                    for k, v in m.items()})
         out.append(e)
     return out
 
 
 def _label(ax, text: str, x: float, y: float, used: dict, below: bool = False) -> None:
-    """Annotate a point; labels of points that coincide (equal runs) stack instead of overlapping."""
-    key = (round(x, 6), round(y, 4), below)
-    k = used.get(key, 0)
-    used[key] = k + 1
+    """Annotate a point; a label near labels already placed (within 1/8 of the panel's width and
+    1/25 of its height, ``used["span"]``) is stacked above them instead of overlapping them."""
+    (x0, sx), (y0, sy) = used.get("span", ((0.0, 1.0), (0.0, 1.0)))
+    u, v = (x - x0) / sx, (y - y0) / sy
+    placed = used.setdefault("placed", [])
+    k = sum(1 for (pu, pv, pb) in placed if pb == below and abs(pu - u) < 0.125
+            and abs(pv - v) < 0.04)
+    placed.append((u, v, below))
     dy = -(9 + 8 * k) if below else 3 + 8 * k
     ax.annotate(text, (x, y), fontsize=6, xytext=(3, dy), textcoords="offset points")
 
@@ -216,11 +228,15 @@ def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None
         front = fronts[(suite, cache)]
         many_tau = len({r.get("tau") for r in rows if r.get("rule")}) > 1
         for ax, metric in zip(pair, ("forwards", "seconds")):
-            used: dict = {}
-
             def x_of(r):
                 return (r["forwards_per_sample"] if metric == "forwards"
                         else r["decode_seconds"] / r["n"])
+            pts_all = [r for r in rows if r["suite"] == suite and r["cache"] == cache
+                       and r["name"] != "exact"]
+            xs_all = [x_of(r) for r in pts_all] or [0.0]
+            ys_all = [100 * r["accuracy"] for r in pts_all] or [0.0]
+            used: dict = {"span": ((min(xs_all), (max(xs_all) - min(xs_all)) or 1.0),
+                                   (min(ys_all), (max(ys_all) - min(ys_all)) or 1.0))}
             if exact is not None or given is not None:
                 acc = 100 * (exact["accuracy"] if exact is not None else given)
                 what = (f"exact ({x_of(exact):.3g} {metric})" if exact is not None
@@ -351,6 +367,12 @@ def main(argv=None) -> int:
     _plot(rows, out.with_suffix(".png"), given)
     print(table)
     for f in fronts:
+        if f["exact_accuracy"] is None:
+            ratios = [v["forwards_ratio"] for v in f["verify"] if v["threshold_reaches"]]
+            print(f"{f['suite']} {f['cache']}: no exact accuracy (run it, or --exact-accuracy); "
+                  f"verify at equal accuracy uses {min(ratios, default=float('nan')):.3f}x "
+                  f"threshold's forwards at best")
+            continue
         if "best" not in f:
             print(f"{f['suite']} {f['cache']}: no verify run within one point of exact")
             continue
