@@ -273,6 +273,28 @@ def hf_config(args, ids: dict) -> dict:
     }
 
 
+def setup_run(args) -> tuple[torch.device, bool, Path]:
+    """Threads, seed and TF32 for a training run; returns (device, is CUDA, output folder)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(args.seed)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return device, cuda, out
+
+
+def make_readable(folder: Path) -> None:
+    """safetensors writes 0600; a checkpoint folder is meant to be shipped."""
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+
+
 def make_optimizer(model, args, cuda: bool) -> torch.optim.AdamW:
     """AdamW (beta 0.9/0.95), weight decay on matrices only, fused on CUDA."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -333,16 +355,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     t0 = time.time()
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    torch.manual_seed(args.seed)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    device, cuda, out = setup_run(args)
     suites = [s for s in args.suites.split(",") if s]
 
     # tokenizer (the same files are shipped with the checkpoint)
@@ -454,9 +467,7 @@ def main(argv=None) -> dict:
     with open(out / "generation_config.json", "w", encoding="utf-8") as f:
         json.dump({"bos_token_id": ids["bos"], "eos_token_id": [ids["eos"], ids["eot"]],
                    "pad_token_id": ids["eos"], "mask_token_id": ids["mask"]}, f, indent=2)
-    for f in out.iterdir():
-        if f.is_file():
-            f.chmod(0o644)  # safetensors writes 0600; the folder is meant to be shipped
+    make_readable(out)
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
     print(f"saved {out} (model.safetensors {size_mb:.1f} MB)", flush=True)
 

@@ -42,7 +42,8 @@ import proxy_tokenizer
 import torch
 import torch.nn.functional as F
 import train_demo
-from train_demo import Pool, _load_tok, evaluate, lr_at, make_batch, make_optimizer
+from train_demo import (Pool, _load_tok, evaluate, lr_at, make_batch, make_optimizer,
+                        make_readable, setup_run)
 
 from flash_dllm.models.loader import build_model, load_model, save_checkpoint
 
@@ -131,15 +132,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     t0 = time.time()
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
-    torch.manual_seed(args.seed)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    device, cuda, out = setup_run(args)
     shift = 1 if args.format == "dream" else 0
 
     if args.init_from:
@@ -246,9 +239,7 @@ def main(argv=None) -> dict:
                "pad_token_id": ids["eos"], "mask_token_id": ids["mask"]}
     with open(out / "generation_config.json", "w", encoding="utf-8") as f:
         json.dump(gen_cfg, f, indent=2)
-    for f in out.iterdir():
-        if f.is_file():
-            f.chmod(0o644)
+    make_readable(out)
     size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
 
     final_eval: dict = {}
