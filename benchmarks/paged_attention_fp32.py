@@ -45,16 +45,19 @@ def main() -> int:
         args = (q, kc, vc, cu, lens, table)
         ref = pa.paged_attention_reference(*[t.double() if t.is_floating_point() else t
                                              for t in args]).float()
-        for prec, bn, nw in VARIANTS:
-            pa.FP32_PRECISION = prec
-            got = pa.paged_attention_triton(*args, qn, block_n=bn, num_warps=nw)
-            err = ((got - ref).abs().max() / ref.abs().max()).item()
-            ms = do_bench(lambda: pa.paged_attention_triton(*args, qn, block_n=bn, num_warps=nw),
-                          warmup=5, rep=30)
-            row = dict(B=B, q=qn, L=L, prec=prec, block_n=bn, num_warps=nw, ms=ms, rel_err=err)
-            print(row, flush=True)
-            rows.append(row)
-    pa.FP32_PRECISION = default
+        try:
+            for prec, bn, nw in VARIANTS:
+                pa.FP32_PRECISION = prec
+                got = pa.paged_attention_triton(*args, qn, block_n=bn, num_warps=nw)
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                ms = do_bench(lambda: pa.paged_attention_triton(*args, qn, block_n=bn,
+                                                                num_warps=nw), warmup=5, rep=30)
+                row = dict(B=B, q=qn, L=L, prec=prec, block_n=bn, num_warps=nw, ms=ms,
+                           rel_err=err)
+                print(row, flush=True)
+                rows.append(row)
+        finally:
+            pa.FP32_PRECISION = default     # the module's setting, whatever happened
     Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 

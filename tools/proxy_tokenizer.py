@@ -62,9 +62,9 @@ def specials(fmt: str) -> tuple[str, ...]:
 
 def default_corpus(n: int = 10000, seed: int = 12345) -> list[str]:
     """Training text of the long suites (prompts and answers), never a test question."""
-    from flash_dllm.evals.tasks import SUITES
+    from flash_dllm.evals.tasks import LONG_SUITES, SUITES
     out: list[str] = []
-    for name in ("chain", "code-long"):
+    for name in LONG_SUITES:
         for p in SUITES[name].train_problems(n, seed):
             out += [p.prompt, p.answer]
     return out

@@ -19,7 +19,7 @@ Reproduce the committed checkpoints (one H200 each, one 10-minute command; check
     python tools/train_proxy.py --format llada --out $OUT/proxy-llada --minutes 7.6 --pool 300000
     python tools/train_proxy.py --format dream --out $OUT/proxy-dream --minutes 7.6
 Continue one (same dims, its tokenizer kept, fresh optimizer and schedule):
-    python tools/train_proxy.py --format dream --out $OUT/proxy-dream --init-from checkpoints/proxy-dream
+    python tools/train_proxy.py --format dream --out $OUT/part2 --init-from $OUT/part1
 """
 from __future__ import annotations
 
@@ -45,13 +45,14 @@ import train_demo
 from train_demo import (Pool, _load_tok, evaluate, lr_at, make_batch, make_optimizer,
                         make_readable, setup_run)
 
+from flash_dllm.evals.tasks import LONG_SUITES
 from flash_dllm.models.loader import build_model, load_model, save_checkpoint
 
 GEN_LENGTHS = (32, 64, 128, 192, 256, 320, 384, 512)
 GEN_WEIGHTS = (1, 1, 2, 2, 3, 2, 1, 1)
 EVAL_GEN_LENGTH = 256
 MAX_POSITION = 4096
-SUITES = ("chain", "code-long")
+SUITES = LONG_SUITES
 
 
 def hf_config(args, ids: dict, vocab: int) -> dict:
@@ -108,7 +109,8 @@ def parse_args(argv=None):
     ap.add_argument("--n-layers", type=int, default=10)
     ap.add_argument("--n-heads", type=int, default=6)
     ap.add_argument("--n-kv-heads", type=int, default=2, help="dream only (GQA)")
-    ap.add_argument("--mlp", type=int, default=0, help="0 = the format's default (1184 / 1344: ~20.2 M parameters)")
+    ap.add_argument("--mlp", type=int, default=0,
+                    help="0 = the format's default (1184 / 1344: ~20.2 M parameters)")
     ap.add_argument("--vocab", type=int, default=proxy_tokenizer.VOCAB_SIZE)
     ap.add_argument("--tokenizer-corpus", type=int, default=10000,
                     help="training problems per suite the BPE merges are learnt from")
@@ -117,7 +119,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=200)
-    ap.add_argument("--eval-n", type=int, default=200, help="held-out problems per suite at the end")
+    ap.add_argument("--eval-n", type=int, default=200,
+                    help="held-out problems per suite at the end")
     ap.add_argument("--eval-every", type=float, default=2.5, help="minutes between interim evals")
     ap.add_argument("--eval-interim-n", type=int, default=64)
     ap.add_argument("--eval-gen-length", type=int, default=EVAL_GEN_LENGTH)
@@ -228,7 +231,8 @@ def main(argv=None) -> dict:
             model.train()
             next_eval += args.eval_every * 60
     train_minutes = (time.time() - t_train) / 60
-    final_loss = float(loss_acc) / n_acc if n_acc else (history[-1]["loss"] if history else math.nan)
+    final_loss = (float(loss_acc) / n_acc if n_acc
+                  else history[-1]["loss"] if history else math.nan)
     print(f"trained {step} steps in {train_minutes:.2f} min; loss {first_loss} -> {final_loss:.4f}",
           flush=True)
 

@@ -281,7 +281,7 @@ class Engine:
         committed = int((req.tokens[req.prompt_len:] != self.cfg.mask_token_id).sum())
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time, "committed_slots": committed,
-                   "block_forwards": list(req.block_forwards),
+                   "block_forwards": req.block_forwards,     # a tuple: shared, not copied
                    **_copy_counters(req.counters)}
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_ids, text=None,

@@ -95,6 +95,7 @@ class OverflowKV:
     @property
     def max_pages(self) -> int:
         return self.stage.shape[2]
+
     def host_bytes_for(self, spill: int) -> int:
         return spill * self.num_layers * self.page_layer_bytes
 

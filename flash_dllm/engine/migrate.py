@@ -114,8 +114,7 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     return RequestSnapshot(
         request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=req.params,
         prompt=req.prompt, tokens=dev["canvas"].numpy().copy(),
-        fields={f: copy.copy(getattr(req, f)) for f in _REQ_FIELDS},
-        counters=copy.deepcopy(req.counters),
+        fields={f: getattr(req, f) for f in _REQ_FIELDS}, counters=copy.deepcopy(req.counters),
         num_pages=len(pages), kv_shape=tuple(packed_shape(runner.kv.shape, len(pages))),
         kv_dtype=str(runner.kv.dtype).removeprefix("torch."), device_state=dev)
 

@@ -77,7 +77,7 @@ class Request:
         # committed answer prefix can only end inside the active block
         self.num_masked = params.block_length      # MASK slots left in the active block
         self.step_in_block = 0
-        self.block_forwards: list[int] = []        # forwards each finished block took
+        self.block_forwards: tuple[int, ...] = ()  # forwards each finished block took
         self.first_step = True
         self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
         self.num_forwards = 0
@@ -147,7 +147,7 @@ class Request:
         self.num_masked -= committed
         if self.num_masked > 0:
             return
-        self.block_forwards.append(self.step_in_block)
+        self.block_forwards += (self.step_in_block,)
         self.block += 1
         self.step_in_block = 0
         self.first_step = True

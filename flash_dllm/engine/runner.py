@@ -34,7 +34,7 @@ from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
 from flash_dllm.engine.step_graph import StepGraphs
-from flash_dllm.engine.verify_step import kv_consistency, new_counters, update_drafts
+from flash_dllm.engine.verify_step import _count, kv_consistency, update_drafts
 from flash_dllm.layers.attention_backend import PagedAttentionBackend
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.transfer import h2d
@@ -299,9 +299,8 @@ class ModelRunner:
             checked, trig = self.overflow.observe(self._overflow_req, step.meta.lazy,
                                                   lazy_mass.cpu().numpy())
             if checked:
-                counters[0] = counters[0] or new_counters()
-                counters[0]["sentinel_checks"]["lazy_load"] += 1
-                counters[0]["sentinel_triggers"]["lazy_load"] += trig
+                _count(counters, 0, "sentinel_checks", 1, "lazy_load")
+                _count(counters, 0, "sentinel_triggers", int(trig), "lazy_load")
         if page_mass is not None:          # (ema / kag placement: after it, never mid-step)
             per_page = page_mass.cpu().numpy()
             page_mass = {batch[i].request_id: per_page[i] for i in step.flash}

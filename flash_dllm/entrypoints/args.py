@@ -185,7 +185,7 @@ class EngineArgs:
             return {}
         out = {"kv_cache_gb": _CONFIG_DEFAULTS["kv_cache_gb"]}
         if self.num_kv_pages is None and self.gpu_memory_utilization is None \
-                and _is_cuda(self.device):
+                and is_cuda(self.device):
             out["gpu_memory_utilization"] = round(AUTO_GPU_MEMORY_UTILIZATION / share, 4)
         return out
 
@@ -197,7 +197,8 @@ class EngineArgs:
         return EngineConfig(**kw)
 
 
-def _is_cuda(device: str) -> bool:
+def is_cuda(device: str) -> bool:
+    """Whether ``device`` (cpu, cuda, cuda:N or auto) means a GPU, without loading anything."""
     if device == "auto":
         import torch
         return torch.cuda.is_available()
@@ -205,11 +206,15 @@ def _is_cuda(device: str) -> bool:
 
 
 # --------------------------------------------------------------------------------- sampling
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | None = None) -> None:
+    """The sampling flags; ``max_tokens_default`` (a description): --max-tokens is left None and
+    the command fills it in, as ``eval`` does from the suite."""
     d = SamplingParams()
     g = p.add_argument_group("sampling (mirrors SamplingParams)")
-    g.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="MASK slots after the prompt (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int,
+                   default=d.max_tokens if max_tokens_default is None else None,
+                   help="MASK slots after the prompt (default: "
+                        f"{max_tokens_default or '%(default)s'})")
     g.add_argument("--block-length", type=int, default=None,
                    help="tokens per block (default: min(32, max-tokens))")
     g.add_argument("--steps", type=int, default=None,

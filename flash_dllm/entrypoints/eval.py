@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
-from flash_dllm.config import DECODE_POLICIES
+from flash_dllm.config import DECODE_POLICIES, SamplingParams
 from flash_dllm.entrypoints.args import (EngineArgs, add_sampling_flags, require_matplotlib,
                                          sampling_from_args)
 from flash_dllm.evals.tasks import SUITES
@@ -45,14 +45,11 @@ def add_parser(sub) -> None:
     e.add_argument("--plot", default=None, help="PNG path for --matrix (default: next to --json)")
     e.add_argument("--no-progress", action="store_true")
     EngineArgs.add_cli_args(e)
-    add_sampling_flags(e)
-    # NOTE: --max-tokens defaults to the suite's canvas (64 for arith/code/jsonl, 256 for the
-    # long suites), so `eval --suite chain` decodes whole answers without a flag
-    e.set_defaults(func=run, max_tokens=None)
-    for action in e._actions:
-        if action.dest == "max_tokens":
-            action.help = ("MASK slots after the prompt (default: the suite's canvas, 64 for "
-                           "arith, code and jsonl, 256 for chain and code-long)")
+    # NOTE: --max-tokens defaults to the suite's canvas, so `eval --suite chain` decodes whole
+    # answers without a flag
+    add_sampling_flags(e, max_tokens_default="the suite's canvas, 64 for arith, code and jsonl, "
+                                             "256 for chain and code-long")
+    e.set_defaults(func=run)
 
 
 def _suite(a: argparse.Namespace):
@@ -83,7 +80,8 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError(f"--n must be >= 1, got {a.n}")
     suite = _suite(a)
     if a.max_tokens is None:
-        a.max_tokens = SUITES[suite].gen_length if isinstance(suite, str) else 64
+        a.max_tokens = (SUITES[suite].gen_length if isinstance(suite, str)
+                        else SamplingParams().max_tokens)
     if a.matrix:
         require_matplotlib()        # before any pair runs, not after all of them
     base = sampling_from_args(a)

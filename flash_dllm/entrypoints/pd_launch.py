@@ -15,6 +15,7 @@ from multiprocessing.connection import Listener
 import torch
 
 from flash_dllm.engine.engine import Engine
+from flash_dllm.entrypoints.args import is_cuda
 from flash_dllm.engine.pd_engine import DECODE, PREFILL, PDEngine, WorkerHandle
 from flash_dllm.engine.pd_messages import Channel
 from flash_dllm.engine.pd_worker import Worker
@@ -62,8 +63,7 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
         _, cfg, _ = read_config(folder)
     world = prefill_workers + decode_workers
     devices = ["cpu"] * world
-    if args.device.startswith("cuda") or (args.device == "auto"
-                                           and torch.cuda.is_available()):
+    if is_cuda(args.device):
         n = torch.cuda.device_count()
         if n < 1:
             raise ValueError(f"device {args.device!r}: no CUDA device is visible")

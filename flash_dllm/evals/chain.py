@@ -20,10 +20,10 @@ extractor); every intermediate count stays in 0..999.
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from typing import Callable
 
-from flash_dllm.evals.arith import _PEOPLE, extract_final
-from flash_dllm.evals.arith import score as _score_final
+# NOTE: scored exactly like arith (the integer after the last ####): its scorers are this suite's
+from flash_dllm.evals.arith import _PEOPLE, extract_final, score, score_batch
 from flash_dllm.evals.problem import Problem, format_prompt, problem_id, sample_split
 
 SUITE = "chain"
@@ -45,7 +45,7 @@ class _Story:
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        (self.name, self.P, self.obj_pron), self.friends = rng.choice(_PEOPLE), None
+        self.name, self.P, _ = rng.choice(_PEOPLE)
         self.p = self.P.lower()
         self.pos = "her" if self.P == "She" else "his"
         self.o = rng.choice(_THINGS)
@@ -186,20 +186,6 @@ def test_problems(n: int, seed: int = 0) -> list[Problem]:
     """``n`` distinct held-out problems; ``test_problems(k)`` is a prefix of ``test_problems(m>k)``.
     """
     return sample_split(make_problem, SUITE, "test", n, seed, unique=True)
-
-
-def score(problem: Problem, completion: str) -> bool:
-    """Exact match of the final integer (after the last ``####``); never raises."""
-    return _score_final(problem, completion)
-
-
-def score_batch(problems: Sequence[Problem], completions: Sequence[str], *, timeout: float = 5.0,
-                workers: int | None = None) -> list[bool]:
-    """``score`` per pair, in-process (``timeout``/``workers``: the shared signature, unused)."""
-    del timeout, workers
-    if len(problems) != len(completions):
-        raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
-    return [score(p, c) for p, c in zip(problems, completions)]
 
 
 __all__ = ["SUITE", "EVENTS", "make_problem", "train_problems", "test_problems", "score",

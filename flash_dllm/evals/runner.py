@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from dataclasses import asdict
 
 from flash_dllm.config import SamplingParams
@@ -48,7 +49,7 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
         # forwards each decoded block took (blocks skipped by early stop are not decoded)
         "forwards_per_block": {
             "mean": sum(blocks) / len(blocks) if blocks else 0.0, "blocks": len(blocks),
-            "histogram": {str(k): blocks.count(k) for k in sorted(set(blocks))}},
+            "histogram": {str(k): c for k, c in sorted(Counter(blocks).items())}},
         "seconds": seconds, "decode_seconds": decode_s,
         "answer_tokens_per_second": answer_tokens / decode_s if decode_s > 0 else 0.0,
         "early_stopped": sum(o.early_stopped for o in outs),

@@ -37,8 +37,8 @@ SUITES: dict[str, Suite] = {
                    score=m.score, score_batch=m.score_batch, gen_length=gen_length)
     for m, gen_length in ((arith, 64), (code, 64), (chain, 256), (code_long, 256))
 }
-SHORT_SUITES = ("arith", "code")
-LONG_SUITES = ("chain", "code-long")
+SHORT_SUITES = tuple(n for n, s in SUITES.items() if s.gen_length <= 64)
+LONG_SUITES = tuple(n for n, s in SUITES.items() if s.gen_length > 64)
 
 
 def get_suite(name: str) -> Suite:
