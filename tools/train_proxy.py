@@ -20,10 +20,16 @@ Reproduce the committed checkpoints (one H200 each, one 10-minute command; check
     python tools/train_proxy.py --format dream --out $OUT/proxy-dream --minutes 7.6
 Continue one (same dims, its tokenizer kept, fresh optimizer and schedule):
     python tools/train_proxy.py --format dream --out $OUT/part2 --init-from $OUT/part1
+Split one run over several commands (optimizer, step, data order and LR schedule carried on):
+    python tools/train_proxy.py --format dream --out /tmp/p --minutes 9 --schedule-minutes 16 \
+        --eval-n 0 --save-state /tmp/p.state
+    python tools/train_proxy.py --format dream --out /tmp/p --minutes 9 --schedule-minutes 16 \
+        --resume /tmp/p.state
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -87,6 +93,38 @@ def batch_size_for(glen: int, prompt_width: int, batch_tokens: int) -> int:
     return max(8, (batch_tokens // (prompt_width + glen)) // 8 * 8)
 
 
+_POOL_FIELDS = ("plain", "plain_len", "chat", "chat_len", "ans", "ans_len", "counts", "n",
+                "max_answer")
+
+
+def load_or_build_pool(args, out: Path, eos: int, device, workers: int) -> Pool:
+    """The training pool, from ``--pool-cache`` when that file holds this very pool (same suites,
+    size, seed and tokenizer), else built and, with ``--pool-cache``, saved there: the parts of a
+    split run skip the ~1-2 minutes of problem generation and tokenizing."""
+    key = {"suites": list(SUITES), "pool": args.pool, "seed": args.seed,
+           "tokenizer": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()}
+    cache = Path(args.pool_cache) if args.pool_cache else None
+    if cache is not None and cache.exists():
+        saved = torch.load(cache, map_location="cpu", weights_only=False)
+        if saved["key"] == key:
+            pool = Pool.__new__(Pool)
+            for name, value in saved["fields"].items():
+                setattr(pool, name, value.to(device) if torch.is_tensor(value) else value)
+            print(f"pool loaded from {cache}", flush=True)
+            return pool
+        print(f"{cache} holds another pool (suites, size, seed or tokenizer differ): rebuilding",
+              flush=True)
+    pool = Pool(list(SUITES), args.pool, args.seed, str(out), eos, device, workers,
+                min_gen_length=None)
+    if cache is not None:
+        fields = {name: getattr(pool, name) for name in _POOL_FIELDS}
+        tmp = cache.with_name(cache.name + ".tmp")
+        torch.save({"key": key, "fields": {k: v.cpu() if torch.is_tensor(v) else v
+                                           for k, v in fields.items()}}, tmp)
+        os.replace(tmp, cache)
+    return pool
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -116,6 +154,8 @@ def parse_args(argv=None):
                     help="training problems per suite the BPE merges are learnt from")
     ap.add_argument("--pool", type=int, default=200_000, help="training problems per suite")
     ap.add_argument("--workers", type=int, default=0, help="data processes (0 = auto)")
+    ap.add_argument("--pool-cache", default="",
+                    help="keep the tokenized pool in this file and reuse it when it matches")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=200)
@@ -125,8 +165,23 @@ def parse_args(argv=None):
     ap.add_argument("--eval-interim-n", type=int, default=64)
     ap.add_argument("--eval-gen-length", type=int, default=EVAL_GEN_LENGTH)
     ap.add_argument("--init-from", default="", help="continue from this checkpoint (same dims)")
+    ap.add_argument("--schedule-minutes", type=float, default=0,
+                    help="training minutes the LR schedule spans, over every part of a split run "
+                         "(0 = this run's own training time)")
+    ap.add_argument("--save-state", default="",
+                    help="write the whole training state (float32 weights, optimizer, counters, "
+                         "random states, tokenizer) here at the end, for --resume")
+    ap.add_argument("--resume", default="",
+                    help="continue the run whose --save-state file this is (same arguments)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the loss (model + cross-entropy); falls back to eager if "
+                         "compiling fails")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.init_from and args.resume:
+        ap.error("--init-from and --resume exclude each other (--resume restores the weights)")
+    if args.schedule_minutes < 0:
+        ap.error(f"--schedule-minutes must be >= 0, got {args.schedule_minutes}")
     if not args.mlp:
         args.mlp = 1184 if args.format == "llada" else 1344
     return args
@@ -138,7 +193,12 @@ def main(argv=None) -> dict:
     device, cuda, out = setup_run(args)
     shift = 1 if args.format == "dream" else 0
 
-    if args.init_from:
+    state = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
+    if state is not None:
+        # NOTE: the ids must stay those the weights were trained with: the state carries them
+        for name, data in state["tokenizer"].items():
+            (out / name).write_bytes(data)
+    elif args.init_from:
         # NOTE: the ids must stay those the weights were trained with: keep the tokenizer
         for name in proxy_tokenizer.TOKENIZER_FILES:
             if Path(args.init_from).resolve() != out.resolve():
@@ -149,8 +209,7 @@ def main(argv=None) -> dict:
     ids = proxy_tokenizer.token_ids(args.format)
     train_demo.TOKEN_DTYPE = np.int16
     workers = args.workers or max(1, min(16, os.cpu_count() or 1))
-    pool = Pool(list(SUITES), args.pool, args.seed, str(out), ids["eos"], device, workers,
-                min_gen_length=None)
+    pool = load_or_build_pool(args, out, ids["eos"], device, workers)
     tok = _load_tok(str(out))
     vocab = -(-len(tok) // 64) * 64
     t_data = time.time() - t0
@@ -160,7 +219,12 @@ def main(argv=None) -> dict:
 
     cfg = hf_config(args, ids, vocab)
     model = build_model(cfg, device=device, dtype=torch.float32, seed=args.seed)
-    if args.init_from:
+    if state is not None:
+        if state["config"] != cfg:
+            raise SystemExit(f"--resume {args.resume}: its model config differs from these "
+                             f"arguments' (resume with the arguments of the saved run)")
+        model.load_state_dict(state["model"])
+    elif args.init_from:
         start, _ = load_model(args.init_from, device=device, dtype=torch.float32)
         model.load_state_dict(start.state_dict())
         del start
@@ -171,22 +235,54 @@ def main(argv=None) -> dict:
     opt = make_optimizer(model, args, cuda)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     glen_rng = random.Random(args.seed + 2)
+    step, seqs, tokens, prior_train_s, parts = 0, 0, 0, 0.0, 0
+    history, evals, first_loss = [], [], None
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["gen"])
+        glen_rng.setstate(state["glen_rng"])
+        step, seqs, tokens = state["step"], state["seqs"], state["tokens"]
+        prior_train_s, parts = state["train_seconds"], state["parts"]
+        history, evals, first_loss = state["history"], state["evals"], state["first_loss"]
+        print(f"resumed {args.resume}: step {step}, {prior_train_s / 60:.2f} min trained in "
+              f"{parts} part(s)", flush=True)
+        del state
+
+    def loss_of(noisy, key_mask, target, weight):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(noisy, key_mask)
+        if shift:  # Dream: the token at position i is predicted by output i-1
+            logits, target, weight = logits[:, :-1], target[:, 1:], weight[:, 1:]
+        ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none")
+        return (ce * weight.flatten()).sum() / noisy.shape[0]
+
+    def train_step(fn, batch):
+        loss = fn(*batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss
+
+    # NOTE: the model is small (d 384), so eager training spends most of its time in unfused
+    # elementwise kernels; compiling the loss fuses them. Shapes vary with the canvas: the first
+    # recompile makes them dynamic.
+    step_fn = torch.compile(loss_of) if args.compile else loss_of
     # NOTE: interim evals run in float32 (TF32 matmuls): the model's fused inference norms refuse
     # autocast's mixed dtypes
     ev = dict(gen_length=args.eval_gen_length, shift=shift)
 
     t_train = time.time()
     train_budget = max(1.0, args.minutes * 60.0 - (t_train - t0))
-    step, seqs, tokens, n_acc = 0, 0, 0, 0
+    schedule_s = (args.schedule_minutes * 60.0 if args.schedule_minutes
+                  else prior_train_s + train_budget)
+    n_acc = 0
     loss_acc = torch.zeros((), device=device)
-    history, evals, first_loss = [], [], None
     next_eval = args.eval_every * 60 if args.eval_every > 0 else math.inf
     last_t, last_step = time.time(), 0
     while True:
         elapsed = time.time() - t_train
         if (args.steps and step >= args.steps) or (not args.steps and elapsed >= train_budget):
             break
-        progress = step / args.steps if args.steps else elapsed / train_budget
+        progress = step / args.steps if args.steps else (prior_train_s + elapsed) / schedule_s
         lr = lr_at(step, progress, args)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -194,14 +290,15 @@ def main(argv=None) -> dict:
         bsz = batch_size_for(glen, pw, args.batch_tokens)
         noisy, key_mask, target, weight = make_batch(pool, bsz, glen, args.chat_frac, ids["eos"],
                                                      ids["mask"], args.eps, gen, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(noisy, key_mask)
-        if shift:  # Dream: the token at position i is predicted by output i-1
-            logits, target, weight = logits[:, :-1], target[:, 1:], weight[:, 1:]
-        ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none")
-        loss = (ce * weight.flatten()).sum() / bsz
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        batch = (noisy, key_mask, target, weight)
+        try:
+            loss = train_step(step_fn, batch)
+        except Exception as e:  # noqa: BLE001 - a compiler failure must not cost the run
+            if step_fn is loss_of:
+                raise
+            print(f"torch.compile failed ({e!r}); training eagerly", flush=True)
+            step_fn = loss_of
+            loss = train_step(step_fn, batch)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         step += 1
@@ -230,7 +327,20 @@ def main(argv=None) -> dict:
                 print(f"interim eval failed: {e!r}", flush=True)
             model.train()
             next_eval += args.eval_every * 60
-    train_minutes = (time.time() - t_train) / 60
+    train_minutes = (prior_train_s + time.time() - t_train) / 60
+    parts += 1
+    if args.save_state:
+        # NOTE: written beside its final name, then renamed: a cut-off write never looks complete
+        tmp = Path(args.save_state + ".tmp")
+        torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                    "optimizer": opt.state_dict(), "gen": gen.get_state(),
+                    "glen_rng": glen_rng.getstate(), "step": step, "seqs": seqs,
+                    "tokens": tokens, "train_seconds": train_minutes * 60, "parts": parts,
+                    "history": history, "evals": evals, "first_loss": first_loss, "config": cfg,
+                    "tokenizer": {n: (out / n).read_bytes()
+                                  for n in proxy_tokenizer.TOKENIZER_FILES}}, tmp)
+        os.replace(tmp, args.save_state)
+        print(f"training state saved to {args.save_state}", flush=True)
     final_loss = (float(loss_acc) / n_acc if n_acc
                   else history[-1]["loss"] if history else math.nan)
     print(f"trained {step} steps in {train_minutes:.2f} min; loss {first_loss} -> {final_loss:.4f}",
@@ -266,7 +376,8 @@ def main(argv=None) -> dict:
     log = {
         "args": vars(args), "config": cfg, "params": n_params, "steps": step,
         "sequences_seen": seqs, "tokens_seen_padded": tokens, "first_loss": first_loss,
-        "final_loss": final_loss, "train_minutes": train_minutes, "data_seconds": t_data,
+        "final_loss": final_loss, "train_minutes": train_minutes, "parts": parts,
+        "data_seconds": t_data,
         "total_minutes": (time.time() - t0) / 60, "weights_mb": size_mb,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "history": history, "interim_evals": evals,
