@@ -161,6 +161,9 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=200)
     ap.add_argument("--eval-n", type=int, default=200,
                     help="held-out problems per suite at the end")
+    ap.add_argument("--eval-modes", nargs="+", choices=("plain", "chat"),
+                    default=["plain", "chat"],
+                    help="prompt forms of the final eval (each ~1 min on an H200 alone)")
     ap.add_argument("--eval-every", type=float, default=2.5, help="minutes between interim evals")
     ap.add_argument("--eval-interim-n", type=int, default=64)
     ap.add_argument("--eval-gen-length", type=int, default=EVAL_GEN_LENGTH)
@@ -277,7 +280,7 @@ def main(argv=None) -> dict:
     n_acc = 0
     loss_acc = torch.zeros((), device=device)
     next_eval = args.eval_every * 60 if args.eval_every > 0 else math.inf
-    last_t, last_step = time.time(), 0
+    last_t, last_step = time.time(), step
     while True:
         elapsed = time.time() - t_train
         if (args.steps and step >= args.steps) or (not args.steps and elapsed >= train_budget):
@@ -357,37 +360,49 @@ def main(argv=None) -> dict:
     size_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
 
     final_eval: dict = {}
-    if args.eval_n > 0:
-        t_eval = time.time()
-        torch.backends.cuda.matmul.allow_tf32 = False
-        shipped, _ = load_model(out, device=device, dtype=torch.float32)
-        for chat in (False, True):
-            try:
-                acc = evaluate(shipped, tok, list(SUITES), args.eval_n, ids, device, chat=chat,
-                               show=2, gen_length=args.eval_gen_length, shift=shift)
-            except Exception as e:  # noqa: BLE001 - still write train_log.json
-                final_eval["error"] = repr(e)
-                print(f"final eval failed: {e!r}", flush=True)
-                break
-            final_eval["chat" if chat else "plain"] = acc
-            print(f"final eval ({'chat' if chat else 'plain'}, {args.eval_n}/suite, exact sampler "
-                  f"gen {args.eval_gen_length}): {acc}", flush=True)
-        print(f"eval took {time.time() - t_eval:.1f}s", flush=True)
     log = {
         "args": vars(args), "config": cfg, "params": n_params, "steps": step,
         "sequences_seen": seqs, "tokens_seen_padded": tokens, "first_loss": first_loss,
         "final_loss": final_loss, "train_minutes": train_minutes, "parts": parts,
-        "data_seconds": t_data,
-        "total_minutes": (time.time() - t0) / 60, "weights_mb": size_mb,
+        "data_seconds": t_data, "weights_mb": size_mb,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__, "history": history, "interim_evals": evals,
         "final_eval": final_eval,
         "final_eval_settings": {"n_per_suite": args.eval_n, "gen_length": args.eval_gen_length,
                                 "block": train_demo.EVAL_BLOCK, "tokens_per_step": 1,
-                                "remasking": "low_confidence", "temperature": 0},
+                                "remasking": "low_confidence", "temperature": 0,
+                                "modes": list(args.eval_modes)},
     }
-    with open(out / "train_log.json", "w", encoding="utf-8") as f:
-        json.dump(log, f, indent=2)
+
+    def write_log() -> None:
+        # NOTE: written before the final eval and after each of its modes: a command cut short
+        # by its time limit during the eval still leaves the run's record and what was scored
+        log["total_minutes"] = (time.time() - t0) / 60
+        tmp = out / "train_log.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(log, f, indent=2)
+        os.replace(tmp, out / "train_log.json")
+
+    write_log()
+    if args.eval_n > 0:
+        t_eval = time.time()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        shipped, _ = load_model(out, device=device, dtype=torch.float32)
+        for mode in args.eval_modes:
+            try:
+                acc = evaluate(shipped, tok, list(SUITES), args.eval_n, ids, device,
+                               chat=mode == "chat", show=2, gen_length=args.eval_gen_length,
+                               shift=shift)
+            except Exception as e:  # noqa: BLE001 - still write train_log.json
+                final_eval["error"] = repr(e)
+                print(f"final eval failed: {e!r}", flush=True)
+                break
+            final_eval[mode] = acc
+            write_log()
+            print(f"final eval ({mode}, {args.eval_n}/suite, exact sampler "
+                  f"gen {args.eval_gen_length}): {acc}", flush=True)
+        print(f"eval took {time.time() - t_eval:.1f}s", flush=True)
+    write_log()
     print(f"done in {(time.time() - t0) / 60:.2f} min", flush=True)
     return log
 
