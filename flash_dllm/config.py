@@ -191,6 +191,10 @@ class EngineConfig:
     # (top-k) and compares them with the block's measuring step; an overlap (Jaccard) below this
     # makes the next step load every page and measure again (force-load). None: off
     lazy_load_sentinel: float | None = None
+    # which pages a lazy step loads: "mass" (the most attended at the block's measuring step) or
+    # "quest" (re-chosen after every step from an upper bound of the attention its queries can
+    # give each page, from per-page key summaries; ``engine/lazy_load.quest_scores``)
+    lazy_load_predictor: str = "mass"
     kv_placement: str = "lru"            # which cached pages leave a tier first
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
@@ -257,6 +261,10 @@ class EngineConfig:
             if b is None:
                 raise ValueError("lazy_load_sentinel watches lazy loading: set lazy_load_budget "
                                  "(--lazy-load-budget) too")
+        _check_choice("lazy_load_predictor", self.lazy_load_predictor, ("mass", "quest"))
+        if self.lazy_load_predictor != "mass" and b is None:
+            raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
+                             "lazy_load_budget (--lazy-load-budget) too")
         _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
         _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
         _check_int("kag_top_k", self.kag_top_k, 1)

@@ -1,15 +1,19 @@
 """Lazy loading's sentinel (``--lazy-load-sentinel``, ``engine/lazy_load.py``), on the CPU: the
 overlap it measures, that a sentinel which never fires changes no token of a lazy run, that one
 which fires forces the next step to load every page and measure again, counted per request, per
-engine and in the server's sentinel metrics; bad values are named errors."""
+engine and in the server's sentinel metrics; bad values are named errors. And the quest predictor
+(``--lazy-load-predictor quest``): its bound holds against the exact largest logit, it picks the
+pages a query turns to, and a run re-chooses its pages after every step."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from flash_dllm.config import EngineConfig
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.lazy_load import SENTINEL_TOP_K, sentinel_overlap
+from flash_dllm.engine.lazy_load import (SENTINEL_TOP_K, key_summary, quest_scores,
+                                         quest_scores_reference, sentinel_overlap)
 from test_kv_overflow import LONG, PS, _params, _run
 from test_sampler import tiny
 
@@ -87,3 +91,64 @@ def test_bad_sentinel_values_are_named():
     for bad in (0, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match=r"lazy_load_sentinel must be in \(0, 1\]"):
             EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0.5, lazy_load_sentinel=bad)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_the_quest_bound_is_an_upper_bound_and_ranks_the_page_a_query_turns_to(heads, kv_heads):
+    """Per head, the bound from the page's key box and the rows' query box is >= every row's
+    logit on every key of the page (property over random draws); the score is a positive sum
+    over heads of exp(bound - the head's largest), so the page holding a key aligned with every
+    head's queries ranks first."""
+    gen = torch.Generator().manual_seed(0)
+    D, ps, P, T = 16, 4, 12, 5
+    for _ in range(20):
+        q = torch.randn(T, heads, D, generator=gen)
+        keys = torch.randn(P, ps, kv_heads, D, generator=gen)
+        kmin, kmax = key_summary(keys)
+        exact = quest_scores_reference(q, keys)                          # [H, P]
+        lo = kmin.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        hi = kmax.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        qlo, qhi = q.amin(0)[:, None], q.amax(0)[:, None]
+        bound = (torch.maximum(torch.maximum(qlo * lo, qlo * hi),
+                               torch.maximum(qhi * lo, qhi * hi)).sum(-1) * D ** -0.5)
+        assert (bound >= exact - 1e-5).all()
+        score = quest_scores(q, kmin, kmax)
+        assert score.shape == (P,) and (score > 0).all() and (score <= heads + 1e-5).all()
+    q = torch.randn(T, heads, D, generator=gen) * 0.1
+    q[:, :, 0] = 5.0                                  # every row and head looks along channel 0
+    keys = torch.randn(P, ps, kv_heads, D, generator=gen) * 0.1
+    keys[7, 2, :, 0] = 6.0                            # one key of page 7 lies along it
+    assert int(quest_scores(q, *key_summary(keys)).argmax()) == 7
+
+
+def test_a_quest_run_rechooses_its_pages_after_every_step_and_budget_one_is_exact():
+    model = tiny("llada", seed=5)
+    params = _params("dual", "vanilla")
+    exact = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6,
+                                                  kv_overflow_gb=0.01))
+    ref, _ = _run(exact, [LONG], params)
+    full = Engine(model, model.cfg, EngineConfig(**{**LAZY, "lazy_load_budget": 1.0},
+                                                 lazy_load_predictor="quest"))
+    assert _run(full, [LONG], params)[0] == ref
+    mass = Engine(model, model.cfg, EngineConfig(**LAZY))
+    _run(mass, [LONG], params)
+    quest = Engine(model, model.cfg, EngineConfig(lazy_load_predictor="quest", **LAZY))
+    calls = []
+    ov = quest.runner.overflow
+    real = ov._lazy_step
+    ov._lazy_step = lambda *a: calls.append(a[0].copy()) or real(*a)
+    got, reqs = _run(quest, [LONG], params)
+    st, st_mass = ov.stats, mass.runner.overflow.stats
+    assert reqs[0].finished and len(got[0]) == len(ref[0])
+    assert st["measuring_steps"] == st_mass["measuring_steps"] > 0
+    assert st["skipped_pages"] > 0
+    # a plan per lazy step (the mass predictor makes one per block), from positive bounds
+    assert len(calls) > st["measuring_steps"] and all((c > 0).all() for c in calls)
+    assert quest.runner._overflow_req is None and quest.kv_manager.num_used == 0
+
+
+def test_bad_predictor_names_are_named():
+    with pytest.raises(ValueError, match="lazy_load_predictor"):
+        EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0.5, lazy_load_predictor="oracle")
+    with pytest.raises(ValueError, match="set lazy_load_budget"):
+        EngineConfig(kv_overflow_gb=0.01, lazy_load_predictor="quest")

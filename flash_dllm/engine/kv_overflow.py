@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flash_dllm.engine.lazy_load import LazyPlan, select_pages, sentinel_overlap
+from flash_dllm.engine.lazy_load import (LAZY_PREDICTORS, LazyPlan, key_summary, quest_scores,
+                                         select_pages, sentinel_overlap)
 from flash_dllm.engine.plan import OverflowPlan
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
@@ -76,7 +77,10 @@ class OverflowKV:
     def __init__(self, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_pages: int,
                  host_bytes: int, lazy_budget: float | None = None,
-                 lazy_sentinel: float | None = None) -> None:
+                 lazy_sentinel: float | None = None, lazy_predictor: str = "mass") -> None:
+        if lazy_predictor not in LAZY_PREDICTORS:
+            raise ValueError(f"lazy_load_predictor must be one of {LAZY_PREDICTORS}, got "
+                             f"{lazy_predictor!r}")
         L, ps, H, D = num_layers, page_size, kv_heads, head_dim
         self.num_layers = L
         self.page_shape = (ps, H, D)
@@ -89,6 +93,7 @@ class OverflowKV:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.lazy_budget = lazy_budget
         self.lazy_sentinel = lazy_sentinel
+        self.lazy_predictor = lazy_predictor
         self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "skipped_pages": 0,
                       "measuring_steps": 0, "sentinel_checks": 0, "sentinel_triggers": 0}
 
@@ -135,7 +140,13 @@ class OverflowKV:
         its later steps load only the share ``lazy_budget`` of the spilled pages that received
         the most (``select_pages``), plus the spilled pages the step writes, and their attention
         skips the others (approximate). With ``lazy_sentinel``, each lazy step also measures
-        its loaded pages; ``observe`` forces a new measuring step when they drift."""
+        its loaded pages; ``observe`` forces a new measuring step when they drift.
+
+        With ``lazy_predictor="quest"`` the measuring step also keeps a key summary of every
+        spilled page (last layer), and every step after it bounds, from that summary and its
+        own last-layer queries, how much attention each page could get (``quest_scores``): the
+        next step loads the pages of the largest bounds, so a page the block's first step
+        ignored is loaded once the queries turn to it."""
         ps = self.page_shape[0]
         s, n = plan.spill, plan.num_pages
         p0, p1 = window[0] // ps, -(-window[1] // ps)
@@ -150,7 +161,12 @@ class OverflowKV:
             ranges = [(0, s)] if s else []
         else:
             lazy = state.lazy
-            if lazy is None or lazy.written != written:      # once per block (and window)
+            if state.score is not None:                      # quest: after every step
+                if lazy is None or lazy.written != written or state.score_new:
+                    lazy = state.lazy = self._lazy_step(state.score, written, plan, canvas_len,
+                                                        meta.block_table)
+                    state.score_new = False
+            elif lazy is None or lazy.written != written:    # once per block (and window)
                 lazy = state.lazy = self._lazy_step(state.page_mass[:s], written, plan,
                                                     canvas_len, meta.block_table)
             ranges = lazy.ranges
@@ -160,6 +176,11 @@ class OverflowKV:
             out.mass_layer = self.num_layers - 1   # every page here: where the block attends
             out.mass_pages = n
             self.stats["measuring_steps"] += 1
+            if self.lazy_predictor == "quest":
+                state.summary = state.score = None
+                out.quest, out.quest_measure = state, True
+        elif state.summary is not None and not full and s:
+            out.quest = state
         if lazy is not None and lazy.table is not None:
             out.block_table, out.seq_lens, out.max_k = lazy.table, lazy.seq_lens, lazy.max_k
             self.stats["skipped_pages"] += lazy.skipped
@@ -167,6 +188,10 @@ class OverflowKV:
                 out.mass_layer = self.num_layers - 1     # the loaded pages: for the sentinel
                 out.mass_pages, out.lazy = len(lazy.keep), lazy
         return out
+
+    def observe_score(self, state: OverflowState, score: np.ndarray) -> None:
+        """Take a step's quest bounds per spilled page: the next lazy step chooses from them."""
+        state.score, state.score_new = score, True
 
     def observe(self, state: OverflowState, lazy: LazyPlan | None, mass: np.ndarray
                 ) -> tuple[bool, bool]:
@@ -182,6 +207,7 @@ class OverflowKV:
             return True, False
         self.stats["sentinel_triggers"] += 1
         state.page_mass = state.lazy = None      # the next step loads every page, measures
+        state.summary = state.score = None
         return True, True
 
     def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
@@ -217,6 +243,12 @@ class OverflowState:
     resident_idx: torch.Tensor              # [n - spill] long, on the device
     page_mass: np.ndarray | None = None     # [n] float, host
     lazy: LazyPlan | None = None            # the current block's lazy loads
+    # lazy_predictor="quest": the spilled pages' key summary (last layer, device) from the
+    # block's measuring step, and the latest step's bounds [spill] (host; ``score_new``: not
+    # yet turned into a lazy plan)
+    summary: tuple[torch.Tensor, torch.Tensor] | None = None
+    score: np.ndarray | None = None
+    score_new: bool = False
 
 
 class _StepCopies:
@@ -314,6 +346,11 @@ class OverflowMetadata(PagedAttentionMetadata):
     copies: _StepCopies
     mass_pages: int = 0                # pages of the block table ``mass`` covers
     lazy: LazyPlan | None = None       # a lazy step the sentinel checks
+    # lazy_predictor="quest": the request's state (its key summary; ``quest_measure``: make it
+    # from this step's last layer) and the bounds this step's queries give each spilled page
+    quest: OverflowState | None = None
+    quest_measure: bool = False
+    quest_score: torch.Tensor | None = None
 
     @classmethod
     def wrap(cls, meta: PagedAttentionMetadata, copies: _StepCopies) -> "OverflowMetadata":
@@ -332,7 +369,23 @@ class OverflowMetadata(PagedAttentionMetadata):
                   ) -> torch.Tensor:
         self.copies.before(self.kv, layer)
         out = super().attention(attn, layer, x, positions)
+        last = layer == self.copies.kv.num_layers - 1
+        if last and self.quest is not None:
+            self._quest(attn, layer, x, positions)
         self.copies.after(self.kv, layer)
-        if layer == self.copies.kv.num_layers - 1:
+        if last:
             self.copies.finish()
         return out
+
+    def _quest(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """The bounds of this step's last-layer queries on every spilled page (its key
+        summary made first on a measuring step, whose stage holds every page)."""
+        s = self.copies.plan.spill
+        if self.quest_measure:
+            self.quest.summary = key_summary(self.copies.kv_of(layer)[0][:s])
+        q, _, _ = attn.project(x)
+        q = attn.rotary(q, positions)
+        score = quest_scores(q, *self.quest.summary)
+        if self.tp is not None:                  # every rank chooses the same pages
+            self.tp.reduce_heads(score)
+        self.quest_score = score

@@ -81,3 +81,49 @@ def select_pages(mass: np.ndarray, budget: float, written: tuple[int, int]
             ranges.append((a, i))
             a = None
     return ranges
+
+
+# which pages a lazy step loads: ``mass`` (the attention each page got at the block's measuring
+# step, for every lazy step of the block) or ``quest`` (re-chosen after every lazy step from an
+# upper bound of the attention its queries can give each page, from per-page key summaries)
+LAZY_PREDICTORS = ("mass", "quest")
+
+
+def key_summary(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page, per-channel minimum and maximum of the (rotated) keys: [pages, page_size, Hkv,
+    D] -> ([pages, Hkv, D], [pages, Hkv, D]) float32 (Quest's page summary)."""
+    k = keys.float()
+    return k.amin(1), k.amax(1)
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """How much attention the query rows ``q`` [T, H, D] (rotated) can give each page at most,
+    from its key summary ``kmin``/``kmax`` [pages, Hkv, D]: per head, an upper bound of every
+    row's logit, ``sum_d max(q_d * k_d)`` over the corners of the rows' and the page's boxes
+    (``q_d`` in [min, max] over the rows, ``k_d`` in [kmin_d, kmax_d]); then per page the sum
+    over heads of ``exp(scale * (bound - the head's largest bound))``. -> [pages] float32, > 0.
+
+    NOTE: one bound for all rows (the box over the rows) instead of Quest's per-row bounds: it
+    is looser but costs H x pages x D instead of T x H x pages x D (an 8B model's 64K-token
+    request: 4k pages)."""
+    T, H, D = q.shape
+    Hkv = kmin.shape[1]
+    qf = q.float()
+    qlo, qhi = qf.amin(0), qf.amax(0)                                  # [H, D]
+    lo = kmin.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)       # [H, pages, D]
+    hi = kmax.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    a, b = qlo[:, None, :], qhi[:, None, :]
+    corner = torch.maximum(torch.maximum(a * lo, a * hi), torch.maximum(b * lo, b * hi))
+    bound = corner.sum(-1) * D ** -0.5                                  # [H, pages]
+    return (bound - bound.amax(-1, keepdim=True)).exp().sum(0)
+
+
+def quest_scores_reference(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """What ``quest_scores`` bounds, computed exactly: per head, the largest logit any row of
+    ``q`` [T, H, D] gives any key of each page ``keys`` [pages, page_size, Hkv, D] ->
+    [H, pages] (tests: the bound must be >= this)."""
+    T, H, D = q.shape
+    P, ps, Hkv, _ = keys.shape
+    k = keys.float().repeat_interleave(H // Hkv, dim=2)                # [P, ps, H, D]
+    logits = torch.einsum("thd,pshd->htps", q.float(), k) * D ** -0.5
+    return logits.amax(1).amax(-1)                                     # [H, P]

@@ -93,7 +93,8 @@ class ModelRunner:
                                        cfg.head_dim, self.dtype, self.device, self.table_width,
                                        int(config.kv_overflow_gb * 2**30),
                                        lazy_budget=config.lazy_load_budget,
-                                       lazy_sentinel=config.lazy_load_sentinel)
+                                       lazy_sentinel=config.lazy_load_sentinel,
+                                       lazy_predictor=config.lazy_load_predictor)
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
@@ -295,6 +296,8 @@ class ModelRunner:
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
         blocks = blocks.cpu().numpy()                      # the step's one device->host copy
+        if isinstance(step.meta, OverflowMetadata) and step.meta.quest_score is not None:
+            self.overflow.observe_score(self._overflow_req, step.meta.quest_score.cpu().numpy())
         if lazy_mass is not None:
             checked, trig = self.overflow.observe(self._overflow_req, step.meta.lazy,
                                                   lazy_mass.cpu().numpy())

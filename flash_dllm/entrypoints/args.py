@@ -130,6 +130,12 @@ class EngineArgs:
         "most (top 8 of those loaded) with the block's measuring step; an overlap (Jaccard) "
         "below this value makes the next step load every page and measure again (counted as "
         "sentinel 'lazy_load'; default: off)")
+    lazy_load_predictor: str = _knob(
+        "lazy_load_predictor", str,
+        "with --lazy-load-budget: which host pages a lazy step loads: mass (those its block "
+        "attended to most at its first step) or quest (re-chosen after every step from an upper "
+        "bound of the attention the step's queries can give each page, from per-page key "
+        "summaries) (default: %(default)s)", choices=["mass", "quest"])
     kv_placement: str = _knob("kv_placement", str,
                               "which cached pages leave a tier first: lru (least recently "
                               "used), ema (least attended: moving average of the attention mass "
