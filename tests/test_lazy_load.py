@@ -152,3 +152,45 @@ def test_bad_predictor_names_are_named():
         EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0.5, lazy_load_predictor="oracle")
     with pytest.raises(ValueError, match="set lazy_load_budget"):
         EngineConfig(kv_overflow_gb=0.01, lazy_load_predictor="quest")
+
+
+def test_quest_per_layer_tables_that_keep_every_page_equal_the_exact_step(monkeypatch):
+    """Quest plans a compacted block table per layer, swapped in before each layer's attention:
+    given every page (in two ranges) at every layer, the tokens are the exact ones; given a
+    different share per layer, each layer copies its own pages (the bytes add up per layer)."""
+    import flash_dllm.engine.kv_overflow as ko
+    model = tiny("dream", seed=5)
+    params = _params("dual", "vanilla")
+    cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(**cfg)), [LONG], params)
+    monkeypatch.setattr(ko, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, lazy_load_predictor="quest",
+                                                **cfg))
+    got, _ = _run(eng, [LONG], params)
+    assert eng.runner.overflow.stats["skipped_pages"] == 0
+    assert got == ref
+
+    # each layer's bounds favour its own page (layer i: page i): each layer loads that page
+    L = model.cfg.num_layers
+    calls = iter(range(10**6))
+
+    def one_hot(q, kmin, kmax):
+        out = torch.full((kmin.shape[0],), 1e-6)
+        out[next(calls) % L] = 1.0
+        return out
+    monkeypatch.undo()                                   # the real select_pages again
+    monkeypatch.setattr(ko, "quest_scores", one_hot)
+    loads = []
+    real = ko._StepCopies._load
+
+    def spy(self, layer):
+        if self.per_layer and layer < L:
+            loads.append((layer, self.load_of(layer)))
+        return real(self, layer)
+    monkeypatch.setattr(ko._StepCopies, "_load", spy)
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.05, lazy_load_predictor="quest",
+                                                **cfg))
+    _run(eng, [LONG], params)
+    assert loads, "no lazy step planned per layer"
+    for layer, ranges in loads:
+        assert any(a <= layer < b for a, b in ranges), (layer, ranges)

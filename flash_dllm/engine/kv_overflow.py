@@ -143,33 +143,39 @@ class OverflowKV:
         its loaded pages; ``observe`` forces a new measuring step when they drift.
 
         With ``lazy_predictor="quest"`` the measuring step also keeps a key summary of every
-        spilled page (last layer), and every step after it bounds, from that summary and its
-        own last-layer queries, how much attention each page could get (``quest_scores``): the
-        next step loads the pages of the largest bounds, so a page the block's first step
-        ignored is loaded once the queries turn to it."""
+        spilled page at every layer, and every step after it bounds, from that summary and its
+        own queries, how much attention each page could get at each layer (``quest_scores``):
+        the next step loads, **per layer**, the pages of the largest bounds, so a page the
+        block's first step ignored is loaded once the queries turn to it, and each layer gets
+        the pages it attends to (one choice for all layers, from the last layer, served the
+        others badly: ``benchmarks/FINDINGS.md``)."""
         ps = self.page_shape[0]
         s, n = plan.spill, plan.num_pages
         p0, p1 = window[0] // ps, -(-window[1] // ps)
         full = window[0] <= 0 and window[1] >= s * ps          # every spilled key rewritten
         self.stats["steps"] += 1
         written = (max(0, p0), min(n, p1))
-        lazy = None
+        lazy, layers = None, state.layers
         if full:
             ranges = []
-            state.page_mass = state.lazy = None    # a new block: its attention is measured again
+            state.page_mass = state.lazy = state.layers = None    # a new block: measured again
         elif s == 0 or self.lazy_budget is None or state.page_mass is None:
             ranges = [(0, s)] if s else []
         else:
             lazy = state.lazy
-            if state.score is not None:                      # quest: after every step
-                if lazy is None or lazy.written != written or state.score_new:
-                    lazy = state.lazy = self._lazy_step(state.score, written, plan, canvas_len,
-                                                        meta.block_table)
+            if state.score is not None:              # quest: per layer, after every step
+                if layers is None or layers[0].written != written or state.score_new:
+                    layers = state.layers = [
+                        self._lazy_step(state.score[i], written, plan, canvas_len,
+                                        meta.block_table) for i in range(self.num_layers)]
                     state.score_new = False
-            elif lazy is None or lazy.written != written:    # once per block (and window)
-                lazy = state.lazy = self._lazy_step(state.page_mass[:s], written, plan,
-                                                    canvas_len, meta.block_table)
-            ranges = lazy.ranges
+                lazy = layers[-1]                    # the last layer's: the sentinel's
+                ranges = [p.ranges for p in layers]
+            else:
+                if lazy is None or lazy.written != written:  # once per block (and window)
+                    lazy = state.lazy = self._lazy_step(state.page_mass[:s], written, plan,
+                                                        canvas_len, meta.block_table)
+                ranges = lazy.ranges
         out = OverflowMetadata.wrap(meta, _StepCopies(self, plan, state.host, state.resident_idx,
                                                       ranges, written))
         if self.lazy_budget is not None and not full and s and state.page_mass is None:
@@ -177,20 +183,26 @@ class OverflowKV:
             out.mass_pages = n
             self.stats["measuring_steps"] += 1
             if self.lazy_predictor == "quest":
-                state.summary = state.score = None
+                state.summary = state.score = state.layers = None
                 out.quest, out.quest_measure = state, True
         elif state.summary is not None and not full and s:
             out.quest = state
-        if lazy is not None and lazy.table is not None:
+        if state.score is not None and lazy is not None:
+            out.layer_plans = state.layers
+            out.full_table = (out.block_table, out.seq_lens, out.max_k)
+            self.stats["skipped_pages"] += round(sum(p.skipped for p in state.layers)
+                                                 / self.num_layers)
+        elif lazy is not None and lazy.table is not None:
             out.block_table, out.seq_lens, out.max_k = lazy.table, lazy.seq_lens, lazy.max_k
             self.stats["skipped_pages"] += lazy.skipped
+        if lazy is not None and lazy.table is not None:
             if self.lazy_sentinel is not None and lazy.watched is not None:
                 out.mass_layer = self.num_layers - 1     # the loaded pages: for the sentinel
                 out.mass_pages, out.lazy = len(lazy.keep), lazy
         return out
 
     def observe_score(self, state: OverflowState, score: np.ndarray) -> None:
-        """Take a step's quest bounds per spilled page: the next lazy step chooses from them."""
+        """Take a step's quest bounds [layers, spill]: the next lazy step chooses from them."""
         state.score, state.score_new = score, True
 
     def observe(self, state: OverflowState, lazy: LazyPlan | None, mass: np.ndarray
@@ -207,7 +219,7 @@ class OverflowKV:
             return True, False
         self.stats["sentinel_triggers"] += 1
         state.page_mass = state.lazy = None      # the next step loads every page, measures
-        state.summary = state.score = None
+        state.summary = state.score = state.layers = None
         return True, True
 
     def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
@@ -243,23 +255,26 @@ class OverflowState:
     resident_idx: torch.Tensor              # [n - spill] long, on the device
     page_mass: np.ndarray | None = None     # [n] float, host
     lazy: LazyPlan | None = None            # the current block's lazy loads
-    # lazy_predictor="quest": the spilled pages' key summary (last layer, device) from the
-    # block's measuring step, and the latest step's bounds [spill] (host; ``score_new``: not
-    # yet turned into a lazy plan)
-    summary: tuple[torch.Tensor, torch.Tensor] | None = None
+    # lazy_predictor="quest": the spilled pages' key summary per layer (device) from the
+    # block's measuring step, the latest step's bounds [layers, spill] (host; ``score_new``:
+    # not yet turned into lazy plans) and the lazy plan of each layer
+    summary: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     score: np.ndarray | None = None
     score_new: bool = False
+    layers: list[LazyPlan] | None = None
 
 
 class _StepCopies:
     """One step's copies around each layer's attention (see the module docstring)."""
 
     def __init__(self, kv: OverflowKV, plan: OverflowPlan, host: torch.Tensor,
-                 resident_idx: torch.Tensor, load: list[tuple[int, int]],
+                 resident_idx: torch.Tensor, load: list,
                  written: tuple[int, int]) -> None:
         self.kv, self.plan, self.host = kv, plan, host
         self.res_idx = resident_idx                   # [n - spill] long: pool page per page
-        self.load = load                              # spilled page ranges host -> stage
+        # spilled page ranges host -> stage: one list for every layer, or one list per layer
+        self.load = load
+        self.per_layer = bool(load) and isinstance(load[0], list)
         s = plan.spill
         p0, p1 = written
         # written spilled pages [a, b) go to host, written resident pages [c, d) to the pool
@@ -271,26 +286,31 @@ class _StepCopies:
         st = self.kv.stage[layer % 2]
         return st[0], st[1]
 
+    def load_of(self, layer: int) -> list[tuple[int, int]]:
+        if layer >= self.kv.num_layers:
+            return []
+        return self.load[layer] if self.per_layer else self.load
+
     def _load(self, layer: int) -> None:
         """Host -> stage of layer ``layer``'s spilled pages (copy stream on CUDA)."""
-        if not self.load or layer >= self.kv.num_layers:
+        load = self.load_of(layer)
+        if not load:
             return
         st = self.kv.stage[layer % 2]
         cs = self.kv.copy_stream
         if cs is None:
-            for a, b in self.load:
+            for a, b in load:
                 st[:, a:b].copy_(self.host[layer, :, a:b])
         else:
             cs.wait_stream(torch.cuda.current_stream(self.kv.device))
             with torch.cuda.stream(cs):
-                for a, b in self.load:
+                for a, b in load:
                     st[0, a:b].copy_(self.host[layer, 0, a:b], non_blocking=True)
                     st[1, a:b].copy_(self.host[layer, 1, a:b], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(cs)
             self.loaded[layer] = ev
-        self.kv.stats["h2d_bytes"] += (sum(b - a for a, b in self.load)
-                                       * self.kv.page_layer_bytes)
+        self.kv.stats["h2d_bytes"] += sum(b - a for a, b in load) * self.kv.page_layer_bytes
 
     def before(self, pool: torch.Tensor, layer: int) -> None:
         if layer == 0:
@@ -326,7 +346,7 @@ class _StepCopies:
                 with torch.cuda.stream(cs):
                     self.host[layer, 0, a:b].copy_(st[0, a:b], non_blocking=True)
                     self.host[layer, 1, a:b].copy_(st[1, a:b], non_blocking=True)
-                    if not self.load:            # nothing else orders the buffer's reuse
+                    if not self.load_of(layer + 2):   # nothing else orders the buffer's reuse
                         ev = torch.cuda.Event()
                         ev.record(cs)
                         self.loaded[layer + 2] = ev
@@ -350,7 +370,11 @@ class OverflowMetadata(PagedAttentionMetadata):
     # from this step's last layer) and the bounds this step's queries give each spilled page
     quest: OverflowState | None = None
     quest_measure: bool = False
-    quest_score: torch.Tensor | None = None
+    quest_score: torch.Tensor | None = None          # [layers, spill] after the forward
+    # quest's lazy steps: each layer's compacted block table (``None`` table: every page), and
+    # the step's own (block_table, seq_lens, max_k) for those
+    layer_plans: list[LazyPlan] | None = None
+    full_table: tuple | None = None
 
     @classmethod
     def wrap(cls, meta: PagedAttentionMetadata, copies: _StepCopies) -> "OverflowMetadata":
@@ -368,24 +392,34 @@ class OverflowMetadata(PagedAttentionMetadata):
     def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
                   ) -> torch.Tensor:
         self.copies.before(self.kv, layer)
+        if self.layer_plans is not None:
+            p = self.layer_plans[layer]
+            self.block_table, self.seq_lens, self.max_k = (
+                self.full_table if p.table is None else (p.table, p.seq_lens, p.max_k))
         out = super().attention(attn, layer, x, positions)
-        last = layer == self.copies.kv.num_layers - 1
-        if last and self.quest is not None:
+        num_layers = self.copies.kv.num_layers
+        if self.quest is not None:
             self._quest(attn, layer, x, positions)
         self.copies.after(self.kv, layer)
-        if last:
+        if layer == num_layers - 1:
             self.copies.finish()
+            if self.quest is not None:
+                self.quest_score = torch.stack(self._scores)
         return out
 
     def _quest(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """The bounds of this step's last-layer queries on every spilled page (its key
-        summary made first on a measuring step, whose stage holds every page)."""
+        """The bounds of this step's queries at ``layer`` on every spilled page (the layer's
+        key summary made first on a measuring step, whose stage holds every page)."""
         s = self.copies.plan.spill
+        if layer == 0:
+            self._scores = []
+            if self.quest_measure:
+                self.quest.summary = []
         if self.quest_measure:
-            self.quest.summary = key_summary(self.copies.kv_of(layer)[0][:s])
+            self.quest.summary.append(key_summary(self.copies.kv_of(layer)[0][:s]))
         q, _, _ = attn.project(x)
         q = attn.rotary(q, positions)
-        score = quest_scores(q, *self.quest.summary)
+        score = quest_scores(q, *self.quest.summary[layer])
         if self.tp is not None:                  # every rank chooses the same pages
             self.tp.reduce_heads(score)
-        self.quest_score = score
+        self._scores.append(score)
