@@ -15,6 +15,15 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
+def _check_fraction(name: str, value, optional: bool = False) -> None:
+    """``value`` in (0, 1] (a real number, not a bool); ``optional``: None is allowed too."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1]{' or None' if optional else ''}, "
+                         f"got {value!r}")
+
+
 def _check_int(name: str, value, lo: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -79,14 +88,12 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         _check_int("top_k", self.top_k, 0)
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_fraction("top_p", self.top_p)
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
         _check_choice("decode", self.decode, DECODE_POLICIES)
         _check_choice("cache", self.cache, CACHE_MODES)
-        if not isinstance(self.threshold, (int, float)) or not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
+        _check_fraction("threshold", self.threshold)
         if (isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float))
                 or not 0.0 < self.gamma < float("inf")):
             raise ValueError(f"gamma must be a finite number > 0 (values > 1 accept no draft), "
@@ -107,12 +114,7 @@ class SamplingParams:
             if self.decode != "verify":
                 raise ValueError(f"{name} needs decode='verify' (a slot it flags is drafted for "
                                  f"verification), got decode={self.decode!r}")
-        if self.kv_jaccard_min is not None and (
-                isinstance(self.kv_jaccard_min, bool)
-                or not isinstance(self.kv_jaccard_min, (int, float))
-                or not 0.0 < self.kv_jaccard_min <= 1.0):
-            raise ValueError(f"kv_jaccard_min must be in (0, 1] or None, "
-                             f"got {self.kv_jaccard_min!r}")
+        _check_fraction("kv_jaccard_min", self.kv_jaccard_min, optional=True)
         _check_int("kv_top_k", self.kv_top_k, 1)
         _check_int("flash_budget", self.flash_budget, 0)
 
@@ -248,16 +250,14 @@ class EngineConfig:
             raise ValueError("kv_disk_path needs kv_cpu_gb > 0: pages reach the disk through "
                              "pinned host memory")
         b = self.lazy_load_budget
+        _check_fraction("lazy_load_budget", b, optional=True)
         if b is not None:
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
-                raise ValueError(f"lazy_load_budget must be in (0, 1] or None, got {b!r}")
             if not self.kv_overflow_gb:
                 raise ValueError("lazy_load_budget applies to requests larger than the GPU pool: "
                                  "set kv_overflow_gb (--kv-overflow-gb) too")
         j = self.lazy_load_sentinel
+        _check_fraction("lazy_load_sentinel", j, optional=True)
         if j is not None:
-            if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 < j <= 1:
-                raise ValueError(f"lazy_load_sentinel must be in (0, 1] or None, got {j!r}")
             if b is None:
                 raise ValueError("lazy_load_sentinel watches lazy loading: set lazy_load_budget "
                                  "(--lazy-load-budget) too")

@@ -91,9 +91,10 @@ LAZY_PREDICTORS = ("mass", "quest")
 
 def key_summary(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-page, per-channel minimum and maximum of the (rotated) keys: [pages, page_size, Hkv,
-    D] -> ([pages, Hkv, D], [pages, Hkv, D]) float32 (Quest's page summary)."""
-    k = keys.float()
-    return k.amin(1), k.amax(1)
+    D] -> ([pages, Hkv, D], [pages, Hkv, D]) in the keys' dtype (Quest's page summary: with
+    every layer's kept, 2 / page_size of the spilled keys' bytes; min and max are exact in any
+    dtype)."""
+    return keys.amin(1), keys.amax(1)
 
 
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -110,8 +111,8 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     Hkv = kmin.shape[1]
     qf = q.float()
     qlo, qhi = qf.amin(0), qf.amax(0)                                  # [H, D]
-    lo = kmin.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)       # [H, pages, D]
-    hi = kmax.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    lo = kmin.float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)   # [H, pages, D]
+    hi = kmax.float().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
     a, b = qlo[:, None, :], qhi[:, None, :]
     corner = torch.maximum(torch.maximum(a * lo, a * hi), torch.maximum(b * lo, b * hi))
     bound = corner.sum(-1) * D ** -0.5                                  # [H, pages]
