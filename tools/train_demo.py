@@ -47,7 +47,7 @@ GEN_LENGTHS = (64, 96, 128)
 EVAL_GEN_LENGTH = 64
 EVAL_BLOCK = 32
 VOCAB_PADDED = 128  # 103 real tokens, rounded up for tidy matmuls (LLaDA pads its vocab too)
-# token arrays of the data pool (uint8 fits the demo's 103 ids; train_proxy.py sets int16)
+# token arrays of the data pool: uint8 fits the demo's 103 ids (train_proxy.py passes int16)
 TOKEN_DTYPE = np.uint8
 
 
@@ -80,17 +80,18 @@ def chat_texts(tok, prompts: list[str], check: int = 500) -> list[str]:
     return out
 
 
-def _pad_rows(seqs: list[list[int]], fill: int, width: int | None = None):
+def _pad_rows(seqs: list[list[int]], fill: int, width: int | None = None,
+              dtype=TOKEN_DTYPE):
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    arr = np.full((len(seqs), width or int(lens.max())), fill, dtype=TOKEN_DTYPE)
+    arr = np.full((len(seqs), width or int(lens.max())), fill, dtype=dtype)
     for i, s in enumerate(seqs):
         arr[i, :len(s)] = s
     return arr, lens
 
 
-def _gen_chunk(job: tuple[str, int, int, str, int]) -> dict[str, np.ndarray]:
+def _gen_chunk(job: tuple[str, int, int, str, int, str]) -> dict[str, np.ndarray]:
     """``n`` training problems of one suite, tokenized exactly as the engine tokenizes them."""
-    suite, n, seed, tok_folder, eos = job
+    suite, n, seed, tok_folder, eos, dtype = job
     tok = _load_tok(tok_folder)
     probs = SUITES[suite].train_problems(n, seed)
     # NOTE: suite prompts end in "\n"; people typing a question (`flash-dllm generate "..."`, chat)
@@ -101,12 +102,13 @@ def _gen_chunk(job: tuple[str, int, int, str, int]) -> dict[str, np.ndarray]:
     for name, ids in (("plain", tok(plain)["input_ids"]),
                       ("chat", tok(chat_texts(tok, chat))["input_ids"]),
                       ("ans", tok([p.answer for p in probs], add_special_tokens=False)["input_ids"])):
-        out[name], out[name + "_len"] = _pad_rows(ids, eos)
+        out[name], out[name + "_len"] = _pad_rows(ids, eos, dtype=np.dtype(dtype))
     return out
 
 
 class Pool:
-    """Token arrays of every training problem, resident on the training device (``TOKEN_DTYPE``).
+    """Token arrays of every training problem, resident on the training device (``token_dtype``:
+    the demo's ``TOKEN_DTYPE``, int16 for the proxies' BPE vocabularies).
 
     ``plain``/``chat`` hold the encoded prompt (BOS + chars, or the chat-templated version), ``ans``
     the answer's character ids; each is EOS-padded with its ``*_len`` alongside.
@@ -114,12 +116,14 @@ class Pool:
 
     def __init__(self, suites: list[str], per_suite: int, seed: int, tok_folder: str, eos: int,
                  device: torch.device, workers: int, chunk: int = 10000,
-                 min_gen_length: int | None = min(GEN_LENGTHS)) -> None:
+                 min_gen_length: int | None = min(GEN_LENGTHS), token_dtype=TOKEN_DTYPE) -> None:
+        dtype = np.dtype(token_dtype)
         jobs = []
         for s_idx, suite in enumerate(suites):
             for c in range(math.ceil(per_suite / chunk)):
                 n = min(chunk, per_suite - c * chunk)
-                jobs.append((suite, n, seed * 100003 + s_idx * 10007 + c, tok_folder, eos))
+                jobs.append((suite, n, seed * 100003 + s_idx * 10007 + c, tok_folder, eos,
+                             dtype.name))
         # NOTE: the pool is a pure function of (suites, per_suite, seed, chunk): each chunk has its
         # own seed, so the worker count changes nothing.
         if workers > 1:
@@ -132,7 +136,7 @@ class Pool:
         self.n = sum(self.counts.values())
         for name in ("plain", "chat", "ans"):
             width = max(part[name].shape[1] for part in parts)
-            arr = np.full((self.n, width), eos, dtype=TOKEN_DTYPE)
+            arr = np.full((self.n, width), eos, dtype=dtype)
             row = 0
             for part in parts:
                 k, w = part[name].shape

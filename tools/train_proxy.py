@@ -115,7 +115,7 @@ def load_or_build_pool(args, out: Path, eos: int, device, workers: int) -> Pool:
         print(f"{cache} holds another pool (suites, size, seed or tokenizer differ): rebuilding",
               flush=True)
     pool = Pool(list(SUITES), args.pool, args.seed, str(out), eos, device, workers,
-                min_gen_length=None)
+                min_gen_length=None, token_dtype=np.int16)
     if cache is not None:
         fields = {name: getattr(pool, name) for name in _POOL_FIELDS}
         tmp = cache.with_name(cache.name + ".tmp")
@@ -210,7 +210,6 @@ def main(argv=None) -> dict:
         corpus = proxy_tokenizer.default_corpus(n=args.tokenizer_corpus)
         proxy_tokenizer.build_tokenizer(out, args.format, corpus, vocab_size=args.vocab)
     ids = proxy_tokenizer.token_ids(args.format)
-    train_demo.TOKEN_DTYPE = np.int16
     workers = args.workers or max(1, min(16, os.cpu_count() or 1))
     pool = load_or_build_pool(args, out, ids["eos"], device, workers)
     tok = _load_tok(str(out))
