@@ -200,16 +200,23 @@ def frontier(rows: list[dict], exact_given: dict | None = None) -> list[dict]:
 
 
 def _label(ax, text: str, x: float, y: float, used: dict, below: bool = False) -> None:
-    """Annotate a point; a label near labels already placed (within 1/8 of the panel's width and
-    1/25 of its height, ``used["span"]``) is stacked above them instead of overlapping them."""
-    (x0, sx), (y0, sy) = used.get("span", ((0.0, 1.0), (0.0, 1.0)))
-    u, v = (x - x0) / sx, (y - y0) / sy
-    placed = used.setdefault("placed", [])
-    k = sum(1 for (pu, pv, pb) in placed if pb == below and abs(pu - u) < 0.125
-            and abs(pv - v) < 0.04)
-    placed.append((u, v, below))
-    dy = -(9 + 8 * k) if below else 3 + 8 * k
-    ax.annotate(text, (x, y), fontsize=6, xytext=(3, dy), textcoords="offset points")
+    """Queue a point's label; ``_place_labels`` draws them once the panel's limits are known."""
+    used.setdefault("pending", []).append((text, x, y, below))
+
+
+def _place_labels(ax, used: dict) -> None:
+    """Draw the queued labels: one within 1/8 of the axes' width and 1/25 of their height of a
+    label already placed (on the same side of its point) is stacked above (or below) it."""
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    sx, sy = (x1 - x0) or 1.0, (y1 - y0) or 1.0
+    placed: list[tuple[float, float, bool]] = []
+    for text, x, y, below in used.get("pending", []):
+        u, v = (x - x0) / sx, (y - y0) / sy
+        k = sum(1 for (pu, pv, pb) in placed if pb == below and abs(pu - u) < 0.125
+                and abs(pv - v) < 0.04)
+        placed.append((u, v, below))
+        dy = -(9 + 8 * k) if below else 3 + 8 * k
+        ax.annotate(text, (x, y), fontsize=6, xytext=(3, dy), textcoords="offset points")
 
 
 def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None:
@@ -231,12 +238,7 @@ def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None
             def x_of(r):
                 return (r["forwards_per_sample"] if metric == "forwards"
                         else r["decode_seconds"] / r["n"])
-            pts_all = [r for r in rows if r["suite"] == suite and r["cache"] == cache
-                       and r["name"] != "exact"]
-            xs_all = [x_of(r) for r in pts_all] or [0.0]
-            ys_all = [100 * r["accuracy"] for r in pts_all] or [0.0]
-            used: dict = {"span": ((min(xs_all), (max(xs_all) - min(xs_all)) or 1.0),
-                                   (min(ys_all), (max(ys_all) - min(ys_all)) or 1.0))}
+            used: dict = {}
             if exact is not None or given is not None:
                 acc = 100 * (exact["accuracy"] if exact is not None else given)
                 what = (f"exact ({x_of(exact):.3g} {metric})" if exact is not None
@@ -277,6 +279,7 @@ def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None
                           else "seconds per sample (decode)")
             ax.set_ylabel("accuracy (%)")
             ax.grid(alpha=0.3)
+            _place_labels(ax, used)
             ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
