@@ -14,6 +14,11 @@ compiled) it times ``--steps`` steps three ways:
 - ``torch.profiler``: kernel launches, graph launches and memcpys per step, and GPU busy time.
 
 Prints a table and writes the JSON report (one-off diagnostics: FINDINGS cites what it showed).
+
+Why a verify step costs ~20x a threshold step at batch 1 on the H200 (issue 17, FINDINGS):
+
+    python benchmarks/profile_batch_step.py --device cuda --model proxy-dream --suite chain \
+        --max-tokens 256 --cache dual --decode verify --gamma 0.8 --batch 1 --out verify.json
 """
 from __future__ import annotations
 
@@ -125,6 +130,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--decode", default=None)
     ap.add_argument("--cache", default=None)
+    ap.add_argument("--threshold", type=float, default=None)
+    ap.add_argument("--gamma", type=float, default=None)
+    ap.add_argument("--suite", default="arith",
+                    help="whose test prompts keep the batch full (chain, code-long: the proxies' "
+                         "long answers; pass --max-tokens 256 with them)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     config = EngineConfig(max_num_seqs=64, prefix_reuse=SERVE_DEFAULTS["prefix_reuse"])
@@ -154,11 +164,14 @@ def main() -> None:
         knobs["decode"] = a.decode
     if a.cache:
         knobs["cache"] = a.cache
+    for name in ("threshold", "gamma"):
+        if getattr(a, name) is not None:
+            knobs[name] = getattr(a, name)
     params = SamplingParams(**knobs)
     prompts = [llm.tokenizer.encode(p.prompt)
-               for p in get_suite("arith").test_problems(128, seed=0)]
+               for p in get_suite(a.suite).test_problems(128, seed=0)]
     report = {"device": str(dev), "dtype": dtype, "model": a.model_shape or a.model or "demo",
-              "params": knobs, "runs": []}
+              "suite": a.suite, "params": knobs, "runs": []}
     for b in a.batch:
         loop = Loop(llm, b, params, prompts)
         for _ in range(a.warm):
