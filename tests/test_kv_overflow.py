@@ -170,7 +170,7 @@ async def _get(app, path):
 def test_select_pages_takes_the_most_attended_and_the_written_pages():
     import numpy as np
 
-    from flash_dllm.engine.kv_overflow import select_pages
+    from flash_dllm.engine.lazy_load import select_pages
     mass = np.array([0.1, 5.0, 0.2, 0.3, 4.0, 0.0, 0.0, 0.1])
     assert select_pages(mass, 1.0, (20, 22)) == [(0, 8)]
     assert select_pages(mass, 0.25, (20, 22)) == [(1, 2), (4, 5)]       # top 2 of 8
@@ -206,12 +206,12 @@ def test_lazy_loading_moves_fewer_bytes_and_at_budget_one_changes_nothing():
 def test_a_lazy_step_that_keeps_every_page_equals_the_exact_step(monkeypatch):
     """The compacted block table of a lazy step (kept host pages, then the resident ones, the
     partial last page last): given every page in two ranges, the outputs are the exact ones."""
-    import flash_dllm.engine.kv_overflow as ko
+    import flash_dllm.engine.lazy_load as ll
     model = tiny("dream", seed=5)
     params = _params("dual", "vanilla")
     cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
     ref, _ = _run(Engine(model, model.cfg, EngineConfig(**cfg)), [LONG], params)
-    monkeypatch.setattr(ko, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
+    monkeypatch.setattr(ll, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
     eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, **cfg))
     got, _ = _run(eng, [LONG], params)
     assert eng.runner.overflow.stats["skipped_pages"] == 0
@@ -236,7 +236,7 @@ def test_select_pages_ranks_only_the_pages_it_does_not_load_anyway():
     the budget goes to the other pages."""
     import numpy as np
 
-    from flash_dllm.engine.kv_overflow import select_pages
+    from flash_dllm.engine.lazy_load import select_pages
     mass = np.array([0.3, 0.1, 0.2, 0.0, 9.0, 9.0])
     assert select_pages(mass, 0.3, (4, 6)) == [(0, 1), (2, 3), (4, 6)]
 

@@ -159,11 +159,12 @@ def test_quest_per_layer_tables_that_keep_every_page_equal_the_exact_step(monkey
     given every page (in two ranges) at every layer, the tokens are the exact ones; given a
     different share per layer, each layer copies its own pages (the bytes add up per layer)."""
     import flash_dllm.engine.kv_overflow as ko
+    import flash_dllm.engine.lazy_load as ll
     model = tiny("dream", seed=5)
     params = _params("dual", "vanilla")
     cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
     ref, _ = _run(Engine(model, model.cfg, EngineConfig(**cfg)), [LONG], params)
-    monkeypatch.setattr(ko, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
+    monkeypatch.setattr(ll, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
     eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, lazy_load_predictor="quest",
                                                 **cfg))
     got, _ = _run(eng, [LONG], params)
@@ -179,7 +180,7 @@ def test_quest_per_layer_tables_that_keep_every_page_equal_the_exact_step(monkey
         out[next(calls) % L] = 1.0
         return out
     monkeypatch.undo()                                   # the real select_pages again
-    monkeypatch.setattr(ko, "quest_scores", one_hot)
+    monkeypatch.setattr(ll, "quest_scores", one_hot)
     loads = []
     real = ko._StepCopies._load
 

@@ -37,12 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flash_dllm.engine.lazy_load import (LAZY_PREDICTORS, LazyPlan, key_summary, quest_scores,
-                                         select_pages, sentinel_overlap)
+from flash_dllm.engine.lazy_load import (LAZY_PREDICTORS, LazyPlan, plan_lazy,
+                                         quest_layer_scores, sentinel_overlap)
 from flash_dllm.engine.plan import OverflowPlan
-from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
-from flash_dllm.transfer import h2d
 
 # what an overflow request may use: its prompt K/V must stay cached between steps (a cache mode
 # that recomputes the whole canvas every step would write every page every step), and the
@@ -201,6 +199,11 @@ class OverflowKV:
                 out.mass_pages, out.lazy = len(lazy.keep), lazy
         return out
 
+    def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
+                   canvas_len: int, like: torch.Tensor) -> LazyPlan:
+        return plan_lazy(mass, self.lazy_budget, written, plan.spill, plan.num_pages,
+                         self.page_shape[0], canvas_len, like)
+
     def observe_score(self, state: OverflowState, score: np.ndarray) -> None:
         """Take a step's quest bounds [layers, spill]: the next lazy step chooses from them."""
         state.score, state.score_new = score, True
@@ -221,27 +224,6 @@ class OverflowKV:
         state.page_mass = state.lazy = None      # the next step loads every page, measures
         state.summary = state.score = state.layers = None
         return True, True
-
-    def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
-                   canvas_len: int, like: torch.Tensor) -> LazyPlan:
-        """The spilled pages a lazy step loads and, when some are skipped, the compacted
-        block table its attention reads: the kept spilled pages, then the resident ones (the
-        partial last page stays last)."""
-        ps, s, n = self.page_shape[0], plan.spill, plan.num_pages
-        ranges = select_pages(mass, self.lazy_budget, written)
-        if ranges == [(0, s)]:
-            return LazyPlan(written, ranges)
-        keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
-        # the sentinel watches the loaded host pages it could have skipped (not the written)
-        w0, w1 = written
-        watched = [i for i, p in enumerate(keep) if p < s and not w0 <= p < w1]
-        keys = (len(keep) - 1) * ps + (canvas_len - (n - 1) * ps)
-        table = np.zeros(like.shape, dtype=np.int32)
-        table[0, :len(keep)] = keep
-        return LazyPlan(written, ranges, h2d(table, torch.int32, like.device),
-                        h2d([keys], torch.int32, like.device), seqlen_bound(keys),
-                        s - sum(b - a for a, b in ranges), np.asarray(keep),
-                        np.asarray(watched) if len(watched) >= 2 else None)
 
 
 @dataclass
@@ -399,27 +381,12 @@ class OverflowMetadata(PagedAttentionMetadata):
         out = super().attention(attn, layer, x, positions)
         num_layers = self.copies.kv.num_layers
         if self.quest is not None:
-            self._quest(attn, layer, x, positions)
+            if layer == 0:
+                self._scores = []
+            self._scores.append(quest_layer_scores(self, attn, layer, x, positions))
         self.copies.after(self.kv, layer)
         if layer == num_layers - 1:
             self.copies.finish()
             if self.quest is not None:
                 self.quest_score = torch.stack(self._scores)
         return out
-
-    def _quest(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """The bounds of this step's queries at ``layer`` on every spilled page (the layer's
-        key summary made first on a measuring step, whose stage holds every page)."""
-        s = self.copies.plan.spill
-        if layer == 0:
-            self._scores = []
-            if self.quest_measure:
-                self.quest.summary = []
-        if self.quest_measure:
-            self.quest.summary.append(key_summary(self.copies.kv_of(layer)[0][:s]))
-        q, _, _ = attn.project(x)
-        q = attn.rotary(q, positions)
-        score = quest_scores(q, *self.quest.summary[layer])
-        if self.tp is not None:                  # every rank chooses the same pages
-            self.tp.reduce_heads(score)
-        self._scores.append(score)

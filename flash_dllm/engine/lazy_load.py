@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flash_dllm.kernels.paged_attention import seqlen_bound
+from flash_dllm.transfer import h2d
+
 
 @dataclass
 class LazyPlan:
@@ -128,3 +131,44 @@ def quest_scores_reference(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     k = keys.float().repeat_interleave(H // Hkv, dim=2)                # [P, ps, H, D]
     logits = torch.einsum("thd,pshd->htps", q.float(), k) * D ** -0.5
     return logits.amax(1).amax(-1)                                     # [H, P]
+
+
+def plan_lazy(mass: np.ndarray, budget: float, written: tuple[int, int], spill: int,
+              num_pages: int, page_size: int, canvas_len: int, like: torch.Tensor) -> LazyPlan:
+    """The spilled pages a lazy step loads (``select_pages`` on ``mass`` [spill]) and, when some
+    are skipped, the compacted block table its attention reads: the kept spilled pages, then
+    the resident ones (the partial last page stays last). ``like``: the step's block table
+    (shape and device)."""
+    ps, s, n = page_size, spill, num_pages
+    ranges = select_pages(mass, budget, written)
+    if ranges == [(0, s)]:
+        return LazyPlan(written, ranges)
+    keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
+    # the sentinel watches the loaded host pages it could have skipped (not the written)
+    w0, w1 = written
+    watched = [i for i, p in enumerate(keep) if p < s and not w0 <= p < w1]
+    keys = (len(keep) - 1) * ps + (canvas_len - (n - 1) * ps)
+    table = np.zeros(like.shape, dtype=np.int32)
+    table[0, :len(keep)] = keep
+    return LazyPlan(written, ranges, h2d(table, torch.int32, like.device),
+                    h2d([keys], torch.int32, like.device), seqlen_bound(keys),
+                    s - sum(b - a for a, b in ranges), np.asarray(keep),
+                    np.asarray(watched) if len(watched) >= 2 else None)
+
+
+def quest_layer_scores(meta, attn, layer: int, x: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+    """The bounds of a step's queries at ``layer`` on every spilled page [spill] (an overflow
+    step's ``OverflowMetadata``; on a measuring step, whose stage holds every page, the
+    layer's key summary is made first)."""
+    s = meta.copies.plan.spill
+    if meta.quest_measure:
+        if layer == 0:
+            meta.quest.summary = []
+        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:s]))
+    q, _, _ = attn.project(x)
+    q = attn.rotary(q, positions)
+    score = quest_scores(q, *meta.quest.summary[layer])
+    if meta.tp is not None:                  # every rank chooses the same pages
+        meta.tp.reduce_heads(score)
+    return score
