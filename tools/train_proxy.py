@@ -57,6 +57,7 @@ from flash_dllm.models.loader import build_model, load_model, save_checkpoint
 GEN_LENGTHS = (32, 64, 128, 192, 256, 320, 384, 512)
 GEN_WEIGHTS = (1, 1, 2, 2, 3, 2, 1, 1)
 EVAL_GEN_LENGTH = 256
+TOKEN_DTYPE = np.int16        # the pool's token arrays (BPE ids < 1024)
 MAX_POSITION = 4096
 SUITES = LONG_SUITES
 
@@ -101,8 +102,12 @@ def load_or_build_pool(args, out: Path, eos: int, device, workers: int) -> Pool:
     """The training pool, from ``--pool-cache`` when that file holds this very pool (same suites,
     size, seed and tokenizer), else built and, with ``--pool-cache``, saved there: the parts of a
     split run skip the ~1-2 minutes of problem generation and tokenizing."""
-    key = {"suites": list(SUITES), "pool": args.pool, "seed": args.seed,
-           "tokenizer": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()}
+    # NOTE: every tokenizer file counts (the chat template and BOS setting shape the rows), and
+    # the token dtype
+    tok_hash = hashlib.sha256(b"".join((out / f).read_bytes()
+                                       for f in proxy_tokenizer.TOKENIZER_FILES)).hexdigest()
+    key = {"suites": list(SUITES), "pool": args.pool, "seed": args.seed, "tokenizer": tok_hash,
+           "dtype": np.dtype(TOKEN_DTYPE).name}
     cache = Path(args.pool_cache) if args.pool_cache else None
     if cache is not None and cache.exists():
         saved = torch.load(cache, map_location="cpu", weights_only=False)
@@ -115,7 +120,7 @@ def load_or_build_pool(args, out: Path, eos: int, device, workers: int) -> Pool:
         print(f"{cache} holds another pool (suites, size, seed or tokenizer differ): rebuilding",
               flush=True)
     pool = Pool(list(SUITES), args.pool, args.seed, str(out), eos, device, workers,
-                min_gen_length=None, token_dtype=np.int16)
+                min_gen_length=None, token_dtype=TOKEN_DTYPE)
     if cache is not None:
         fields = {name: getattr(pool, name) for name in _POOL_FIELDS}
         tmp = cache.with_name(cache.name + ".tmp")

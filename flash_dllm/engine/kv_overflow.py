@@ -156,7 +156,8 @@ class OverflowKV:
         lazy, layers = None, state.layers
         if full:
             ranges = []
-            state.page_mass = state.lazy = state.layers = None    # a new block: measured again
+            # a new block: measured again (and its refresh does not hold the old key summaries)
+            state.page_mass = state.lazy = state.layers = state.summary = state.score = None
         elif s == 0 or self.lazy_budget is None or state.page_mass is None:
             ranges = [(0, s)] if s else []
         else:
@@ -348,8 +349,8 @@ class OverflowMetadata(PagedAttentionMetadata):
     copies: _StepCopies
     mass_pages: int = 0                # pages of the block table ``mass`` covers
     lazy: LazyPlan | None = None       # a lazy step the sentinel checks
-    # lazy_predictor="quest": the request's state (its key summary; ``quest_measure``: make it
-    # from this step's last layer) and the bounds this step's queries give each spilled page
+    # lazy_predictor="quest": the request's state (its key summaries; ``quest_measure``: make
+    # them from this step, every layer) and the bounds this step's queries give each spilled page
     quest: OverflowState | None = None
     quest_measure: bool = False
     quest_score: torch.Tensor | None = None          # [layers, spill] after the forward
