@@ -161,7 +161,7 @@ class EngineConfig:
     # steps with more rows in all always run eagerly: 64 requests of up to 256 positions fit (at
     # 8192, a small model served at concurrency 64 ran ~half its steps eagerly, issue 21)
     cuda_graph_max_tokens: int = 16384
-    # steady greedy threshold/vanilla steps of dual/prefix requests as ONE graph (forward, LM
+    # steady greedy threshold/vanilla/verify steps of dual/prefix requests as ONE graph (forward, LM
     # head, proposal, commit; the runner's ``step`` capture mode, ``engine/step_graph.py``) while
     # batch x block_length <= the row cap (2048: batch 64 x 32). None (default): on when CUDA
     # graphs are (H200, same machine, A/B: batch-1 eval 1.7-1.8 s vs 1.9-2.1 s on the general

@@ -21,6 +21,8 @@ def _compare(model, prompts, params, **kw):
         assert torch.equal(a.canvas, b.canvas)
         assert x.num_forwards == y.num_forwards
         assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+        for key in ("verify_candidates", "verify_accepted", "block_forwards"):
+            assert x.metrics.get(key) == y.metrics.get(key), key
     return ogot
 
 
@@ -84,8 +86,8 @@ def test_eligibility():
     assert eng.runner.step_graphs.eligible(reqs)
     eng.step()
     assert eng.runner.step_graphs.stats["fused_steps"] == 1
-    for bad in [dict(cache="none"), dict(temperature=0.5),
-                dict(decode="verify"), dict(kv_jaccard_min=0.5)]:
+    for bad in [dict(cache="none"), dict(temperature=0.5), dict(kv_jaccard_min=0.5),
+                dict(decode="verify", entropy_max=1.0), dict(decode="verify", perturb_sigma=0.5)]:
         e = Engine(model, model.cfg, EngineConfig(fused_step=True))
         r = e.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8,
                                                      **{"cache": "dual", "decode": "threshold",
@@ -238,3 +240,133 @@ def test_nothing_is_captured_after_ready():
     c.ready = True
     assert not any(c.sighted("decode2", tokens=32) for _ in range(5))
     assert not any(c.sighted("refresh2", large=True, tokens=1500) for _ in range(5))
+
+
+# ------------------------------------------------------------------------- decode="verify"
+def _fused_verify_steps(model, prompts, params, **kw) -> int:
+    eng = Engine(model, model.cfg, EngineConfig(fused_step=True, **kw))
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params if isinstance(params, SamplingParams) else params[i])
+    while eng.has_unfinished():
+        eng.step()
+    return eng.runner.step_graphs.stats["fused_steps"]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("rule,max_verify", [("agree", None), ("cumprod", 3), ("agree", 1)])
+def test_fused_verify_equals_general_path(family, cache, rule, max_verify):
+    """The fused verify step (``engine/verify_graph.py``: drafts padded to the batch's
+    max_verify, verification rows attended in one batched call, acceptance without host reads)
+    commits exactly what the general path commits, with the same forwards and verify
+    counters, over requests of different canvas lengths (Dream: the shifted mask views)."""
+    model = tiny(family, seed=1)
+    params = SamplingParams(max_tokens=24, block_length=8, cache=cache, decode="verify",
+                            threshold=0.5, gamma=0.3, verify_rule=rule, max_verify=max_verify,
+                            early_stop=False)
+    out = _compare(model, LONG, params)
+    assert sum(o.metrics["verify_accepted"] for o in out) > 0        # drafts did pass
+    assert _fused_verify_steps(model, LONG, params) > 0
+
+
+def test_fused_verify_mixed_knobs_and_demo_model():
+    """Per-request gamma, tau, rule and max_verify in one fused batch (the padded draft slots
+    of the requests with fewer drafts never pass), on the demo model and a tiny one."""
+    from flash_dllm.models.loader import DEMO_MODEL, load_model
+    model, _ = load_model(DEMO_MODEL, device="cpu", dtype="float32")
+    prompts = [[1, 30 + i, 40, 41, 42] for i in range(4)]
+    knobs = [dict(gamma=0.8), dict(gamma=0.5, verify_rule="cumprod", max_verify=4),
+             dict(gamma=0.95, threshold=0.99, max_verify=2), dict(gamma=2.0, threshold=0.7)]
+    params = [SamplingParams(max_tokens=64, block_length=32, cache="dual", decode="verify",
+                             **k) for k in knobs]
+    _compare(model, prompts, params)
+    tiny_params = [SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="verify",
+                                  threshold=0.4, gamma=g, max_verify=m, early_stop=False)
+                   for g, m in [(0.2, 8), (0.4, 2), (0.3, 5), (0.9, 1)]]
+    _compare(tiny("dream", seed=8), LONG, tiny_params)
+
+
+def test_fused_and_general_verify_steps_alternate():
+    """A request that joins mid-block makes the batch's next step a general one (its first step
+    is a refresh) while the others' drafts are in the draft store; they come back out
+    (``DraftStore.load``) and go back in at the next fused step: the same tokens as a run
+    without fused steps on the same schedule."""
+    model = tiny("llada", seed=9)
+    params = SamplingParams(max_tokens=24, block_length=8, cache="dual", decode="verify",
+                            threshold=0.5, gamma=0.3, early_stop=False)
+
+    def run(fused):
+        eng = Engine(model, model.cfg, EngineConfig(fused_step=fused))
+        reqs = [eng.add_request(LONG[0], params), eng.add_request(LONG[1], params)]
+        for i in range(40):
+            if i in (3, 7):
+                reqs.append(eng.add_request(LONG[2 + (i == 7)], params))
+            if not eng.has_unfinished():
+                break
+            eng.step()
+        while eng.has_unfinished():
+            eng.step()
+        return reqs, eng
+    ref, _ = run(False)
+    got, eng = run(True)
+    st = eng.runner.step_graphs.stats
+    assert st["fused_steps"] > 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a.canvas, b.canvas)
+        assert a.counters == b.counters
+
+
+def test_fused_verify_limits():
+    """Past ``DraftStore.WIDTH`` drafts or ``VERIFY_MAX_ELEMENTS`` the verify step stays on
+    the general path."""
+    from flash_dllm.engine.verify_graph import DraftStore
+    model = tiny("llada")
+    eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
+    wide = SamplingParams(max_tokens=128, block_length=128, cache="dual", decode="verify",
+                          max_verify=DraftStore.WIDTH + 1)
+    ok = SamplingParams(max_tokens=128, block_length=128, cache="dual", decode="verify",
+                        max_verify=DraftStore.WIDTH)
+    rw, ro = eng.add_request(PROMPTS[0], wide), eng.add_request(PROMPTS[1], ok)
+    eng.step()
+    sg = eng.runner.step_graphs
+    assert not sg.eligible([rw]) and sg.eligible([ro])
+    sg.VERIFY_MAX_ELEMENTS = 1000
+    assert not sg.eligible([ro])
+
+
+def test_draft_store_round_trip():
+    from flash_dllm.engine.verify_graph import DraftStore
+    store = DraftStore(3, torch.device("cpu"))
+    pos, tok = torch.tensor([9, 4, 7]), torch.tensor([50, 51, 52])
+    store.put(1, (pos, tok))
+    store.put(2, None)
+    got = store.load(1)
+    assert torch.equal(got[0], pos) and torch.equal(got[1], tok)
+    assert store.load(2) is None and store.load(0) is None
+    p, t, valid, count = store.read(torch.tensor([1, 2]), 4, torch.tensor([3, 5]), mask_id=99)
+    assert count.tolist() == [3, 0] and valid.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0]]
+    assert p.tolist() == [[9, 4, 7, 3], [5, 5, 5, 5]] and t[0].tolist() == [50, 51, 52, 99]
+    store.write(torch.tensor([0]), torch.tensor([2]), torch.tensor([[1, 2]]),
+                torch.tensor([[60, 61]]))
+    got = store.load(0)
+    assert got[0].tolist() == [1, 2] and got[1].tolist() == [60, 61]
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_fused_verify_ignores_unwritten_pool_bytes(page_size):
+    """The verification rows read each request's canvas keys padded to a power of two of
+    pages: slots nobody wrote (the pool is ``torch.empty``: NaN bits too) must weigh nothing,
+    not turn the rows NaN (0 x NaN). A pool full of NaN gives the clean general path's tokens."""
+    model = tiny("llada", seed=1)
+    params = SamplingParams(max_tokens=24, block_length=8, cache="dual", decode="verify",
+                            threshold=0.5, gamma=0.3, early_stop=False)
+
+    def run(fused, poison):
+        eng = Engine(model, model.cfg, EngineConfig(fused_step=fused, page_size=page_size))
+        if poison:
+            eng.runner.kv.fill_(float("nan"))
+        reqs = [eng.add_request(p, params) for p in LONG]
+        while eng.has_unfinished():
+            eng.step()
+        return [(r.canvas.tolist(), r.counters["verify_accepted"]) for r in reqs]
+    assert run(True, True) == run(False, False)

@@ -123,3 +123,32 @@ def test_import_waits_when_pages_do_not_fit():
         while b.has_unfinished():
             b.step()
         assert migrate.import_request(b, snap, seg) is not None
+
+
+def test_request_with_drafts_in_the_fused_store_migrates():
+    """A verify request whose drafts a fused step left in the runner's draft store
+    (``engine/verify_graph.py``) moves with them: it finishes as if it had stayed."""
+    from dataclasses import replace
+    model = tiny("dream", seed=4)
+    fused = replace(CFG, fused_step=True)
+    p = SamplingParams(max_tokens=24, block_length=8, decode="verify", cache="dual",
+                       threshold=0.4, gamma=0.3, early_stop=False)
+    ref = _colocated(model, PROMPTS, [p] * len(PROMPTS))
+    a, b = Engine(model, model.cfg, fused), Engine(model, model.cfg, fused)
+    for i, q in enumerate(PROMPTS):
+        a.add_request(q, p, request_id=str(i))
+    moved = {}
+    with torch.inference_mode():
+        for _ in range(3):                 # a refresh, then fused steps
+            a.step()
+        assert a.runner.step_graphs.stats["fused_steps"] > 0
+        for r in list(a.running):
+            snap, seg = migrate.export_request(a, r.request_id)
+            moved[r.request_id] = migrate.import_request(b, snap, seg.clone())
+        while b.has_unfinished():
+            b.step()
+    assert len(moved) == len(PROMPTS)
+    for i, want in enumerate(ref):
+        got = b.output(moved[str(i)])
+        assert got.token_ids == want.token_ids and got.num_forwards == want.num_forwards
+        assert got.metrics["verify_accepted"] == want.metrics["verify_accepted"]

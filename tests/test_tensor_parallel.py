@@ -77,6 +77,29 @@ def test_tp2_equals_tp1_token_for_token(which, request):
     assert hits > 0, "the follow-up turns should reuse cached prefixes"
 
 
+def test_fused_verify_steps_under_tp2_equal_the_general_path(dream_folder):
+    """Fused verify steps (engine/verify_graph.py) with heads and vocabulary sharded over two
+    ranks: the same tokens, forwards and accepted drafts as one process on the general path."""
+    from dataclasses import replace
+    ps = [SamplingParams(max_tokens=32, block_length=16, cache=c, decode="verify", gamma=g,
+                         threshold=t, max_verify=m, verify_rule=r, early_stop=False)
+          for c, g, t, m, r in [("dual", 0.3, 0.9, 16, "agree"), ("prefix", 0.5, 0.7, 4,
+                                                                 "cumprod"),
+                                ("dual", 0.2, 0.9, 1, "agree")]]
+
+    def run(llm):
+        outs = llm.generate(PROMPTS, ps)
+        return [(o.token_ids, o.num_forwards, o.metrics["verify_accepted"]) for o in outs]
+    cfg = EngineConfig(max_num_seqs=4, num_kv_pages=256)
+    ref = run(LLM(dream_folder, device=DEVICE, dtype="float32",
+                  engine_config=replace(cfg, fused_step=False)))
+    with LLM(dream_folder, device=DEVICE, dtype="float32",
+             engine_config=replace(cfg, fused_step=True), tensor_parallel_size=2) as llm:
+        got = run(llm)
+        assert llm.engine.runner.step_graphs.stats["fused_steps"] > 0
+    assert got == ref
+
+
 def _dead_worker_is_named(llm: LLM) -> None:
     """A worker that dies fails the next step with a message naming it (no hang)."""
     worker = llm.engine.workers[0]

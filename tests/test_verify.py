@@ -512,3 +512,24 @@ def test_verify_seeded_sampling_batched_equals_solo():
     for prompt, b, a in zip(PROMPTS, batched, again):
         solo, _ = run_engine(model, [prompt], p)
         assert torch.equal(solo[0].canvas, b.canvas) and torch.equal(a.canvas, b.canvas)
+
+
+def test_batched_masked_attention_equals_per_request():
+    """``masked_attention_batched`` (the fused verify step's) against ``masked_attention`` per
+    request, with canvases of different lengths padded to one (the padding keys disallowed)."""
+    from flash_dllm.layers.attention import masked_attention, masked_attention_batched
+    g = torch.Generator().manual_seed(0)
+    B, R, H, Hkv, D, L, M = 3, 6, 4, 2, 8, 20, 3
+    q = torch.randn(B, R, H, D, generator=g)
+    k1, v1 = torch.randn(B, L, Hkv, D, generator=g), torch.randn(B, L, Hkv, D, generator=g)
+    k2, v2 = torch.randn(B, M, Hkv, D, generator=g), torch.randn(B, M, Hkv, D, generator=g)
+    allow = torch.rand(B, R, L + M, generator=g) > 0.3
+    allow[..., 0] = True
+    lens = [12, 20, 7]
+    for b, n in enumerate(lens):
+        allow[b, :, n:L] = False
+    got = masked_attention_batched(q, k1, v1, k2, v2, allow)
+    for b, n in enumerate(lens):
+        want = masked_attention(q[b], k1[b, :n], v1[b, :n], k2[b], v2[b],
+                                torch.cat([allow[b, :, :n], allow[b, :, L:]], 1))
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-6)

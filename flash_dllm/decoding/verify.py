@@ -134,7 +134,8 @@ def select_after_verify(confidence: torch.Tensor, group_ids: torch.Tensor, num_g
     keep = available & ~demoted & (confidence >= threshold[group_ids])
     done = accepted_any.long().scatter_reduce(0, group_ids, keep.long(), reduce="amax").bool()
     idx = torch.arange(n, device=confidence.device)
-    neg = torch.tensor(float("-inf"), dtype=confidence.dtype, device=confidence.device)
+    # (a fill, not torch.tensor: no host->device copy, so a CUDA graph can capture it)
+    neg = torch.full((), float("-inf"), dtype=confidence.dtype, device=confidence.device)
     for pool in (available & ~demoted, available):
         need = ~done[group_ids] & pool
         score = torch.where(need, confidence, neg)

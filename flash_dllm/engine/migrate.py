@@ -106,7 +106,8 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     dev: dict = {"canvas": _cpu(st.canvas)}
     for name in _STATE_TENSORS:
         dev[name] = _cpu(getattr(st, name))
-    dev["drafts"] = None if st.drafts is None else tuple(_cpu(t) for t in st.drafts)
+    drafts = runner.drafts.to_host(st)
+    dev["drafts"] = None if drafts is None else tuple(_cpu(t) for t in drafts)
     dev["attn_mass"] = _cpu(st.attn_mass)
     for name in ("generator", "sentinel_generator"):
         g = getattr(st, name)

@@ -34,6 +34,7 @@ from flash_dllm.engine.plan import StepPlan, StepResult
 from flash_dllm.engine.request import Request
 from flash_dllm.engine.sampler import sample_and_commit
 from flash_dllm.engine.step_graph import StepGraphs
+from flash_dllm.engine.verify_graph import DraftStore
 from flash_dllm.engine.verify_step import _count, kv_consistency, update_drafts
 from flash_dllm.layers.attention_backend import PagedAttentionBackend
 from flash_dllm.models.config import ModelConfig
@@ -51,7 +52,8 @@ class SeqState:
     sentinel_generator: torch.Generator | None = None
     # per-block state (reset when the request's block advances)
     block: int = 0
-    drafts: tuple[torch.Tensor, torch.Tensor] | None = None   # decode="verify": (slots, tokens)
+    # decode="verify": (slots, tokens), or IN_STORE (in the runner's DraftStore: a fused step's)
+    drafts: tuple[torch.Tensor, torch.Tensor] | str | None = None
     refresh: torch.Tensor | None = None      # cached positions the next forward recomputes
     kv_history: torch.Tensor | None = None   # [block_length, k] last top-k keys per slot
     # cache="flash": (the last step's mass [batch, keys], this request's row in it)
@@ -79,6 +81,7 @@ class ModelRunner:
         self.arena = torch.full((config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
                                 dtype=torch.long, device=self.device)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.drafts = DraftStore(config.max_num_seqs, self.device)   # fused verify steps'
         # tensor parallelism: this rank's pool holds its KV heads only (the ledger is replicated)
         self.tp = getattr(model, "tp", None)
         world = 1 if self.tp is None else self.tp.world
@@ -125,6 +128,9 @@ class ModelRunner:
             self.step_graphs = StepGraphs(self.graph_cache, config.fused_step_max_rows,
                                           config.cuda_graph_max_tokens,
                                           config.cuda_graph_max_rows)
+            self.step_graphs.dims = dict(
+                vocab=cfg.vocab_size, heads=cfg.num_heads // world, kv_heads=self.kv_heads,
+                head_dim=cfg.head_dim, page_size=config.page_size, table_width=self.table_width)
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
         # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
@@ -267,13 +273,15 @@ class ModelRunner:
         if self.step_graphs is not None and not (self.layer_hook is not None
                                                  and self.layer_hook.wants(plan)) \
                 and self.step_graphs.eligible_plan(plan, states):
-            blocks = self.step_graphs.run(self, plan)
-            if blocks is not None:
-                return StepResult(blocks)
+            result = self.step_graphs.run(self, plan, states)
+            if result is not None:
+                return result
         return self._general(plan, states)
 
     def _general(self, plan: StepPlan, states: list[SeqState]) -> StepResult:
         batch = plan.requests
+        for st in states:
+            self.drafts.to_host(st)
         step = inputs.pack_step(self, plan, states)
         if plan.seqs[0].overflow is not None:
             step.meta = self._overflow_meta(plan.seqs[0], step.meta)

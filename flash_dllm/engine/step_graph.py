@@ -24,10 +24,10 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
 
 Eligible steps (``eligible``): CUDA graphs on (or, on the CPU, ``EngineConfig(fused_step=True)``,
 which runs the same body eagerly for the tests), every request a cached (not first-of-block)
-``dual`` or ``prefix`` step, all with ``decode="threshold"`` or all with ``"vanilla"``,
-temperature 0, no sentinel, a full block, all blocks the same length, and B x bl <=
-``fused_step_max_rows``. Everything else (refresh steps, sampling, verify, ``flash``, mixed
-policies) takes the general path.
+``dual`` or ``prefix`` step, all with ``decode="threshold"``, all with ``"vanilla"`` or all with
+``"verify"`` (its own body: ``engine/verify_graph.py``, within ``verify_fits``), temperature 0,
+no sentinel, a full block, all blocks the same length, and B x bl <= ``fused_step_max_rows``.
+Everything else (refresh steps, sampling, ``flash``, mixed policies) takes the general path.
 
 NOTE: the logits come from a GEMM over more rows than the general path's (which has the masked
 rows only); cuBLAS may round the two differently in the last bit, so the two paths agree token
@@ -43,8 +43,11 @@ import torch
 
 from flash_dllm.cache.modes import query_range
 from flash_dllm.decoding.policies import threshold_rows, top_k_rows
-from flash_dllm.engine import inputs
+from flash_dllm.engine import inputs, verify_graph
 from flash_dllm.engine.graphs import GraphCache, GraphKey
+from flash_dllm.engine.plan import StepResult
+from flash_dllm.engine.verify_graph import IN_STORE, DraftStore, dense_keys
+from flash_dllm.engine.verify_step import _count
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
 from flash_dllm.transfer import h2d_into
@@ -63,6 +66,9 @@ class _Layout:
     # vanilla: requests grouped by (canvas length, k) as decoding.policies.select_top_k groups
     # them (same topk shapes, hence the same tie order): (length, k, start, end) into ``perm``
     groups: tuple | None = None
+    # verify (``engine/verify_graph.py``): draft slots per request, canvas keys its rows read
+    M: int = 0
+    dense_keys: int = 0
 
     @property
     def R(self) -> int:
@@ -74,6 +80,8 @@ class _Layout:
         sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
                  ("cu_q", B + 1), ("seq_lens", B), ("tau", B), ("perm", B), ("bstart", B),
                  ("table", B * self.width)]
+        if self.M:
+            sizes += [("arow", B), ("gamma", B), ("cumprod", B), ("max_verify", B)]
         # every part starts on a 16-byte boundary (an even int64 offset): Triton compiles a
         # kernel variant per alignment of its pointer arguments (see attention_backend)
         out, a = {}, 0
@@ -84,14 +92,15 @@ class _Layout:
 
     @property
     def size(self) -> int:
-        return self.slices["table"].stop
+        return max(s.stop for s in self.slices.values())
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inp: torch.Tensor        # [layout.size] int64, the graph's static input
-    out: torch.Tensor        # [B, bl] int64: the active blocks after the commit
+    out: torch.Tensor        # [B, bl] int64: the active blocks after the commit (verify:
+    #                          [B, bl + 2], then the drafts verified and accepted)
     loaded: np.ndarray | None = None     # the host vector ``inp`` holds now
 
 
@@ -101,6 +110,9 @@ class StepGraphs:
 
     # up to this many block rows the LM head runs at every block slot (bound by its weight read)
     LM_ALL_ROWS = 256
+    # a fused verify step's largest logits / attention-score tensor (elements): 2**27 is
+    # 256 MiB of bf16 logits, LLaDA-8B's vocabulary at batch 16 with 32 + 32 rows per request
+    VERIFY_MAX_ELEMENTS = 2 ** 27
 
     def __init__(self, cache: GraphCache, max_rows: int, max_tokens: int,
                  capture_rows: int = 128) -> None:
@@ -109,6 +121,9 @@ class StepGraphs:
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
         self.capture_rows = capture_rows  # longer per-request queries: captured one later
         self.stats = {"fused_steps": 0, "fused_captures": 0, "fused_replays": 0}
+        # the verify limits' model and pool dimensions (per rank; set by the runner): vocab,
+        # heads, kv_heads, head_dim, page_size, table_width
+        self.dims: dict | None = None
         # the last step's (requests, their blocks, host vector, layout): within a block the
         # index vector does not change (the tokens come from the arena), so it is reused
         self._last: tuple | None = None
@@ -142,7 +157,7 @@ class StepGraphs:
         refreshes make a step ineligible)."""
         bl = batch[0].params.block_length
         decode = batch[0].params.decode
-        if len(batch) * bl > self.max_rows or decode not in ("threshold", "vanilla"):
+        if len(batch) * bl > self.max_rows or decode not in ("threshold", "vanilla", "verify"):
             return False
         for r in batch:
             p = r.params
@@ -150,13 +165,46 @@ class StepGraphs:
                     or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None
                     or p.perturb_sigma is not None or p.kv_jaccard_min is not None):
                 return False
+        if decode == "verify" and not self.verify_fits(batch):
+            return False
         return states is None or all(st.refresh is None for st in states)
 
+    def verify_fits(self, batch) -> bool:
+        """A fused verify step's own limits: at most ``DraftStore.WIDTH`` drafts per request,
+        and each of its largest tensors within ``VERIFY_MAX_ELEMENTS`` (the graph's pool keeps
+        them for good; a larger step runs on the general path): the LM-head logits (block rows
+        + mask views), the canvas K (or V) gathered for the verification rows, and their
+        attention scores over those keys and the draft keys."""
+        M = max(r.params.max_verify for r in batch)
+        d = self.dims
+        if M > DraftStore.WIDTH or d is None:
+            return False
+        B, bl = len(batch), batch[0].params.block_length
+        Lb = dense_keys(max(r.canvas_len for r in batch), d["page_size"], d["table_width"])
+        cap = self.VERIFY_MAX_ELEMENTS
+        return (B * (bl + M) * d["vocab"] <= cap
+                and B * Lb * d["kv_heads"] * d["head_dim"] <= cap
+                and B * d["heads"] * 2 * (M - 1) * (Lb + M - 1) <= cap)
+
     # ------------------------------------------------------------------------------------- run
-    def run(self, runner, plan) -> np.ndarray | None:
-        """Run one step of ``plan`` on ``runner``; returns the active blocks after it [B, bl]
-        (host), or None when the general path should run this step instead (on CUDA: the step's
-        shape has no graph yet and is seen for the first time, or it is too large to capture)."""
+    def run(self, runner, plan, states) -> StepResult | None:
+        """Run one step of ``plan`` on ``runner`` (``states``: its requests' runner states);
+        returns its result (the active blocks after it, and for verify its counters), or None
+        when the general path should run this step instead (on CUDA: the step's shape has no
+        graph yet and is seen for the first time, or it is too large to capture)."""
+        out = self._run(runner, plan, states)
+        if out is None:
+            return None
+        if not out.shape[1] > plan.requests[0].params.block_length:
+            return StepResult(out)
+        bl = plan.requests[0].params.block_length
+        counters: list = [None] * out.shape[0]
+        for i in range(out.shape[0]):
+            _count(counters, i, "verify_candidates", int(out[i, bl]))
+            _count(counters, i, "verify_accepted", int(out[i, bl + 1]))
+        return StepResult(out[:, :bl], counters)
+
+    def _run(self, runner, plan, states) -> np.ndarray | None:
         batch = plan.requests
         last = self._last
         if last is not None and last[4] is plan and batch[0].params.decode != "vanilla":
@@ -169,15 +217,21 @@ class StepGraphs:
                 host, lay = self._host_inputs(runner, plan, blocks)
             # NOTE: holds the request objects, so their ids cannot be reused while compared
             self._last = (list(batch), blocks, host, lay, plan)
-        lm_rows = lay.R if lay.R <= self.LM_ALL_ROWS else self.lm_head_rows(
+        lm_rows = lay.R if lay.R <= self.LM_ALL_ROWS or lay.M else self.lm_head_rows(
             lay.R, sum(r.num_masked for r in batch))
         key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
-                                lay.groups, lm_rows))
+                                lay.groups, lm_rows, lay.M, lay.dense_keys))
         dev = runner.device
-        action = self._decide(key, lay.T, runner.forward_graphs is not None, lay.max_q)
+        rows = lay.T + lay.B * 2 * max(0, lay.M - 1)     # with the verification rows
+        action = self._decide(key, rows, runner.forward_graphs is not None, lay.max_q)
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
+        if lay.M:            # the general path left its drafts in the states: into the store
+            for st in states:
+                if st.drafts is not IN_STORE:
+                    runner.drafts.put(st.arena_row, st.drafts)
+                    st.drafts = IN_STORE
         if action == "eager":
             inp = torch.from_numpy(host).to(dev)
             return self._body(runner, inp, lay, lm_rows).cpu().numpy()
@@ -239,6 +293,7 @@ class StepGraphs:
         shift = runner.cfg.logit_shift
         width = runner.table_width
         bl = batch[0].params.block_length
+        verify = batch[0].params.decode == "verify"
         windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, False,
                                shift) for r in batch]
         counts = [q1 - q0 for q0, q1 in windows]
@@ -254,8 +309,10 @@ class StepGraphs:
                 perm += members
                 a += len(members)
             groups = tuple(groups)
-        lay = _Layout(B, T, bl, width, max(counts), seqlen_bound(max(r.canvas_len for r in batch)),
-                      groups)
+        longest = max(r.canvas_len for r in batch)
+        M = max(r.params.max_verify for r in batch) if verify else 0
+        lay = _Layout(B, T, bl, width, max(counts), seqlen_bound(longest), groups, M,
+                      dense_keys(longest, ps, width) if verify else 0)
         sl = lay.slices
         host = np.zeros(lay.size, dtype=np.int64)
         table = runner.block_table(plan)                 # the general path's cached table
@@ -279,6 +336,12 @@ class StepGraphs:
                                    dtype=np.float64).view(np.int64)
         host[sl["perm"]] = perm
         host[sl["bstart"]] = bstart
+        if verify:
+            host[sl["arow"]] = arena_row
+            host[sl["gamma"]] = np.array([r.params.gamma for r in batch],
+                                         dtype=np.float64).view(np.int64)
+            host[sl["cumprod"]] = [r.params.verify_rule == "cumprod" for r in batch]
+            host[sl["max_verify"]] = [r.params.max_verify for r in batch]
         return host, lay
 
     # ------------------------------------------------------------------------------------ body
@@ -289,6 +352,8 @@ class StepGraphs:
         captures."""
         model, mask_id = runner.model, runner.cfg.mask_token_id
         sl = lay.slices
+        if lay.M:
+            return verify_graph.body(runner, inp, lay, sl)
         B, bl = lay.B, lay.bl
         i32 = torch.int32
         meta = PagedAttentionMetadata(runner.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),

@@ -56,6 +56,26 @@ def masked_attention(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, k2: to
     return o.view(Hkv, g, R, D).permute(2, 0, 1, 3).reshape(R, H * D)
 
 
+def masked_attention_batched(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
+                             k2: torch.Tensor, v2: torch.Tensor, allow: torch.Tensor
+                             ) -> torch.Tensor:
+    """``masked_attention`` for B requests at once, with static shapes (the fused verify step's
+    CUDA graph): q [B, R, H, D], k1/v1 [B, L, Hkv, D] (each request's canvas keys, padded to one
+    length L), k2/v2 [B, M, Hkv, D], allow [B, R, L + M] bool -> [B, R, H * D]. Every row must
+    allow at least one key (a row that allows none is NaN). The same operations in the same
+    order as ``masked_attention``, one request per batch entry."""
+    B, R, H, D = q.shape
+    L, Hkv = k1.shape[1], k1.shape[2]
+    g = H // Hkv
+    qh = q.reshape(B, R, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * R, D)
+    s = torch.cat([qh @ k1.permute(0, 2, 3, 1), qh @ k2.permute(0, 2, 3, 1)], dim=-1)
+    s = s.float().view(B, Hkv, g, R, -1) * D ** -0.5                   # [B, Hkv, g, R, L + M]
+    p = s.masked_fill(~allow[:, None, None], float("-inf")).softmax(-1).to(q.dtype)
+    p = p.view(B, Hkv, g * R, -1)
+    o = p[..., :L] @ v1.transpose(1, 2) + p[..., L:] @ v2.transpose(1, 2)   # [B, Hkv, g*R, D]
+    return o.view(B, Hkv, g, R, D).permute(0, 3, 1, 2, 4).reshape(B, R, H * D)
+
+
 def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Softmax attention weights averaged over heads: q [R, H, D], k [L, Hkv, D] -> [R, L]."""
     R, H, D = q.shape

@@ -38,7 +38,8 @@ from flash_dllm.kernels import qkv_rope_cache as qkv_rope_cache_op
 from flash_dllm.kernels import rope_cache as rope_cache_op
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.kernels.rope_cache import inv_freq as rope_inv_freq
-from flash_dllm.layers.attention import attention_weights, masked_attention
+from flash_dllm.layers.attention import (attention_weights, masked_attention,
+                                        masked_attention_batched)
 from flash_dllm.layers.rotary import Rotary
 from flash_dllm.transfer import h2d
 
@@ -202,6 +203,51 @@ class PagedAttentionMetadata:
             if self.tp is not None:
                 w = self.tp.reduce_heads(w) / self.tp.world              # mean over all heads
             seg.probe_weights = w
+
+
+@dataclass
+class VerifyBatchMetadata(PagedAttentionMetadata):
+    """A fused verify step's metadata (``engine/verify_graph.py``): every request has the same
+    number of verification rows, ``2 (M - 1)`` for ``M`` (padded) drafts, packed after ALL the
+    canvas rows: rows ``[canvas_rows, canvas_rows + B * 2 (M - 1))``, request b's block at
+    ``canvas_rows + b * 2 (M - 1)``, draft views first, then mask views (as
+    ``decoding.verify.VerifyBlock`` orders them). ``slots``, ``cu_q`` and the paged attention
+    cover the canvas rows only; the verification rows attend, with static shapes, to each
+    request's first ``dense_keys`` canvas keys read from its pages and to its draft views' keys,
+    as ``verify_allow`` [B, 2 (M - 1), dense_keys + M - 1] allows (the verification block's
+    ``allow``, padded). Their K/V are never written."""
+
+    canvas_rows: int = 0
+    num_verify: int = 0                      # M
+    dense_keys: int = 0                      # a multiple of the page size
+    verify_allow: torch.Tensor | None = None
+    no_slots: torch.Tensor | None = None     # [B * 2 (M - 1)] all -1: RoPE without a page write
+    key_pos: torch.Tensor | None = None      # [dense_keys] arange
+
+    def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
+                  ) -> torch.Tensor:
+        Tc, M = self.canvas_rows, self.num_verify
+        out = super().attention(attn, layer, x[:Tc], positions[:Tc])   # writes the canvas K/V
+        if M < 2:
+            return out
+        B, R = self.seq_lens.shape[0], 2 * (M - 1)
+        q, k, v = attn.project(x[Tc:])                    # [B*R, H, D], [B*R, Hkv, D]
+        kc, vc = self.layer_kv(layer)
+        pos = positions[Tc:]
+        qr = rope_cache_op.op(q, k, v, pos, kc, vc, self.no_slots, self.inv_freq,
+                              attn.rotary.apply_in_fp32)                # rotated q, no write
+        Hkv, D = k.shape[1], k.shape[2]
+        k, v, pos = k.view(B, R, Hkv, D), v.view(B, R, Hkv, D), pos.view(B, R)
+        kd = attn.rotary(k[:, :M - 1].reshape(-1, Hkv, D), pos[:, :M - 1].reshape(-1))
+        idx = self.block_table[:, :self.dense_keys // kc.shape[1]].long()   # [B, pages]
+        ks = kc[idx].flatten(1, 2)                        # [B, dense_keys, Hkv, D] (a copy)
+        # NOTE: keys past a request's canvas are slots nobody wrote (the pool is torch.empty:
+        # any bits, NaN too). Their scores are masked, but 0 x NaN in p @ v is NaN: zero them
+        past = self.key_pos[None, :] >= self.seq_lens[:, None]          # [B, dense_keys]
+        vs = vc[idx].flatten(1, 2).masked_fill(past[:, :, None, None], 0)
+        o = masked_attention_batched(qr.view(B, R, -1, D), ks, vs, kd.view(B, M - 1, Hkv, D),
+                                     v[:, :M - 1], self.verify_allow)
+        return torch.cat([out, o.view(B * R, -1)])
 
 
 class PagedAttentionBackend:

@@ -63,7 +63,8 @@ def test_paged_triton_matches_dense_path(cache, decode):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("cache,decode", [("dual", "threshold"), ("prefix", "threshold"),
-                                          ("dual", "vanilla")])
+                                          ("dual", "vanilla"), ("dual", "verify"),
+                                          ("prefix", "verify")])
 def test_fused_step_matches_general_path(dtype, cache, decode):
     """The whole-step graph (engine/step_graph.py) against the general path (forward graph +
     eager proposal/commit). Its LM head GEMM has all block rows, the general one the masked rows
@@ -109,6 +110,39 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
             assert st["fused_steps"] > (2 if steps else 50), st
     for a, b in zip(*canvases):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_fused_verify_graphs_random_model(cache):
+    """Fused verify steps (engine/verify_graph.py) captured and replayed on a random model of the
+    demo shape, against the general path's eager verify steps: one token per step passes tau,
+    so every step verifies up to 31 drafts (gamma 1e-6: agreement alone decides). The batched verification
+    attention sums in another order than the per-request one, so a near-tie may flip: at most
+    one of the four requests may differ."""
+    from flash_dllm.bench.step import shape_config
+    from flash_dllm.engine.engine import Engine
+    from flash_dllm.models.loader import build_model
+    model = build_model(shape_config("demo"), device=torch.device("cuda"), dtype="float32",
+                        seed=0)
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(n)] for i, n in enumerate([5, 40, 17, 3])]
+    params = [SamplingParams(max_tokens=m, block_length=32, cache=cache, decode="verify",
+                             gamma=1e-6, max_verify=v, early_stop=False)
+              for m, v in ((64, 32), (96, 8), (32, 32), (64, 1))]
+    runs = []
+    for fused in (True, False):
+        eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=4, fused_step=fused))
+        if fused:
+            eng.runner.step_graphs.first_capture = 1
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            eng.step()
+        runs.append(reqs)
+        if fused:
+            st = eng.runner.step_graphs.stats
+            assert st["fused_replays"] > 20, st
+    assert sum(r.counters["verify_accepted"] for r in runs[0]) > 0
+    same = sum(torch.equal(a.canvas, b.canvas) for a, b in zip(*runs))
+    assert same >= 3, same
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
