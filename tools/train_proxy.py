@@ -176,6 +176,9 @@ def parse_args(argv=None):
     ap.add_argument("--schedule-minutes", type=float, default=0,
                     help="training minutes the LR schedule spans, over every part of a split run "
                          "(0 = this run's own training time)")
+    ap.add_argument("--schedule-steps", type=int, default=0,
+                    help="steps the LR schedule spans over every part of a split run in --steps "
+                         "mode (0 = --steps: this run's own)")
     ap.add_argument("--save-state", default="",
                     help="write the whole training state (float32 weights, optimizer, counters, "
                          "random states, tokenizer) here at the end, for --resume")
@@ -190,9 +193,17 @@ def parse_args(argv=None):
         ap.error("--init-from and --resume exclude each other (--resume restores the weights)")
     if args.schedule_minutes < 0:
         ap.error(f"--schedule-minutes must be >= 0, got {args.schedule_minutes}")
+    if args.schedule_steps < 0 or (args.schedule_steps and not args.steps):
+        ap.error(f"--schedule-steps must be >= 0 and needs --steps, got {args.schedule_steps}")
     if not args.mlp:
         args.mlp = 1184 if args.format == "llada" else 1344
     return args
+
+
+def _schedule_args(args) -> dict:
+    """What one LR schedule over the parts of a split run depends on (saved with the state)."""
+    return {k: getattr(args, k) for k in ("schedule_minutes", "schedule_steps", "lr",
+                                          "min_lr_ratio", "warmup")}
 
 
 def main(argv=None) -> dict:
@@ -202,6 +213,17 @@ def main(argv=None) -> dict:
     shift = 1 if args.format == "dream" else 0
 
     state = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
+    if state is not None:
+        # NOTE: the parts of a split run share one LR schedule only if they agree on it: a part
+        # that spans another schedule (or none) would restart the decay without a word
+        saved = state.get("schedule", {})
+        now = _schedule_args(args)
+        bad = {k: (saved[k], now[k]) for k in saved if saved[k] != now[k]}
+        if bad:
+            raise SystemExit(f"--resume {args.resume}: the saved run's schedule differs "
+                             + ", ".join(f"--{k.replace('_', '-')} {a} (saved) vs {b}"
+                                         for k, (a, b) in bad.items())
+                             + ": resume with the saved run's values")
     if state is not None:
         # NOTE: the ids must stay those the weights were trained with: the state carries them
         for name, data in state["tokenizer"].items():
@@ -289,7 +311,8 @@ def main(argv=None) -> dict:
         elapsed = time.time() - t_train
         if (args.steps and step >= args.steps) or (not args.steps and elapsed >= train_budget):
             break
-        progress = step / args.steps if args.steps else (prior_train_s + elapsed) / schedule_s
+        progress = (step / (args.schedule_steps or args.steps) if args.steps
+                    else (prior_train_s + elapsed) / schedule_s)
         lr = lr_at(step, progress, args)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -344,6 +367,7 @@ def main(argv=None) -> dict:
                     "glen_rng": glen_rng.getstate(), "step": step, "seqs": seqs,
                     "tokens": tokens, "train_seconds": train_minutes * 60, "parts": parts,
                     "history": history, "evals": evals, "first_loss": first_loss, "config": cfg,
+                    "schedule": _schedule_args(args),
                     "tokenizer": {n: (out / n).read_bytes()
                                   for n in proxy_tokenizer.TOKENIZER_FILES}}, tmp)
         os.replace(tmp, args.save_state)
