@@ -25,7 +25,7 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
 Eligible steps (``eligible``): CUDA graphs on (or, on the CPU, ``EngineConfig(fused_step=True)``,
 which runs the same body eagerly for the tests), every request a cached (not first-of-block)
 ``dual`` or ``prefix`` step, all with ``decode="threshold"``, all with ``"vanilla"`` or all with
-``"verify"`` (its own body: ``engine/verify_graph.py``, within ``verify_fits``), temperature 0,
+``"verify"`` (its own body: ``engine/verify_graph.py``, within ``verify_graph.fits``), temperature 0,
 no sentinel, a full block, all blocks the same length, and B x bl <= ``fused_step_max_rows``.
 Everything else (refresh steps, sampling, ``flash``, mixed policies) takes the general path.
 
@@ -46,7 +46,7 @@ from flash_dllm.decoding.policies import threshold_rows, top_k_rows
 from flash_dllm.engine import inputs, verify_graph
 from flash_dllm.engine.graphs import GraphCache, GraphKey
 from flash_dllm.engine.plan import StepResult
-from flash_dllm.engine.verify_graph import IN_STORE, DraftStore, dense_keys
+from flash_dllm.engine.verify_graph import IN_STORE, dense_keys
 from flash_dllm.engine.verify_step import _count
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
@@ -165,26 +165,10 @@ class StepGraphs:
                     or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None
                     or p.perturb_sigma is not None or p.kv_jaccard_min is not None):
                 return False
-        if decode == "verify" and not self.verify_fits(batch):
+        if decode == "verify" and not verify_graph.fits(batch, self.dims,
+                                                        self.VERIFY_MAX_ELEMENTS):
             return False
         return states is None or all(st.refresh is None for st in states)
-
-    def verify_fits(self, batch) -> bool:
-        """A fused verify step's own limits: at most ``DraftStore.WIDTH`` drafts per request,
-        and each of its largest tensors within ``VERIFY_MAX_ELEMENTS`` (the graph's pool keeps
-        them for good; a larger step runs on the general path): the LM-head logits (block rows
-        + mask views), the canvas K (or V) gathered for the verification rows, and their
-        attention scores over those keys and the draft keys."""
-        M = max(r.params.max_verify for r in batch)
-        d = self.dims
-        if M > DraftStore.WIDTH or d is None:
-            return False
-        B, bl = len(batch), batch[0].params.block_length
-        Lb = dense_keys(max(r.canvas_len for r in batch), d["page_size"], d["table_width"])
-        cap = self.VERIFY_MAX_ELEMENTS
-        return (B * (bl + M) * d["vocab"] <= cap
-                and B * Lb * d["kv_heads"] * d["head_dim"] <= cap
-                and B * d["heads"] * 2 * (M - 1) * (Lb + M - 1) <= cap)
 
     # ------------------------------------------------------------------------------------- run
     def run(self, runner, plan, states) -> StepResult | None:

@@ -103,6 +103,22 @@ def dense_keys(max_canvas: int, page_size: int, table_width: int) -> int:
     return min(1 << (pages - 1).bit_length(), table_width) * page_size
 
 
+def fits(batch, dims: dict | None, cap: int) -> bool:
+    """A fused verify step's own limits: at most ``DraftStore.WIDTH`` drafts per request, and
+    each of its largest tensors within ``cap`` elements (a graph's pool keeps them for good; a
+    larger step runs on the general path): the LM-head logits (block rows + mask views), the
+    canvas K (or V) gathered for the verification rows, and their attention scores over those
+    keys and the draft keys. ``dims``: the model's and pool's (``StepGraphs.dims``)."""
+    M = max(r.params.max_verify for r in batch)
+    if M > DraftStore.WIDTH or dims is None:
+        return False
+    B, bl = len(batch), batch[0].params.block_length
+    Lb = dense_keys(max(r.canvas_len for r in batch), dims["page_size"], dims["table_width"])
+    return (B * (bl + M) * dims["vocab"] <= cap
+            and B * Lb * dims["kv_heads"] * dims["head_dim"] <= cap
+            and B * dims["heads"] * 2 * (M - 1) * (Lb + M - 1) <= cap)
+
+
 def body(runner, inp: torch.Tensor, lay, sl: dict) -> torch.Tensor:
     """The fused verify step from the index vector ``inp`` (``step_graph._Layout`` ``lay`` with
     ``lay.M`` draft slots); returns [B, bl + 2]. Only static shapes, no host syncs."""
