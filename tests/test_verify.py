@@ -533,3 +533,15 @@ def test_batched_masked_attention_equals_per_request():
         want = masked_attention(q[b], k1[b, :n], v1[b, :n], k2[b], v2[b],
                                 torch.cat([allow[b, :, :n], allow[b, :, L:]], 1))
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-6)
+
+
+def test_accept_prefix_zero_probability_stays_in_its_request():
+    """A draft whose view probability underflows to 0 fails its own request's cumprod prefix
+    and nothing else: the other requests' running products are not poisoned (an -inf in the
+    shared cumsum made them NaN, so no later request accepted anything)."""
+    from flash_dllm.decoding.verify import accept_prefix
+    d = torch.tensor([1, 2, 3, 4])
+    prob = torch.tensor([0.0, 0.9, 0.99, 0.99])
+    got = accept_prefix(d, d.clone(), prob, torch.tensor([0, 0, 1, 1]), 2,
+                        torch.tensor([0.5, 0.5]), torch.tensor([True, True]))
+    assert got.tolist() == [False, False, True, True]

@@ -224,7 +224,6 @@ def main(argv=None) -> dict:
                              + ", ".join(f"--{k.replace('_', '-')} {a} (saved) vs {b}"
                                          for k, (a, b) in bad.items())
                              + ": resume with the saved run's values")
-    if state is not None:
         # NOTE: the ids must stay those the weights were trained with: the state carries them
         for name, data in state["tokenizer"].items():
             (out / name).write_bytes(data)

@@ -83,6 +83,9 @@ def draft_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
 
 
+LOG_PROB_FLOOR = -1e4      # below any log(gamma) a request can ask for (gamma > e^-10000)
+
+
 def accept_prefix(draft_tok: torch.Tensor, view_tok: torch.Tensor, view_prob: torch.Tensor,
                   group_ids: torch.Tensor, num_groups: int, gamma: torch.Tensor,
                   cumprod: torch.Tensor) -> torch.Tensor:
@@ -102,8 +105,10 @@ def accept_prefix(draft_tok: torch.Tensor, view_tok: torch.Tensor, view_prob: to
     g = group_ids
     gam = gamma.double()[g]
     agree_ok = (view_tok == draft_tok) & (view_prob.double() >= gam)
-    # running log-product inside each group: global cumsum minus what came before the group
-    logp = torch.log(view_prob.double())
+    # running log-product inside each group: global cumsum minus what came before the group.
+    # NOTE: a probability of 0 (float32 underflow, or a padding slot) is floored, not -inf: an
+    # -inf in the global cumsum would make every later group's differences NaN (never passing)
+    logp = torch.log(view_prob.double()).clamp(min=LOG_PROB_FLOOR)
     cs = torch.cumsum(logp, 0)
     idx = torch.arange(n, device=g.device)
     start = torch.full((num_groups,), n, dtype=idx.dtype, device=g.device)

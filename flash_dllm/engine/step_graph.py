@@ -110,8 +110,9 @@ class StepGraphs:
 
     # up to this many block rows the LM head runs at every block slot (bound by its weight read)
     LM_ALL_ROWS = 256
-    # a fused verify step's largest logits / attention-score tensor (elements): 2**27 is
-    # 256 MiB of bf16 logits, LLaDA-8B's vocabulary at batch 16 with 32 + 32 rows per request
+    # a fused verify step's largest tensor (logits, gathered canvas K or V, attention scores;
+    # ``verify_graph.fits``), in elements: 2**27 is 256 MiB of bf16 logits, LLaDA-8B's
+    # vocabulary at batch 16 with 32 + 32 rows per request
     VERIFY_MAX_ELEMENTS = 2 ** 27
 
     def __init__(self, cache: GraphCache, max_rows: int, max_tokens: int,
@@ -177,12 +178,10 @@ class StepGraphs:
         when the general path should run this step instead (on CUDA: the step's shape has no
         graph yet and is seen for the first time, or it is too large to capture)."""
         out = self._run(runner, plan, states)
-        if out is None:
-            return None
-        if not out.shape[1] > plan.requests[0].params.block_length:
-            return StepResult(out)
         bl = plan.requests[0].params.block_length
-        counters: list = [None] * out.shape[0]
+        if out is None or out.shape[1] == bl:
+            return None if out is None else StepResult(out)
+        counters: list = [None] * out.shape[0]        # verify: [B, bl + 2]
         for i in range(out.shape[0]):
             _count(counters, i, "verify_candidates", int(out[i, bl]))
             _count(counters, i, "verify_accepted", int(out[i, bl + 1]))

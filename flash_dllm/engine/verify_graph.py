@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_dllm.decoding.verify import select_after_verify
+from flash_dllm.decoding.verify import accept_prefix, select_after_verify
 from flash_dllm.kernels import argmax_confidence
 from flash_dllm.layers.attention_backend import VerifyBatchMetadata
 
@@ -182,14 +182,14 @@ def body(runner, inp: torch.Tensor, lay, sl: dict) -> torch.Tensor:
     vl = logits[n:].float()
     # softmax probability of each draft: the view's best probability x exp(l_draft - l_best)
     gap = vl.gather(1, ctok.view(-1, 1)) - vl.gather(1, view_tok.view(-1, 1))
-    prob = (view_conf.view(-1, 1) * gap.exp()).view(B, M).double()
+    prob = (view_conf.view(-1, 1) * gap.exp()).view(B, M)
 
-    # 1. the longest passing prefix of drafts (decoding.verify.accept_prefix, per row)
-    gamma = inp[sl["gamma"]].view(torch.float64)
-    agree = (view_tok == ctok) & (prob >= gamma[:, None])
-    cumprod_ok = torch.cumsum(torch.log(prob), 1) >= torch.log(gamma)[:, None]
-    ok = torch.where(inp[sl["cumprod"]][:, None] != 0, cumprod_ok, agree) & valid
-    acc = torch.cumprod(ok.long(), 1).bool()
+    # 1. the longest passing prefix of drafts; a padding slot never passes (no agreement, and
+    # probability 0 for cumprod), so it ends its request's prefix
+    acc = accept_prefix(ctok.view(-1), torch.where(valid, view_tok, -1).view(-1),
+                        torch.where(valid, prob, 0.0).view(-1),
+                        torch.arange(B, device=dev).repeat_interleave(M), B,
+                        inp[sl["gamma"]].view(torch.float64), inp[sl["cumprod"]] != 0).view(B, M)
     n_acc = acc.sum(1)
     dump = torch.where(acc, slot, bl)                                   # column bl: discarded
     acc_slot = torch.zeros(B, bl + 1, dtype=torch.bool, device=dev).scatter_(1, dump, acc)
