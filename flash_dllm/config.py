@@ -68,6 +68,13 @@ class SamplingParams:
     kv_top_k: int = 8                    # k of the KV-consistency sentinel
     # --- cache="flash": cached positions (most attended last step) recomputed per step
     flash_budget: int = 8
+    # --- cache="dual" / "prefix": Elastic-Cache-style drift trigger (``engine/drift.py``).
+    # None: the whole canvas is recomputed at every block's first step (Fast-dLLM). A number:
+    # only when the attention the cached keys get has drifted (cosine similarity of the
+    # ``kv_top_k`` most-attended cached keys' mass between consecutive steps below it);
+    # otherwise a block's first step recomputes the previous and the active block only
+    drift_min: float | None = None
+    drift_defer: bool = False            # the refresh waits for the next block's first step
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -117,6 +124,14 @@ class SamplingParams:
         _check_fraction("kv_jaccard_min", self.kv_jaccard_min, optional=True)
         _check_int("kv_top_k", self.kv_top_k, 1)
         _check_int("flash_budget", self.flash_budget, 0)
+        _check_fraction("drift_min", self.drift_min, optional=True)
+        if not isinstance(self.drift_defer, bool):
+            raise ValueError(f"drift_defer must be a bool, got {self.drift_defer!r}")
+        if self.drift_defer and self.drift_min is None:
+            raise ValueError("drift_defer needs drift_min (it defers the drift trigger's refresh)")
+        if self.drift_min is not None and self.cache not in ("dual", "prefix"):
+            raise ValueError(f"drift_min needs cache 'dual' or 'prefix' (the caches refreshed "
+                             f"at block starts), got cache={self.cache!r}")
 
     @property
     def num_blocks(self) -> int:

@@ -3,7 +3,7 @@
 It replaces the runner's paged backend (``use_dense_oracle(engine)``): every request keeps a dense
 canvas-sized cache ``[layers, 2, canvas, kv_heads, head_dim]``; each step's recomputed rows write
 their fresh K/V into it, then every query attends to the whole cached canvas with one SDPA call
-per request (verification rows and probes with the exact helpers). No page table, no kernels: the
+per request (verification rows, probes and the per-key attention mass with the exact helpers). No page table, no kernels: the
 paged path is tested token for token against it.
 """
 from __future__ import annotations
@@ -53,6 +53,12 @@ class DenseStep:
                                                         vr.allow)
             if seg.probe is not None and layer == self.probe_layer:
                 seg.probe_weights = attention_weights(qs[seg.probe], ks)
+        if layer == self.mass_layer:        # per-key mass: summed over heads and query rows
+            width = max(s.length for s in self.segments)
+            self.mass = torch.zeros(len(self.segments), width, device=q.device)
+            for b, seg in enumerate(self.segments):
+                w = attention_weights(q[seg.start:seg.end], self.kv[seg.request_id][layer, 0])
+                self.mass[b, :seg.length] = w.sum(0) * q.shape[1]
         return out
 
 
@@ -65,9 +71,6 @@ class DenseOracleBackend:
 
     def build(self, table, canvas_lens, positions, pos_host, cu, uncached, segments=None,
               probe_layer=None, mass_layer=None) -> DenseStep:
-        if mass_layer is not None:
-            raise ValueError("cache='flash' needs the paged KV layout: it ranks keys by the "
-                             "paged kernel's attention mass")
         c = self.cfg
         for seg in segments:
             if seg.request_id not in self.caches:
@@ -75,7 +78,7 @@ class DenseOracleBackend:
                     c.num_layers, 2, seg.length, c.num_kv_heads, c.head_dim, dtype=self.dtype,
                     device=self.device)
         return DenseStep(segments, {s.request_id: self.caches[s.request_id] for s in segments},
-                         probe_layer)
+                         probe_layer, mass_layer)
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)

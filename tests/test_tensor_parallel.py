@@ -38,6 +38,9 @@ def _params() -> list[SamplingParams]:
           for c in CACHE_MODES for d in DECODE_POLICIES]
     ps.append(SamplingParams(max_tokens=16, block_length=8, temperature=0.8, seed=7,
                              decode="threshold", cache="dual"))
+    # the drift trigger ranks keys by the attention mass summed over the ranks' heads
+    ps.append(SamplingParams(max_tokens=16, block_length=8, decode="threshold", threshold=0.5,
+                             cache="dual", drift_min=0.999, kv_top_k=3, early_stop=False))
     return ps
 
 

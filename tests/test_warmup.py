@@ -37,7 +37,8 @@ def test_levels_and_sizes():
     assert batch_sizes("minimal", 64) == [1, 64] and batch_sizes("minimal", 1) == [1]
     assert cases("minimal") == [SamplingParams()]
     assert {(p.decode, p.cache) for p in cases("full")} == {("vanilla", "none"),
-                                                             ("threshold", "dual")}
+                                                             ("threshold", "dual"),
+                                                             ("verify", "dual")}
     with pytest.raises(ValueError, match="warmup must be one of"):
         warm_up(None, "fast", [1])
 
@@ -51,7 +52,7 @@ def test_warm_up_leaves_no_trace(ckpt):
     before = dict(eng.stats)
     lines = []
     rep = warm_up(eng, "full", tok.encode("warm up text"), lines.append)
-    assert rep.cases == 2 * 3 * len(batch_sizes("full", 4)) and not rep.skipped
+    assert rep.cases == 3 * 3 * len(batch_sizes("full", 4)) and not rep.skipped
     assert rep.steps > rep.cases and len(lines) == rep.cases
     assert "warm-up 1/" in lines[0] and "vanilla/none prompt 24 batch 1" in lines[0]
     assert not eng.has_unfinished() and eng.kv_manager.num_used == 0
@@ -77,7 +78,7 @@ def test_warm_up_skips_a_case_that_cannot_fit(ckpt):
     eng = aeng.engine
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "max_position": 100})
     rep = warm_up(eng, "full", tok.encode("abc"))           # 100 - 64: prompts of 24, 25 and 36
-    assert not rep.skipped and rep.cases == 2 * 3 * len(batch_sizes("full", 4))
+    assert not rep.skipped and rep.cases == 3 * 3 * len(batch_sizes("full", 4))
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "max_position": 60})
     rep = warm_up(eng, "minimal", tok.encode("abc"))        # 64 tokens cannot fit in 60
     assert rep.cases == 0 and len(rep.skipped) == 2 and "leaves no room" in rep.skipped[0]

@@ -10,6 +10,7 @@ range:
 | `none`   | whole canvas          | whole canvas (nothing is cached)   |
 | `prefix` | whole canvas          | active block + masked suffix       |
 | `dual`   | whole canvas          | active block only                  |
+| `dual` + drift trigger | previous + active block, whole canvas once drift was seen | active block |
 | `flash`  | previous + active block + top-k | active block + top-k     |
 
 Fast-dLLM's prefix cache keeps only prompt/committed K/V and recomputes the suffix; its dual cache
@@ -33,21 +34,24 @@ CACHE_MODES = ("none", "prefix", "dual", "flash")
 
 
 def query_range(mode: str, canvas_len: int, block_start: int, block_end: int, first_step: bool,
-                logit_shift: int, first_block: bool = True) -> tuple[int, int]:
+                logit_shift: int, first_block: bool = True, refresh: bool | None = None
+                ) -> tuple[int, int]:
     """Half-open range [q0, q1) of canvas positions to recompute this step (for ``flash``, the
-    window only: the engine adds the top-k positions)."""
-    if mode == "flash" and first_step and not first_block:
-        return block_start - (block_end - block_start) - logit_shift, block_end
-    if mode == "none" or first_step:
+    window only: the engine adds the top-k positions). ``refresh``: whether this step recomputes
+    the whole canvas (None: at every block's first step, as Fast-dLLM; the drift trigger,
+    ``engine/drift.py``, decides it for ``dual`` / ``prefix``: a first step without it
+    recomputes the previous block, whose last commits are stale in the cache, and the active
+    block, plus the masked suffix for ``prefix``)."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"cache mode must be one of {list(CACHE_MODES)}, got {mode!r}")
+    if refresh is None:
+        refresh = mode == "none" or (first_step and (mode != "flash" or first_block))
+    if refresh or mode == "none":
         return 0, canvas_len
     q0 = block_start - logit_shift
-    if mode == "flash":
-        return q0, block_end
-    if mode == "prefix":
-        return q0, canvas_len
-    if mode == "dual":
-        return q0, block_end
-    raise ValueError(f"cache mode must be one of {list(CACHE_MODES)}, got {mode!r}")
+    if first_step and not first_block:
+        q0 -= block_end - block_start
+    return q0, canvas_len if mode == "prefix" else block_end
 
 
 def keeps_cache(mode: str) -> bool:

@@ -11,13 +11,16 @@
 - **lazy load** (``engine/kv_overflow.py``): under lazy loading, the host pages a block attends
   to most drifting from those its measuring step chose force the next step to load every page.
 
+- **drift** (``engine/drift.py``, ``drift_min``): the attention the most-attended cached keys get
+  moving between two steps of a block makes the next step recompute the whole canvas.
+
 Names in ``SENTINELS`` key the engine's counters (``Engine.stats["sentinel_checks"/"_triggers"]``).
 """
 from __future__ import annotations
 
 import torch
 
-SENTINELS = ("entropy", "perturbation", "kv_consistency", "lazy_load")
+SENTINELS = ("entropy", "perturbation", "kv_consistency", "lazy_load", "drift")
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

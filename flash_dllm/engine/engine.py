@@ -205,12 +205,16 @@ class Engine:
         outputs = failed_outputs
         committed = 0
         changed = False                # a new block, refresh state or finish: a new plan
+        width = {id(s.req): s.window[1] - s.window[0] for s in plan.seqs}
         for i, req in enumerate(reqs):
-            was_first = req.first_step
+            req.counters["positions_computed"] += width[id(req)]   # (the window: the cache's)
+            was_first = req.first_step or req.stale
             out = req.apply(blocks[i], masked[i], first_end[i], stops[i], first_slot[i])
             outputs.append(out)
             committed += out.num_committed
-            changed = changed or was_first or req.first_step or req.finished
+            if req.request_id in result.drifted and not req.finished:
+                req.stale = True       # the drift trigger: the next step refreshes the cache
+            changed = changed or was_first or req.first_step or req.finished or req.stale
             if result.counters is not None and result.counters[i] is not None:
                 merge_counters(req.counters, result.counters[i])
                 merge_counters(self.stats, result.counters[i])
@@ -221,6 +225,7 @@ class Engine:
         if changed:
             self.scheduler.drop_finished()
         self.stats["tokens_committed"] += committed
+        self.stats["positions_computed"] += sum(width.values())
         self.stats["forwards"] += bool(reqs)
         self.steps_run += bool(reqs)
         seconds = time.perf_counter() - t0

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from flash_dllm.decoding.sampling import RowGroup
+from flash_dllm.engine import drift
 from flash_dllm.engine.verify_step import VerifyPlan, plan_verification
 from flash_dllm.layers.attention_backend import Segment
 from flash_dllm.transfer import h2d
@@ -220,7 +221,7 @@ def pack_step(runner, plan, states: list) -> StepInputs:
     last = runner.cfg.num_layers - 1
     meta = runner.backend.build(runner.block_table(plan), [r.canvas_len for r in batch], pos_t,
                                 pos_host, cu, uncached, segments, probe_layer=last,
-                                mass_layer=last if flash else None)
+                                mass_layer=last if flash or drift.wants_mass(batch) else None)
     return StepInputs(ids_t, pos_t, meta, n_slot, slot_req, slot_pos,
                       slot_pos + per_req[1][slot_req], per_req[2][slot_req] * W + slot_pos,
                       blk_t, max_bl, bounds, groups, plans, windows, segments, flash)

@@ -40,7 +40,7 @@ from flash_dllm.engine.request import Request
 from flash_dllm.kernels.kv_pages import pack_pages, packed_shape, unpack_pages
 
 # host request fields copied verbatim (see ``Request``)
-_REQ_FIELDS = ("block", "num_masked", "step_in_block", "block_forwards", "first_step",
+_REQ_FIELDS = ("block", "num_masked", "step_in_block", "block_forwards", "first_step", "stale",
                "num_forwards", "num_tokens", "reused_len", "arrival_time", "first_token_time",
                "early_stopped")
 # runner device state (``SeqState``) that outlives a step

@@ -82,5 +82,6 @@ class StepResult:
     #                                 cache="flash" steps when the placement policy wants it
     failed: set = field(default_factory=set)       # request ids skipped: a reused page failed
     #                                                verification (``blocks`` omits their rows)
+    drifted: set = field(default_factory=set)      # request ids whose drift test failed
     errors: dict = field(default_factory=dict)     # request id -> why it failed for good
     #                                                (``blocks`` omits its row)

@@ -79,6 +79,7 @@ class Request:
         self.step_in_block = 0
         self.block_forwards: tuple[int, ...] = ()  # forwards each finished block took
         self.first_step = True
+        self.stale = False      # drift trigger (``engine/drift.py``): next step refreshes all
         self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
         self.num_forwards = 0
         self.finished = False
@@ -141,6 +142,8 @@ class Request:
     def _advance(self, committed: int, first_token: bool, stop_in_block: bool) -> None:
         self.num_forwards += 1
         self.step_in_block += 1
+        if self.first_step or not self.params.drift_defer:
+            self.stale = False     # the refresh it asked for ran (deferred: at a block start)
         self.first_step = False
         if first_token and self.first_token_time is None:
             self.first_token_time = time.monotonic()

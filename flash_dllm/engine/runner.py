@@ -23,7 +23,7 @@ import torch
 
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.config import EngineConfig
-from flash_dllm.engine import inputs
+from flash_dllm.engine import drift, inputs
 from flash_dllm.cache.tiers import Load
 from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
@@ -58,6 +58,7 @@ class SeqState:
     kv_history: torch.Tensor | None = None   # [block_length, k] last top-k keys per slot
     # cache="flash": (the last step's mass [batch, keys], this request's row in it)
     mass_src: tuple[torch.Tensor, int] | None = None
+    drift_prev: tuple | None = None          # the drift test's last step (``engine/drift.py``)
 
     @property
     def attn_mass(self) -> torch.Tensor | None:
@@ -302,8 +303,11 @@ class ModelRunner:
             lazy_mass = step.meta.mass[0, :n * self.page_size].view(n, -1).sum(-1).float()
         tokens, conf, keep, counters = sample_and_commit(
             self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
+        flags = drift.test(batch, states, step.windows, step.meta.mass, counters)
         blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
-        blocks = blocks.cpu().numpy()                      # the step's one device->host copy
+        if flags is not None:
+            blocks = torch.cat([blocks, flags[:, None]], 1)
+        blocks, drifted = drift.split(blocks.cpu().numpy(), flags, batch, counters)  # one copy
         if isinstance(step.meta, OverflowMetadata) and step.meta.quest_score is not None:
             self.overflow.observe_score(self._overflow_req, step.meta.quest_score.cpu().numpy())
         if lazy_mass is not None:
@@ -321,7 +325,7 @@ class ModelRunner:
                 update_drafts(req, st, tokens[s:e], conf[s:e], step.slot_pos[s:e], keep[s:e])
             if seg.probe is not None:
                 kv_consistency(req, st, seg.probe_weights, step.slot_pos[s:e], counters, i)
-        return StepResult(blocks, counters, page_mass=page_mass)
+        return StepResult(blocks, counters, page_mass=page_mass, drifted=drifted)
 
     def _overflow_meta(self, seq, meta) -> OverflowMetadata:
         """An overflow request's step metadata (its host buffer and resident page index are

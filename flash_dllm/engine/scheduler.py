@@ -13,6 +13,7 @@ from collections import deque
 
 from flash_dllm.cache.kv_manager import KVCacheManager
 from flash_dllm.cache.modes import query_range
+from flash_dllm.engine import drift
 from flash_dllm.engine.plan import OverflowPlan, SeqPlan, StepPlan
 from flash_dllm.engine.request import Request
 
@@ -138,12 +139,13 @@ class Scheduler:
         self._last = None
 
     def _plan(self, r: Request) -> SeqPlan:
-        key = (r.block, r.first_step)
+        key = (r.block, r.first_step, r.stale)
         cached = self._plans.get(r.request_id)
         if cached is not None and cached[0] == key:
             return cached[1]
         q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
-                             r.first_step, self.logit_shift, first_block=r.block == 0)
+                             r.first_step, self.logit_shift, first_block=r.block == 0,
+                             refresh=drift.refresh_step(r))
         # NOTE: reused pages are shared and read-only: nothing below reused_len is recomputed
         window = (max(q0, r.reused_len), q1)
         if r.overflow is not None:         # logical page ids: the runner's stage

@@ -164,7 +164,8 @@ class StepGraphs:
             p = r.params
             if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != decode
                     or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None
-                    or p.perturb_sigma is not None or p.kv_jaccard_min is not None):
+                    or p.perturb_sigma is not None or p.kv_jaccard_min is not None
+                    or p.drift_min is not None):
                 return False
         if decode == "verify" and not verify_graph.fits(batch, self.dims,
                                                         self.VERIFY_MAX_ELEMENTS):

@@ -45,7 +45,7 @@ from flash_dllm.transfer import h2d
 
 def new_counters() -> dict:
     """Per-request (``RequestOutput.metrics``) and per-engine (``Engine.stats``) counters."""
-    return {"verify_candidates": 0, "verify_accepted": 0,
+    return {"verify_candidates": 0, "verify_accepted": 0, "positions_computed": 0,
             "sentinel_checks": dict.fromkeys(SENTINELS, 0),
             "sentinel_triggers": dict.fromkeys(SENTINELS, 0)}
 

@@ -12,8 +12,9 @@ counters are left as they were.
 
 Levels (``--warmup``):
 
-- ``full``: the server's default request (64 tokens, vanilla, no cache) and the fast path
-  clients ask for (threshold 0.9 with the dual cache, block 32), each at two short prompts (an
+- ``full``: the server's default request (64 tokens, vanilla, no cache) and the fast paths
+  clients ask for (threshold 0.9 with the dual cache, block 32; the same with ``decode="verify"``
+  at its default gamma and max_verify), each at two short prompts (an
   even and an odd canvas) and a long one, at every power-of-two batch size up to
   ``max_num_seqs`` (and ``max_num_seqs``);
 - ``minimal``: the default request at the two short prompts, batch 1 and ``max_num_seqs``;
@@ -28,6 +29,7 @@ every bucket runs eagerly.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -108,8 +110,11 @@ def cases(level: str) -> list[SamplingParams]:
     default = SamplingParams()                                 # what a bare request gets
     if level == "minimal":
         return [default]
-    return [default, SamplingParams(max_tokens=64, block_length=32, decode="threshold",
-                                    threshold=0.9, cache="dual")]
+    fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold", threshold=0.9,
+                          cache="dual")
+    # Flash-Verify's fused step (``engine/verify_graph.py``) at its default knobs: its graphs
+    # are keyed by the batch's padded draft count (max_verify: the block length by default)
+    return [default, fast, dataclasses.replace(fast, decode="verify")]
 
 
 def filler(cfg, ids) -> list[int]:

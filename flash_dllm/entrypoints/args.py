@@ -245,6 +245,11 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | Non
     g.add_argument("--kv-top-k", type=int, default=d.kv_top_k)
     g.add_argument("--flash-budget", type=int, default=d.flash_budget,
                    help="cache=flash: most-attended cached positions recomputed per step")
+    g.add_argument("--drift-min", type=float, default=None,
+                   help="cache=dual/prefix: refresh the cache only when the cached keys' "
+                        "attention drifts (similarity below this) instead of at every block")
+    g.add_argument("--drift-defer", action="store_true",
+                   help="with --drift-min: refresh at the next block's first step, not mid-block")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-early-stop", action="store_true",
                    help="decode every block even after the answer ended")
@@ -256,7 +261,8 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
               cache=a.cache, threshold=a.threshold, seed=a.seed, early_stop=not a.no_early_stop,
               gamma=a.gamma, verify_rule=a.verify_rule, max_verify=a.max_verify,
               entropy_max=a.entropy_max, perturb_sigma=a.perturb_sigma,
-              kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k, flash_budget=a.flash_budget)
+              kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k, flash_budget=a.flash_budget,
+              drift_min=a.drift_min, drift_defer=a.drift_defer)
     kw.update(override)
     return SamplingParams(**kw)
 

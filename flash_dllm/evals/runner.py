@@ -53,6 +53,9 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
         "seconds": seconds, "decode_seconds": decode_s,
         "answer_tokens_per_second": answer_tokens / decode_s if decode_s > 0 else 0.0,
         "early_stopped": sum(o.early_stopped for o in outs),
+        # canvas positions the forwards recomputed (their cache windows), per sample
+        "positions_per_sample": sum(o.metrics.get("positions_computed", 0) for o in outs)
+        / max(len(outs), 1),
         # decode="verify": drafts checked / accepted; sentinels: slots checked / flagged
         "verify": {k: sum(o.metrics.get(f"verify_{k}", 0) for o in outs)
                    for k in ("candidates", "accepted")},

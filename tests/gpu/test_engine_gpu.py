@@ -238,3 +238,22 @@ def test_batched_top_k_equals_per_request_rule_on_cuda(seed):
         ref[s:e] = local[positions[s:e]]
     assert torch.equal(got, ref)
     assert int(got.sum()) == int(want.sum())
+
+
+def test_warmed_server_replays_fused_verify_steps():
+    """After the full warm-up (which captures nothing afterwards), a default verify request
+    (threshold 0.9, dual, block 32) replays fused verify graphs and captures none."""
+    from flash_dllm.engine.warmup import warm_up
+    llm = LLM(model="proxy-llada", device="cuda", engine_config=EngineConfig(max_num_seqs=4))
+    eng = llm.engine
+    rep = warm_up(eng, "full", llm.tokenizer.encode("warm up text, 12 + 30 = 42."))
+    assert not rep.skipped, rep.skipped
+    sg = eng.runner.step_graphs
+    before = dict(sg.stats)
+    params = SamplingParams(max_tokens=64, block_length=32, cache="dual", decode="verify",
+                            threshold=0.9)
+    outs = llm.generate(["Tom has 3 apples and buys 5 more. How many apples does he have?"],
+                        params)
+    assert outs[0].num_forwards > 4
+    assert sg.stats["fused_captures"] == before["fused_captures"], sg.stats
+    assert sg.stats["fused_replays"] > before["fused_replays"], sg.stats

@@ -1,0 +1,136 @@
+"""Elastic-Cache-style drift trigger against Fast-dLLM's fixed refresh at every block.
+
+For each suite it decodes the same held-out problems with threshold decoding on a refreshing
+cache (dual by default) three ways: the whole canvas recomputed at every block's first step
+(``block``, fused decode steps on and off), and the drift trigger (``SamplingParams.drift_min``,
+``engine/drift.py``) at each ``--drift-min`` (``--defer``: also with ``drift_defer``, the
+refresh at the next block start). It reports accuracy, forwards per sample, canvas
+positions recomputed per sample (the work a refresh costs), whole-canvas refreshes per sample
+and wall time, and writes ``<out>.json`` and ``<out>.png`` (accuracy against positions
+recomputed, one panel per suite).
+
+    python benchmarks/drift_refresh.py --model proxy-llada --suites chain --n 20     # CPU
+    python benchmarks/drift_refresh.py --model proxy-dream --suites chain code-long \
+        --n 200 --device cuda --out benchmarks/results/drift_refresh_dream_h200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _runs(a) -> list[dict]:
+    out = [dict(name="block", drift_min=None, drift_defer=False, fused_step=True)]
+    if a.device != "cpu":              # the drift test runs on the general path: fused off too
+        out.append(dict(name="block, fused off", drift_min=None, drift_defer=False,
+                        fused_step=False))
+    for defer in (False, True) if a.defer else (False,):
+        out += [dict(name=f"drift {d:g}{' deferred' if defer else ''}", drift_min=d,
+                     drift_defer=defer, fused_step=True) for d in a.drift_min]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="proxy-llada")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--suites", nargs="+", default=["chain", "code-long"])
+    ap.add_argument("--cache", default="dual", choices=["dual", "prefix"])
+    ap.add_argument("--tau", type=float, default=0.9, help="threshold")
+    ap.add_argument("--drift-min", type=float, nargs="+", default=[0.95, 0.98, 0.99, 0.995])
+    ap.add_argument("--defer", action="store_true",
+                    help="also every --drift-min with drift_defer (refresh at block starts)")
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--replot", default=None, help="only redraw the PNG of an existing JSON")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--out", default="benchmarks/results/drift_refresh")
+    a = ap.parse_args(argv)
+    if a.replot:
+        rep = json.loads(Path(a.replot).read_text())
+        a.model, a.cache, a.tau, a.n = rep["model"], rep["cache"], rep["threshold"], rep["n"]
+        a.suites = list(dict.fromkeys(r["suite"] for r in rep["rows"]))
+        _plot(rep["rows"], a, Path(a.replot).with_suffix(".png"))
+        return 0
+
+    from flash_dllm.config import EngineConfig, SamplingParams
+    from flash_dllm.entrypoints.llm import LLM
+    from flash_dllm.evals.runner import run_eval
+    from flash_dllm.evals.tasks import SUITES
+
+    rows, llms = [], {}
+    for suite in a.suites:
+        for run in _runs(a):
+            key = run["fused_step"]
+            if key not in llms:
+                kw = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
+                llms[key] = LLM(model=a.model, device=a.device,
+                                engine_config=EngineConfig(fused_step=key, **kw))
+            params = SamplingParams(max_tokens=SUITES[suite].gen_length, decode="threshold",
+                                    threshold=a.tau, cache=a.cache, drift_min=run["drift_min"],
+                                    drift_defer=run["drift_defer"])
+            rep = run_eval(llms[key], suite, a.n, params, progress=False, keep_samples=False)
+            blocks = rep["forwards_per_block"]["blocks"]
+            d = rep["sentinels"]["drift"]
+            refreshes = (blocks if run["drift_min"] is None else d["triggers"] + rep["n"])
+            row = dict(suite=suite, **run, accuracy=rep["accuracy"],
+                       forwards_per_sample=rep["forwards_per_sample"],
+                       positions_per_sample=rep["positions_per_sample"],
+                       refreshes_per_sample=refreshes / rep["n"],
+                       drift_checks=d["checks"], drift_triggers=d["triggers"],
+                       seconds=rep["seconds"], n=rep["n"])
+            rows.append(row)
+            print(f"{suite:9s} {run['name']:18s} acc {row['accuracy']:6.1%}  "
+                  f"fwd {row['forwards_per_sample']:6.2f}  pos {row['positions_per_sample']:7.0f}"
+                  f"  refreshes {row['refreshes_per_sample']:5.2f}  {row['seconds']:6.1f} s",
+                  flush=True)
+    for suite in a.suites:
+        base = next(r for r in rows if r["suite"] == suite and r["name"] == "block")
+        for r in rows:
+            if r["suite"] == suite:
+                r["positions_vs_block"] = r["positions_per_sample"] / base["positions_per_sample"]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = dict(model=a.model, device=a.device, cache=a.cache, threshold=a.tau, n=a.n,
+                  note="refreshes: whole-canvas recomputes per sample (block: one per decoded "
+                       "block; drift: the prefill plus one per failed test); positions: canvas "
+                       "positions the forwards recomputed (their cache windows)",
+                  rows=rows)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    try:
+        _plot(rows, a, out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+    print(f"wrote {out.with_suffix('.json')}")
+    return 0
+
+
+def _plot(rows, a, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(a.suites), figsize=(6 * len(a.suites), 4.2), squeeze=False)
+    for ax, suite in zip(axes[0], a.suites):
+        pts = [r for r in rows if r["suite"] == suite and r["name"] != "block, fused off"]
+        for r in pts:
+            ax.scatter(r["positions_per_sample"], 100 * r["accuracy"],
+                       marker="s" if r["drift_min"] is None else "o",
+                       color="black" if r["drift_min"] is None
+                       else "tab:orange" if r.get("drift_defer") else "tab:blue")
+            ax.annotate(f"{r['name']} ({r['refreshes_per_sample']:.1f} refr.)",
+                        (r["positions_per_sample"], 100 * r["accuracy"]),
+                        textcoords="offset points", xytext=(5, 4 + 9 * (pts.index(r) % 2)),
+                        fontsize=7)
+        ax.set_title(f"{a.model} {suite} ({a.cache}, threshold {a.tau:g}, n={a.n})", fontsize=9)
+        ax.set_xlabel("canvas positions recomputed per sample")
+        ax.set_ylabel("accuracy (%)")
+        ax.margins(x=0.12, y=0.15)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
