@@ -27,7 +27,7 @@ def _runs(a) -> list[dict]:
         out.append(dict(name="block, fused off", drift_min=None, drift_defer=False,
                         fused_step=False))
     for defer in (False, True) if a.defer else (False,):
-        out += [dict(name=f"drift {d:g}{' deferred' if defer else ''}", drift_min=d,
+        out += [dict(name=f"drift {d:g} {'deferred' if defer else 'mid-block'}", drift_min=d,
                      drift_defer=defer, fused_step=True) for d in a.drift_min]
     return out
 
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
         rep = json.loads(Path(a.replot).read_text())
         a.model, a.cache, a.tau, a.n = rep["model"], rep["cache"], rep["threshold"], rep["n"]
         a.suites = list(dict.fromkeys(r["suite"] for r in rep["rows"]))
+        _derive(rep["rows"])
+        Path(a.replot).write_text(json.dumps(rep, indent=1))
         _plot(rep["rows"], a, Path(a.replot).with_suffix(".png"))
         return 0
 
@@ -72,31 +74,25 @@ def main(argv=None) -> int:
                                     threshold=a.tau, cache=a.cache, drift_min=run["drift_min"],
                                     drift_defer=run["drift_defer"])
             rep = run_eval(llms[key], suite, a.n, params, progress=False, keep_samples=False)
-            blocks = rep["forwards_per_block"]["blocks"]
             d = rep["sentinels"]["drift"]
-            refreshes = (blocks if run["drift_min"] is None else d["triggers"] + rep["n"])
             row = dict(suite=suite, **run, accuracy=rep["accuracy"],
                        forwards_per_sample=rep["forwards_per_sample"],
                        positions_per_sample=rep["positions_per_sample"],
-                       refreshes_per_sample=refreshes / rep["n"],
+                       blocks=rep["forwards_per_block"]["blocks"],
                        drift_checks=d["checks"], drift_triggers=d["triggers"],
                        seconds=rep["seconds"], n=rep["n"])
             rows.append(row)
-            print(f"{suite:9s} {run['name']:18s} acc {row['accuracy']:6.1%}  "
+            _derive(rows)
+            print(f"{suite:9s} {run['name']:20s} acc {row['accuracy']:6.1%}  "
                   f"fwd {row['forwards_per_sample']:6.2f}  pos {row['positions_per_sample']:7.0f}"
-                  f"  refreshes {row['refreshes_per_sample']:5.2f}  {row['seconds']:6.1f} s",
-                  flush=True)
-    for suite in a.suites:
-        base = next(r for r in rows if r["suite"] == suite and r["name"] == "block")
-        for r in rows:
-            if r["suite"] == suite:
-                r["positions_vs_block"] = r["positions_per_sample"] / base["positions_per_sample"]
+                  f"  ({row['positions_vs_block']:.2f}x)  failed tests "
+                  f"{row['drift_triggers'] / row['n']:5.2f}  {row['seconds']:6.1f} s", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = dict(model=a.model, device=a.device, cache=a.cache, threshold=a.tau, n=a.n,
-                  note="refreshes: whole-canvas recomputes per sample (block: one per decoded "
-                       "block; drift: the prefill plus one per failed test); positions: canvas "
-                       "positions the forwards recomputed (their cache windows)",
+                  note="positions: canvas positions the forwards recomputed (their cache "
+                       "windows); refreshes: whole-canvas recomputes per sample where the counts "
+                       "give them exactly (see _derive); failed tests: drift tests that failed",
                   rows=rows)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     try:
@@ -105,6 +101,33 @@ def main(argv=None) -> int:
         print("matplotlib not installed: no PNG", file=sys.stderr)
     print(f"wrote {out.with_suffix('.json')}")
     return 0
+
+
+def _derive(rows: list[dict]) -> None:
+    """Fields computed from each row's counts: positions relative to the suite's block-refresh
+    row, and whole-canvas refreshes per sample where the counts say them exactly (the block
+    refresh: one per decoded block; a mid-block trigger: the prefill plus one per failed test;
+    deferred, several failed tests in one block make one refresh: not counted, None)."""
+    base = {r["suite"]: r for r in rows if r["name"] == "block"}
+    for r in rows:
+        if r["suite"] in base:
+            r["positions_vs_block"] = (r["positions_per_sample"]
+                                       / base[r["suite"]]["positions_per_sample"])
+        if r["drift_min"] is None:
+            r["refreshes_per_sample"] = r["blocks"] / r["n"] if "blocks" in r else r.get(
+                "refreshes_per_sample")
+        elif not r.get("drift_defer"):
+            r["refreshes_per_sample"] = 1 + r["drift_triggers"] / r["n"]
+        else:
+            r["refreshes_per_sample"] = None
+        r["failed_tests_per_sample"] = r["drift_triggers"] / r["n"]
+
+
+def _near(r: dict, pts: list[dict]) -> int:
+    """How many earlier points lie (almost) on ``r``: its label goes that many lines lower."""
+    xs = max(p["positions_per_sample"] for p in pts) - min(p["positions_per_sample"] for p in pts)
+    return sum(abs(p["positions_per_sample"] - r["positions_per_sample"]) < 0.08 * (xs or 1)
+               and abs(p["accuracy"] - r["accuracy"]) < 0.006 for p in pts[:pts.index(r)])
 
 
 def _plot(rows, a, path: Path) -> None:
@@ -119,9 +142,9 @@ def _plot(rows, a, path: Path) -> None:
                        marker="s" if r["drift_min"] is None else "o",
                        color="black" if r["drift_min"] is None
                        else "tab:orange" if r.get("drift_defer") else "tab:blue")
-            ax.annotate(f"{r['name']} ({r['refreshes_per_sample']:.1f} refr.)",
+            ax.annotate(r["name"],
                         (r["positions_per_sample"], 100 * r["accuracy"]),
-                        textcoords="offset points", xytext=(5, 4 + 9 * (pts.index(r) % 2)),
+                        textcoords="offset points", xytext=(5, 4 - 11 * _near(r, pts)),
                         fontsize=7)
         ax.set_title(f"{a.model} {suite} ({a.cache}, threshold {a.tau:g}, n={a.n})", fontsize=9)
         ax.set_xlabel("canvas positions recomputed per sample")

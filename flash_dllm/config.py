@@ -74,7 +74,9 @@ class SamplingParams:
     # ``kv_top_k`` most-attended cached keys' mass between consecutive steps below it);
     # otherwise a block's first step recomputes the previous and the active block only
     drift_min: float | None = None
-    drift_defer: bool = False            # the refresh waits for the next block's first step
+    # True: the refresh a failed test asks for waits for the next block's first step (where
+    # Fast-dLLM refreshes); False: it runs at the next step, mid-block. Unused without drift_min
+    drift_defer: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -127,8 +129,6 @@ class SamplingParams:
         _check_fraction("drift_min", self.drift_min, optional=True)
         if not isinstance(self.drift_defer, bool):
             raise ValueError(f"drift_defer must be a bool, got {self.drift_defer!r}")
-        if self.drift_defer and self.drift_min is None:
-            raise ValueError("drift_defer needs drift_min (it defers the drift trigger's refresh)")
         if self.drift_min is not None and self.cache not in ("dual", "prefix"):
             raise ValueError(f"drift_min needs cache 'dual' or 'prefix' (the caches refreshed "
                              f"at block starts), got cache={self.cache!r}")

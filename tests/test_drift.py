@@ -36,8 +36,8 @@ def test_drift_min_is_validated():
     with pytest.raises(ValueError, match="drift_min"):
         SamplingParams(max_tokens=16, cache="dual", drift_min=1.5)
     SamplingParams(max_tokens=16, cache="prefix", drift_min=0.9, drift_defer=True)
-    with pytest.raises(ValueError, match="drift_defer needs drift_min"):
-        SamplingParams(max_tokens=16, cache="dual", drift_defer=True)
+    with pytest.raises(ValueError, match="drift_defer must be a bool"):
+        SamplingParams(max_tokens=16, cache="dual", drift_min=0.9, drift_defer=1)
 
 
 def _req(L, block=1, kv_top_k=2, drift_min=0.9):
@@ -77,12 +77,14 @@ def test_drift_statistic_by_hand():
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("cache", ["dual", "prefix"])
 @pytest.mark.parametrize("drift_min", [1e-6, 0.999, 1.0])
-def test_drift_paged_equals_dense(family, cache, drift_min):
+@pytest.mark.parametrize("defer", [True, False])
+def test_drift_paged_equals_dense(family, cache, drift_min, defer):
     """The paged path's per-key mass and windows against the dense oracle's exact softmax:
     the same tokens and forwards with the trigger never, sometimes and nearly always firing."""
     model = tiny(family, seed=5)
     params = SamplingParams(max_tokens=32, block_length=8, decode="threshold", threshold=0.3,
-                            cache=cache, drift_min=drift_min, kv_top_k=3, early_stop=False)
+                            cache=cache, drift_min=drift_min, drift_defer=defer, kv_top_k=3,
+                            early_stop=False)
     outs = _same(model, PROMPTS, params)
     checks = sum(o.metrics["sentinel_checks"]["drift"] for o in outs)
     triggers = sum(o.metrics["sentinel_triggers"]["drift"] for o in outs)
@@ -125,9 +127,10 @@ def test_refreshes_follow_the_trigger():
             assert (q0, q1) == (bs, bs + bl) and not stale
     assert req.counters["positions_computed"] == sum(q1 - q0 for (q0, q1), *_ in seen)
     assert eng.stats["positions_computed"] == req.counters["positions_computed"]
-    # nearly always fires: every stale step recomputes the whole canvas, and only those
+    # nearly always fires, refreshing mid-block: every stale step recomputes the whole canvas,
+    # and only those
     params = SamplingParams(max_tokens=32, block_length=bl, decode="threshold", threshold=0.3,
-                            cache="dual", drift_min=1.0, early_stop=False)
+                            cache="dual", drift_min=1.0, drift_defer=False, early_stop=False)
     req, eng, seen = _positions_by_step(model, params, prompt)
     stale_steps = sum(s for _, s, *_ in seen)
     assert stale_steps == req.counters["sentinel_triggers"]["drift"] > 0

@@ -5,9 +5,11 @@ Nguyen-Tri et al. 2025).
 Fast-dLLM's ``dual`` / ``prefix`` caches recompute the whole canvas at the first step of every
 block. With ``drift_min`` set, a block's first step recomputes only the previous block (its last
 commits are stale in the cache) and the active block (and, for ``prefix``, the masked suffix, as
-every step of it does); the whole canvas is recomputed at the next step after the **drift test**
-failed, which may be in the middle of a block (``drift_defer``: at the next block's first step,
-where Fast-dLLM refreshes, only when a test failed during the block).
+every step of it does), unless the **drift test** failed during the block before: then that
+first step recomputes the whole canvas, where Fast-dLLM would have (``drift_defer``, the
+default). With ``drift_defer=False`` the refresh runs at the step right after the failed test,
+mid-block; that lost 7-8 points on the Dream proxy's chain suite where the deferred refresh lost
+none (benchmarks/FINDINGS.md).
 
 The drift test runs after every step whose query window equals the request's previous step's
 (both are decode steps of the same block: the same query rows). It takes the ``kv_top_k`` cached

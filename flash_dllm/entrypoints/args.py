@@ -248,8 +248,9 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | Non
     g.add_argument("--drift-min", type=float, default=None,
                    help="cache=dual/prefix: refresh the cache only when the cached keys' "
                         "attention drifts (similarity below this) instead of at every block")
-    g.add_argument("--drift-defer", action="store_true",
-                   help="with --drift-min: refresh at the next block's first step, not mid-block")
+    g.add_argument("--drift-defer", action=argparse.BooleanOptionalAction, default=d.drift_defer,
+                   help="with --drift-min: refresh at the next block's first step (default), "
+                        "or at the next step, mid-block (--no-drift-defer)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-early-stop", action="store_true",
                    help="decode every block even after the answer ended")
