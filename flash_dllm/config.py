@@ -127,6 +127,9 @@ class SamplingParams:
         _check_int("kv_top_k", self.kv_top_k, 1)
         _check_int("flash_budget", self.flash_budget, 0)
         _check_fraction("drift_min", self.drift_min, optional=True)
+        if self.drift_min is not None and self.decode == "verify":
+            raise ValueError("drift_min does not run with decode='verify' (the verification "
+                             "rows' attention would enter the drift test's mass)")
         if not isinstance(self.drift_defer, bool):
             raise ValueError(f"drift_defer must be a bool, got {self.drift_defer!r}")
         if self.drift_min is not None and self.cache not in ("dual", "prefix"):

@@ -36,6 +36,8 @@ def test_drift_min_is_validated():
     with pytest.raises(ValueError, match="drift_min"):
         SamplingParams(max_tokens=16, cache="dual", drift_min=1.5)
     SamplingParams(max_tokens=16, cache="prefix", drift_min=0.9, drift_defer=True)
+    with pytest.raises(ValueError, match="decode='verify'"):
+        SamplingParams(max_tokens=16, cache="dual", decode="verify", drift_min=0.9)
     with pytest.raises(ValueError, match="drift_defer must be a bool"):
         SamplingParams(max_tokens=16, cache="dual", drift_min=0.9, drift_defer=1)
 

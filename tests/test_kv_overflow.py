@@ -93,6 +93,7 @@ def test_abort_of_an_overflow_request_frees_everything():
     (dict(kv_overflow_gb=0.01), _params(cache="flash"), "cache='flash'"),
     (dict(kv_overflow_gb=0.01), _params(decode="verify"), "decode='verify'"),
     (dict(kv_overflow_gb=0.01), _params(kv_jaccard_min=0.5), "kv_jaccard_min"),
+    (dict(kv_overflow_gb=0.01), _params(drift_min=0.9), "drift_min"),
 ])
 def test_what_cannot_stream_is_refused_with_the_reason(config, params, match):
     model = tiny("llada", seed=8)

@@ -15,7 +15,7 @@ from flash_dllm.engine.engine import Engine
 from flash_dllm.kernels.kv_pages import packed_shape
 from test_sampler import PROMPTS, tiny
 
-CFG = EngineConfig(max_num_seqs=16, num_kv_pages=128, page_size=4)
+CFG = EngineConfig(max_num_seqs=20, num_kv_pages=160, page_size=4)
 
 
 def _params() -> list[SamplingParams]:
@@ -25,6 +25,11 @@ def _params() -> list[SamplingParams]:
                              cache="dual", decode="threshold"))
     ps.append(SamplingParams(max_tokens=16, block_length=8, decode="verify", cache="dual",
                              entropy_max=1.0, perturb_sigma=0.5, kv_jaccard_min=0.9))
+    # the drift trigger: its last step's mass moves with the request (engine/drift.py)
+    ps += [SamplingParams(max_tokens=32, block_length=8, cache=c, decode="threshold",
+                          threshold=0.3, drift_min=0.999, drift_defer=d, kv_top_k=3,
+                          early_stop=False)
+           for c, d in (("dual", False), ("dual", True), ("prefix", False))]
     return ps
 
 
@@ -72,6 +77,7 @@ def test_migrated_requests_finish_as_if_they_stayed(family, after):
         assert got.num_forwards == want.num_forwards
         assert got.metrics["block_forwards"] == want.metrics["block_forwards"]
         assert got.finish_reason == want.finish_reason
+        assert got.metrics["sentinel_triggers"] == want.metrics["sentinel_triggers"], (i, ps[i])
     assert other.finished and b.kv_manager.num_used == 0
 
 

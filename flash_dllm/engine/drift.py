@@ -18,6 +18,10 @@ attention kernel's per-key mass of the last layer, summed over heads and query r
 the mass those keys get now with what they got then; a cosine similarity below ``drift_min``
 means the context the block reads has moved, so the cache is refreshed.
 
+NOTE (a blind spot): a block's first step is never compared (its window differs from the step
+before), so a block decoded in two forwards or fewer runs no test and can never ask for a
+refresh; the prompt and earlier blocks then keep the K/V of the last refresh.
+
 NOTE (what differs from Elastic-Cache): it tests one layer (the last, where drift is largest) and
 the mass summed over query rows, not each layer's attention column of the most-attended token;
 it refreshes the whole canvas, not the layers from the drifting one on, and keeps the block

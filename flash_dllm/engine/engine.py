@@ -208,6 +208,7 @@ class Engine:
         width = {id(s.req): s.window[1] - s.window[0] for s in plan.seqs}
         for i, req in enumerate(reqs):
             req.counters["positions_computed"] += width[id(req)]   # (the window: the cache's)
+            self.stats["positions_computed"] += width[id(req)]
             was_first = req.first_step or req.stale
             out = req.apply(blocks[i], masked[i], first_end[i], stops[i], first_slot[i])
             outputs.append(out)
@@ -225,7 +226,6 @@ class Engine:
         if changed:
             self.scheduler.drop_finished()
         self.stats["tokens_committed"] += committed
-        self.stats["positions_computed"] += sum(width.values())
         self.stats["forwards"] += bool(reqs)
         self.steps_run += bool(reqs)
         seconds = time.perf_counter() - t0

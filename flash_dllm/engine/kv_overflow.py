@@ -59,6 +59,8 @@ def overflow_unsupported(params) -> str | None:
         return "decode='verify' (requests larger than the GPU KV pool do not verify drafts)"
     if params.kv_jaccard_min is not None:
         return "kv_jaccard_min (the KV sentinel does not run on requests larger than the pool)"
+    if params.drift_min is not None:
+        return "drift_min (the drift trigger does not run on requests larger than the pool)"
     return None
 
 

@@ -109,6 +109,9 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     drafts = runner.drafts.to_host(st)
     dev["drafts"] = None if drafts is None else tuple(_cpu(t) for t in drafts)
     dev["attn_mass"] = _cpu(st.attn_mass)
+    if st.drift_prev is not None:     # the drift test's last step (``engine/drift.py``)
+        mass, window, block = st.drift_prev
+        dev["drift_prev"] = (_cpu(mass), tuple(window), block)
     for name in ("generator", "sentinel_generator"):
         g = getattr(st, name)
         dev[name] = None if g is None else g.get_state()
@@ -237,6 +240,9 @@ def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
         st.drafts = tuple(t.to(dev) for t in ds["drafts"])
     if ds.get("attn_mass") is not None:
         st.mass_src = (ds["attn_mass"].to(dev)[None, :], 0)
+    if ds.get("drift_prev") is not None:
+        mass, window, block = ds["drift_prev"]
+        st.drift_prev = (mass.to(dev), tuple(window), block)
     for name in ("generator", "sentinel_generator"):
         state = ds.get(name)
         if state is None:
