@@ -67,12 +67,12 @@ def test(batch, states, windows, mass: torch.Tensor | None, counters: list
         st.drift_prev = (now.clone(), (q0, q1), req.block)
         if prev is None or prev[1] != (q0, q1) or prev[2] != req.block:
             continue              # not the same query rows: nothing to compare with
-        cached = torch.ones(L, dtype=torch.bool, device=mass.device)
-        cached[q0:q1] = False
         k = min(req.params.kv_top_k, L - (q1 - q0))
         if k <= 0:
             continue
-        top = prev[0].masked_fill(~cached, -1.0).topk(k).indices
+        ranked = prev[0].clone()
+        ranked[q0:q1] = -1.0              # the window's own keys are recomputed, not cached
+        top = ranked.topk(k).indices
         sim = torch.nn.functional.cosine_similarity(now[top], prev[0][top], dim=0, eps=1e-12)
         flags[i] = (sim < req.params.drift_min).long()
         _count(counters, i, "sentinel_checks", 1, "drift")
