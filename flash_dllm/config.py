@@ -204,8 +204,9 @@ class EngineConfig:
     # step; such a request runs alone. 0: refused (as before)
     kv_overflow_gb: float = 0.0
     # lazy loading for those requests (approximate): a step that does not rewrite the host
-    # pages loads only this share of them, the most attended at the block's first step, and
-    # attends to those and the GPU-resident pages only. None: every page, every step (exact)
+    # pages attends to the GPU-resident pages plus this share of the pages it does not write,
+    # those of most predicted attention (``lazy_load_predictor``), loading only the host pages
+    # among them. None: every page, every step (exact)
     lazy_load_budget: float | None = None
     # its sentinel: each lazy step measures which loaded host pages its block attends to most
     # (top-k) and compares them with the block's measuring step; an overlap (Jaccard) below this
@@ -215,7 +216,9 @@ class EngineConfig:
     # "quest" (re-chosen after every step from an upper bound of the attention its queries can
     # give each page, from per-page key summaries; ``engine/lazy_load.quest_scores``)
     lazy_load_predictor: str = "mass"
-    kv_placement: str = "lru"            # which cached pages leave a tier first
+    # which cached pages leave a tier first; with lazy_load_budget also which pages of a request
+    # larger than the pool stay resident (``engine/overflow_placement.py``)
+    kv_placement: str = "lru"
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
     # GPU benchmark shows it pays (on the CPU it helped one host-tier size and hurt another:

@@ -19,8 +19,8 @@ SHORT = [(5 * i + 1) % 90 + 3 for i in range(9)]
 
 
 def _params(cache="dual", decode="threshold", **kw):
-    return SamplingParams(max_tokens=16, block_length=8, cache=cache, decode=decode,
-                          threshold=0.5, **kw)
+    return SamplingParams(**{"max_tokens": 16, "block_length": 8, "cache": cache,
+                             "decode": decode, "threshold": 0.5, **kw})
 
 
 def _run(eng, prompts, params):
@@ -168,17 +168,32 @@ async def _get(app, path):
         return (await c.get(path)).text
 
 
+def _w(n, *pages):
+    import numpy as np
+    w = np.zeros(n, dtype=bool)
+    w[list(pages)] = True
+    return w
+
+
 def test_select_pages_takes_the_most_attended_and_the_written_pages():
+    """Stage order: slots 0..7 in host memory, 8..9 resident. The step attends to the top
+    ceil(F * unwritten) pages wherever they live and loads the host ones among them."""
     import numpy as np
 
     from flash_dllm.engine.lazy_load import select_pages
-    mass = np.array([0.1, 5.0, 0.2, 0.3, 4.0, 0.0, 0.0, 0.1])
-    assert select_pages(mass, 1.0, (20, 22)) == [(0, 8)]
-    assert select_pages(mass, 0.25, (20, 22)) == [(1, 2), (4, 5)]       # top 2 of 8
-    assert select_pages(mass, 0.1, (6, 9)) == [(1, 2), (6, 8)]          # + written pages
-    big = np.zeros(1000)
+    mass = np.array([0.1, 5.0, 0.2, 0.3, 4.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    assert select_pages(mass, 1.0, _w(10, 9), 8) == ([(0, 8)], 9, 1)
+    # top 3 of 9: pages 1, 4 (host) and 3 (host); none resident
+    assert select_pages(mass, 0.3, _w(10, 9), 8) == ([(1, 2), (3, 5)], 3, 0)
+    assert select_pages(mass, 0.1, _w(10, 6, 7), 8) == ([(1, 2), (6, 8)], 1, 0)  # + written
+    # a resident page among the top: it is a hit and loads nothing
+    hot = mass.copy()
+    hot[8] = 9.0
+    assert select_pages(hot, 0.2, _w(10, 9), 8) == ([(1, 2)], 2, 1)
+    assert select_pages(hot, 0.1, _w(10, 9), 8) == ([], 1, 1)
+    big = np.zeros(1001)
     big[700] = 1.0                                    # chunks of 4 pages (<= 256 chunks)
-    assert select_pages(big, 0.004, (2000, 2001)) == [(700, 704)]
+    assert select_pages(big, 0.001, _w(1001, 1000), 1000) == ([(700, 704)], 1, 0)
 
 
 def test_lazy_loading_moves_fewer_bytes_and_at_budget_one_changes_nothing():
@@ -212,7 +227,7 @@ def test_a_lazy_step_that_keeps_every_page_equals_the_exact_step(monkeypatch):
     params = _params("dual", "vanilla")
     cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
     ref, _ = _run(Engine(model, model.cfg, EngineConfig(**cfg)), [LONG], params)
-    monkeypatch.setattr(ll, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
+    monkeypatch.setattr(ll, "select_pages", lambda score, budget, written, spill: ([(0, 5), (5, 16)], 1, 0))
     eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, **cfg))
     got, _ = _run(eng, [LONG], params)
     assert eng.runner.overflow.stats["skipped_pages"] == 0
@@ -238,8 +253,8 @@ def test_select_pages_ranks_only_the_pages_it_does_not_load_anyway():
     import numpy as np
 
     from flash_dllm.engine.lazy_load import select_pages
-    mass = np.array([0.3, 0.1, 0.2, 0.0, 9.0, 9.0])
-    assert select_pages(mass, 0.3, (4, 6)) == [(0, 1), (2, 3), (4, 6)]
+    mass = np.array([0.3, 0.1, 0.2, 0.0, 9.0, 9.0, 0.0])
+    assert select_pages(mass, 0.4, _w(7, 4, 5), 6) == ([(0, 1), (2, 3), (4, 6)], 2, 0)
 
 
 def test_no_pinned_memory_fails_that_request_alone_and_the_engine_goes_on(monkeypatch):

@@ -136,7 +136,7 @@ def test_a_quest_run_rechooses_its_pages_after_every_step_and_budget_one_is_exac
     calls = []
     ov = quest.runner.overflow
     real = ov._lazy_step
-    ov._lazy_step = lambda *a: calls.append(a[0].copy()) or real(*a)
+    ov._lazy_step = lambda *a: calls.append(a[1].copy()) or real(*a)
     got, reqs = _run(quest, [LONG], params)
     st, st_mass = ov.stats, mass.runner.overflow.stats
     assert reqs[0].finished and len(got[0]) == len(ref[0])
@@ -164,7 +164,7 @@ def test_quest_per_layer_tables_that_keep_every_page_equal_the_exact_step(monkey
     params = _params("dual", "vanilla")
     cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
     ref, _ = _run(Engine(model, model.cfg, EngineConfig(**cfg)), [LONG], params)
-    monkeypatch.setattr(ll, "select_pages", lambda mass, budget, written: [(0, 5), (5, 16)])
+    monkeypatch.setattr(ll, "select_pages", lambda score, budget, written, spill: ([(0, 5), (5, 16)], 1, 0))
     eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, lazy_load_predictor="quest",
                                                 **cfg))
     got, _ = _run(eng, [LONG], params)

@@ -37,10 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flash_dllm.engine.lazy_load import (LAZY_PREDICTORS, LazyPlan, plan_lazy,
-                                         quest_layer_scores, sentinel_overlap)
+from flash_dllm.engine.lazy_load import LAZY_PREDICTORS, LazyPlan, plan_lazy, sentinel_overlap
+from flash_dllm.engine.overflow_placement import OVERFLOW_PLACEMENTS, ResidentSet
+from flash_dllm.engine.overflow_stage import OverflowMetadata, _StepCopies
 from flash_dllm.engine.plan import OverflowPlan
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
+from flash_dllm.transfer import h2d
+
+__all__ = ["OverflowKV", "OverflowMemoryError", "OverflowMetadata", "OverflowState",
+           "overflow_unsupported"]
 
 # what an overflow request may use: its prompt K/V must stay cached between steps (a cache mode
 # that recomputes the whole canvas every step would write every page every step), and the
@@ -77,10 +82,18 @@ class OverflowKV:
     def __init__(self, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_pages: int,
                  host_bytes: int, lazy_budget: float | None = None,
-                 lazy_sentinel: float | None = None, lazy_predictor: str = "mass") -> None:
+                 lazy_sentinel: float | None = None, lazy_predictor: str = "mass",
+                 placement: str = "lru", placement_top_k: int = 8) -> None:
         if lazy_predictor not in LAZY_PREDICTORS:
             raise ValueError(f"lazy_load_predictor must be one of {LAZY_PREDICTORS}, got "
                              f"{lazy_predictor!r}")
+        if placement not in OVERFLOW_PLACEMENTS:
+            raise ValueError(f"kv_placement must be one of {OVERFLOW_PLACEMENTS}, got "
+                             f"{placement!r}")
+        # which pages stay resident (``engine/overflow_placement.py``): it needs the measuring
+        # steps' evidence, so only under lazy loading (where it is also the only thing it moves)
+        self.placement = placement if lazy_budget is not None else "lru"
+        self.placement_top_k = placement_top_k
         L, ps, H, D = num_layers, page_size, kv_heads, head_dim
         self.num_layers = L
         self.page_shape = (ps, H, D)
@@ -95,7 +108,11 @@ class OverflowKV:
         self.lazy_sentinel = lazy_sentinel
         self.lazy_predictor = lazy_predictor
         self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "skipped_pages": 0,
-                      "measuring_steps": 0, "sentinel_checks": 0, "sentinel_triggers": 0}
+                      "measuring_steps": 0, "sentinel_checks": 0, "sentinel_triggers": 0,
+                      # lazy steps: pages of largest score attended (summed over steps; per
+                      # layer, averaged) and of those the resident ones (L0 hits); placement
+                      "lazy_wanted": 0.0, "lazy_hits": 0.0, "replacements": 0,
+                      "pages_moved": 0, "placement_s": 0.0}
 
     @property
     def max_pages(self) -> int:
@@ -129,65 +146,95 @@ class OverflowKV:
     def _pin(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
+    def new_state(self, request_id: str, plan: OverflowPlan) -> "OverflowState":
+        """The runner's state of an overflow request at its first step: its host buffer, its
+        resident pool pages and its placement (the positional split until evidence moves it)."""
+        n = plan.num_pages
+        return OverflowState(request_id, self.host_buffer(plan.spill),
+                             h2d(plan.resident, torch.long, self.device), order=np.arange(n),
+                             placement=ResidentSet(self.placement, n, self.placement_top_k))
+
     def step(self, meta: PagedAttentionMetadata, plan: OverflowPlan, state: OverflowState,
-             window: tuple[int, int], canvas_len: int) -> "OverflowMetadata":
+             window: tuple[int, int], canvas_len: int,
+             active: tuple[int, int] = (0, 0)) -> "OverflowMetadata":
         """The step's metadata: ``meta`` (built over the logical page ids ``0..n-1``) reading and
         writing the stage. ``window``: the positions the step recomputes (all of them are
-        written at every layer).
+        written at every layer); ``active``: the active block's positions.
 
-        Lazy loading (``lazy_budget``): after a block's refresh, its first step loads every page
-        and measures (last layer) how much attention the active block's rows give each page;
-        its later steps load only the share ``lazy_budget`` of the spilled pages that received
-        the most (``select_pages``), plus the spilled pages the step writes, and their attention
-        skips the others (approximate). With ``lazy_sentinel``, each lazy step also measures
-        its loaded pages; ``observe`` forces a new measuring step when they drift.
+        A step that rewrites every page (the dual cache's block refresh) first lets the
+        placement re-choose which pages stay resident (``overflow_placement.ResidentSet``; no
+        byte moves for it: the refresh writes each page to its new home). The block table and
+        the write slots are then mapped from logical pages to stage slots (``state.order``).
+
+        Lazy loading (``lazy_budget`` F): after a block's refresh, its first step loads every
+        page and measures (last layer) how much attention the active block's rows give each
+        page; its later steps attend to the resident pages plus the share F of the pages they
+        do not write that received the most, loading the host pages among those and the host
+        pages the step writes (``select_pages``); their attention skips the others
+        (approximate). With ``lazy_sentinel``, each lazy step also measures its loaded pages;
+        ``observe`` forces a new measuring step when they drift.
 
         With ``lazy_predictor="quest"`` the measuring step also keeps a key summary of every
-        spilled page at every layer, and every step after it bounds, from that summary and its
-        own queries, how much attention each page could get at each layer (``quest_scores``):
-        the next step loads, **per layer**, the pages of the largest bounds, so a page the
-        block's first step ignored is loaded once the queries turn to it, and each layer gets
-        the pages it attends to (one choice for all layers, from the last layer, served the
-        others badly: ``benchmarks/FINDINGS.md``)."""
+        page at every layer, and every step after it bounds, from that summary and its own
+        queries, how much attention each page could get at each layer (``quest_scores``): the
+        next step loads, **per layer**, the pages of the largest bounds, so a page the block's
+        first step ignored is loaded once the queries turn to it, and each layer gets the pages
+        it attends to (one choice for all layers, from the last layer, served the others badly:
+        ``benchmarks/FINDINGS.md``)."""
         ps = self.page_shape[0]
         s, n = plan.spill, plan.num_pages
-        p0, p1 = window[0] // ps, -(-window[1] // ps)
-        full = window[0] <= 0 and window[1] >= s * ps          # every spilled key rewritten
         self.stats["steps"] += 1
-        written = (max(0, p0), min(n, p1))
+        if window[0] <= 0 and window[1] >= canvas_len:
+            self._place(state, s, (active[0] // ps, -(-active[1] // ps)), meta.block_table)
+        p0, p1 = max(0, window[0] // ps), min(n, -(-window[1] // ps))
+        written = (p0, p1)
+        wmask = np.zeros(n, dtype=bool)
+        wmask[state.slot_of[p0:p1]] = True                  # stage order
+        host = state.order[:s]
+        full = s == 0 or (window[0] <= int(host.min()) * ps and      # every host key rewritten
+                          window[1] >= min((int(host.max()) + 1) * ps, canvas_len))
         lazy, layers = None, state.layers
         if full:
             ranges = []
             # a new block: measured again (and its refresh does not hold the old key summaries)
             state.page_mass = state.lazy = state.layers = state.summary = state.score = None
-        elif s == 0 or self.lazy_budget is None or state.page_mass is None:
-            ranges = [(0, s)] if s else []
+        elif self.lazy_budget is None or state.page_mass is None:
+            ranges = [(0, s)]
         else:
             lazy = state.lazy
             if state.score is not None:              # quest: per layer, after every step
                 if layers is None or layers[0].written != written or state.score_new:
                     layers = state.layers = [
-                        self._lazy_step(state.score[i], written, plan, canvas_len,
-                                        meta.block_table) for i in range(self.num_layers)]
+                        self._lazy_step(state, state.score[i], wmask, plan, canvas_len,
+                                        meta.block_table, written)
+                        for i in range(self.num_layers)]
                     state.score_new = False
                 lazy = layers[-1]                    # the last layer's: the sentinel's
                 ranges = [p.ranges for p in layers]
             else:
                 if lazy is None or lazy.written != written:  # once per block (and window)
-                    lazy = state.lazy = self._lazy_step(state.page_mass[:s], written, plan,
-                                                        canvas_len, meta.block_table)
+                    lazy = state.lazy = self._lazy_step(state, state.page_mass, wmask, plan,
+                                                        canvas_len, meta.block_table, written)
                 ranges = lazy.ranges
         out = OverflowMetadata.wrap(meta, _StepCopies(self, plan, state.host, state.resident_idx,
-                                                      ranges, written))
-        if self.lazy_budget is not None and not full and s and state.page_mass is None:
+                                                      ranges, wmask))
+        if state.table_dev is not None:              # logical pages -> stage slots
+            sl = meta.slots.long()
+            out.block_table = state.table_dev
+            out.slots = (state.slot_dev[sl // ps] * ps + sl % ps).to(meta.slots.dtype)
+        if self.lazy_budget is not None and not full and state.page_mass is None:
             out.mass_layer = self.num_layers - 1   # every page here: where the block attends
             out.mass_pages = n
             self.stats["measuring_steps"] += 1
             if self.lazy_predictor == "quest":
                 state.summary = state.score = state.layers = None
                 out.quest, out.quest_measure = state, True
-        elif state.summary is not None and not full and s:
+        elif state.summary is not None and not full:
             out.quest = state
+        if lazy is not None:
+            plans = state.layers if state.score is not None else [lazy]
+            self.stats["lazy_wanted"] += sum(p.wanted for p in plans) / len(plans)
+            self.stats["lazy_hits"] += sum(p.hits for p in plans) / len(plans)
         if state.score is not None and lazy is not None:
             out.layer_plans = state.layers
             out.full_table = (out.block_table, out.seq_lens, out.max_k)
@@ -202,22 +249,57 @@ class OverflowKV:
                 out.mass_pages, out.lazy = len(lazy.keep), lazy
         return out
 
-    def _lazy_step(self, mass: np.ndarray, written: tuple[int, int], plan: OverflowPlan,
-                   canvas_len: int, like: torch.Tensor) -> LazyPlan:
-        return plan_lazy(mass, self.lazy_budget, written, plan.spill, plan.num_pages,
-                         self.page_shape[0], canvas_len, like)
+    def _place(self, state: OverflowState, spill: int, active: tuple[int, int],
+               like: torch.Tensor) -> None:
+        """At a step that rewrites every page: the placement's new stage order, if any."""
+        t0 = state.placement.seconds
+        order = state.placement.choose(spill, active)
+        self.stats["placement_s"] += state.placement.seconds - t0
+        if order is None or np.array_equal(order, state.order):
+            return
+        n = order.shape[0]
+        self.stats["replacements"] += 1
+        self.stats["pages_moved"] += int(np.setdiff1d(order[spill:], state.order[spill:]).size)
+        state.order = order
+        state.slot_of = np.empty(n, dtype=np.int64)
+        state.slot_of[order] = np.arange(n)
+        table = np.zeros(like.shape, dtype=np.int32)
+        table[0, :n] = state.slot_of
+        state.table_dev = h2d(table, torch.int32, self.device)
+        state.slot_dev = h2d(state.slot_of, torch.long, self.device)
+
+    def _lazy_step(self, state: OverflowState, score: np.ndarray, written: np.ndarray,
+                   plan: OverflowPlan, canvas_len: int, like: torch.Tensor,
+                   key: tuple[int, int]) -> LazyPlan:
+        n = plan.num_pages
+        return plan_lazy(score, self.lazy_budget, written, plan.spill, self.page_shape[0],
+                         canvas_len, int(state.slot_of[n - 1]), like, key)
+
+    def _evidence(self, state: OverflowState, mass_logical: np.ndarray) -> None:
+        t0 = state.placement.seconds
+        state.placement.observe(mass_logical)
+        self.stats["placement_s"] += state.placement.seconds - t0
 
     def observe_score(self, state: OverflowState, score: np.ndarray) -> None:
-        """Take a step's quest bounds [layers, spill]: the next lazy step chooses from them."""
+        """Take a step's quest bounds [layers, n] (stage order): the next lazy step chooses from
+        them. The measuring step's (the block's first) are also the placement's evidence:
+        each layer's share of its bounds, averaged over layers (its choices are per layer, so
+        the last layer's mass alone predicts them badly)."""
+        if state.score is None:
+            share = score / np.maximum(score.sum(1, keepdims=True), 1e-30)
+            self._evidence(state, share.mean(0)[state.slot_of])          # logical order
         state.score, state.score_new = score, True
 
     def observe(self, state: OverflowState, lazy: LazyPlan | None, mass: np.ndarray
                 ) -> tuple[bool, bool]:
         """Take a step's attention mass per page of its block table (``mass`` [pages]):
-        a measuring step's (``lazy`` None) becomes the block's ``page_mass``; a lazy step's
-        is the sentinel's evidence. Returns (checked, triggered)."""
+        a measuring step's (``lazy`` None; logical order) becomes the block's ``page_mass`` (in
+        stage order) and the placement's evidence; a lazy step's (per page of its compacted
+        table) is the sentinel's. Returns (checked, triggered)."""
         if lazy is None:
-            state.page_mass = mass
+            state.page_mass = mass[state.order]
+            if self.lazy_predictor == "mass":
+                self._evidence(state, mass)
             return False, False
         j = sentinel_overlap(state.page_mass, lazy.keep, lazy.watched, mass)
         self.stats["sentinel_checks"] += 1
@@ -232,164 +314,32 @@ class OverflowKV:
 @dataclass
 class OverflowState:
     """The runner's state of the running overflow request: its host buffer, the pool page of
-    each resident page, and (lazy loading) the attention mass each page received from the
-    active block's rows at the first step after the block's refresh."""
+    each resident page, where each logical page lives, and (lazy loading) the attention mass
+    each page received from the active block's rows at the first step after the block's
+    refresh (``OverflowKV.new_state`` makes it)."""
 
     request_id: str
     host: torch.Tensor
     resident_idx: torch.Tensor              # [n - spill] long, on the device
-    page_mass: np.ndarray | None = None     # [n] float, host
+    # stage slot -> logical page (slots < spill: host slots) and back; the block table and
+    # the slot map of that order on the device (None while it is the identity)
+    order: np.ndarray = None
+    placement: ResidentSet = None
+    slot_of: np.ndarray = None
+    table_dev: torch.Tensor | None = None
+    slot_dev: torch.Tensor | None = None
+    page_mass: np.ndarray | None = None     # [n] float, host, stage order
     lazy: LazyPlan | None = None            # the current block's lazy loads
-    # lazy_predictor="quest": the spilled pages' key summary per layer (device) from the
-    # block's measuring step, the latest step's bounds [layers, spill] (host; ``score_new``:
+    # lazy_predictor="quest": every page's key summary per layer (device, stage order) from
+    # the block's measuring step, the latest step's bounds [layers, n] (host; ``score_new``:
     # not yet turned into lazy plans) and the lazy plan of each layer
     summary: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     score: np.ndarray | None = None
     score_new: bool = False
     layers: list[LazyPlan] | None = None
 
-
-class _StepCopies:
-    """One step's copies around each layer's attention (see the module docstring)."""
-
-    def __init__(self, kv: OverflowKV, plan: OverflowPlan, host: torch.Tensor,
-                 resident_idx: torch.Tensor, load: list,
-                 written: tuple[int, int]) -> None:
-        self.kv, self.plan, self.host = kv, plan, host
-        self.res_idx = resident_idx                   # [n - spill] long: pool page per page
-        # spilled page ranges host -> stage: one list for every layer, or one list per layer
-        self.load = load
-        self.per_layer = bool(load) and isinstance(load[0], list)
-        s = plan.spill
-        p0, p1 = written
-        # written spilled pages [a, b) go to host, written resident pages [c, d) to the pool
-        self.spill_written = (p0, min(p1, s)) if p0 < s else None
-        self.res_written = (max(p0, s), p1) if p1 > s else None
-        self.loaded: dict[int, torch.cuda.Event] = {}
-
-    def kv_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        st = self.kv.stage[layer % 2]
-        return st[0], st[1]
-
-    def load_of(self, layer: int) -> list[tuple[int, int]]:
-        if layer >= self.kv.num_layers:
-            return []
-        return self.load[layer] if self.per_layer else self.load
-
-    def _load(self, layer: int) -> None:
-        """Host -> stage of layer ``layer``'s spilled pages (copy stream on CUDA)."""
-        load = self.load_of(layer)
-        if not load:
-            return
-        st = self.kv.stage[layer % 2]
-        cs = self.kv.copy_stream
-        if cs is None:
-            for a, b in load:
-                st[:, a:b].copy_(self.host[layer, :, a:b])
-        else:
-            cs.wait_stream(torch.cuda.current_stream(self.kv.device))
-            with torch.cuda.stream(cs):
-                for a, b in load:
-                    st[0, a:b].copy_(self.host[layer, 0, a:b], non_blocking=True)
-                    st[1, a:b].copy_(self.host[layer, 1, a:b], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(cs)
-            self.loaded[layer] = ev
-        self.kv.stats["h2d_bytes"] += sum(b - a for a, b in load) * self.kv.page_layer_bytes
-
-    def before(self, pool: torch.Tensor, layer: int) -> None:
-        if layer == 0:
-            self._load(0)
-        self._load(layer + 1)       # into the other buffer, once layer - 1 is done with it
-        s, n = self.plan.spill, self.plan.num_pages
-        st = self.kv.stage[layer % 2]
-        if n > s:                   # resident pages: pool -> stage (a gather on the device)
-            torch.index_select(pool[layer, 0], 0, self.res_idx, out=st[0, s:n])
-            torch.index_select(pool[layer, 1], 0, self.res_idx, out=st[1, s:n])
-        ev = self.loaded.pop(layer, None)
-        if ev is not None:
-            torch.cuda.current_stream(self.kv.device).wait_event(ev)
-
-    def after(self, pool: torch.Tensor, layer: int) -> None:
-        st = self.kv.stage[layer % 2]
-        s = self.plan.spill
-        if self.res_written is not None:          # written resident pages: stage -> pool
-            c, d = self.res_written
-            idx = self.res_idx[c - s:d - s]
-            pool[layer, 0].index_copy_(0, idx, st[0, c:d])
-            pool[layer, 1].index_copy_(0, idx, st[1, c:d])
-        if self.spill_written is not None:        # written spilled pages: stage -> host
-            a, b = self.spill_written
-            cs = self.kv.copy_stream
-            if cs is None:
-                self.host[layer, :, a:b].copy_(st[:, a:b])
-            else:
-                # NOTE: on the copy stream after this layer's compute; the buffer's next user
-                # (layer + 2) waits for it: its host copy is queued on the same stream later,
-                # and ``before`` makes the compute stream wait for that copy's event
-                cs.wait_stream(torch.cuda.current_stream(self.kv.device))
-                with torch.cuda.stream(cs):
-                    self.host[layer, 0, a:b].copy_(st[0, a:b], non_blocking=True)
-                    self.host[layer, 1, a:b].copy_(st[1, a:b], non_blocking=True)
-                    if not self.load_of(layer + 2):   # nothing else orders the buffer's reuse
-                        ev = torch.cuda.Event()
-                        ev.record(cs)
-                        self.loaded[layer + 2] = ev
-            self.kv.stats["d2h_bytes"] += (b - a) * self.kv.page_layer_bytes
-
-    def finish(self) -> None:
-        """After the forward: the compute stream waits for the last write-backs (the next
-        step's loads read them; a request's release must not free a buffer in flight)."""
-        if self.kv.copy_stream is not None:
-            torch.cuda.current_stream(self.kv.device).wait_stream(self.kv.copy_stream)
+    def __post_init__(self) -> None:
+        if self.slot_of is None:
+            self.slot_of = np.argsort(self.order)
 
 
-class OverflowMetadata(PagedAttentionMetadata):
-    """``PagedAttentionMetadata`` of an overflow request's step: every layer reads and writes the
-    stage (``_StepCopies``), with the copies around it."""
-
-    copies: _StepCopies
-    mass_pages: int = 0                # pages of the block table ``mass`` covers
-    lazy: LazyPlan | None = None       # a lazy step the sentinel checks
-    # lazy_predictor="quest": the request's state (its key summaries; ``quest_measure``: make
-    # them from this step, every layer) and the bounds this step's queries give each spilled page
-    quest: OverflowState | None = None
-    quest_measure: bool = False
-    quest_score: torch.Tensor | None = None          # [layers, spill] after the forward
-    # quest's lazy steps: each layer's compacted block table (``None`` table: every page), and
-    # the step's own (block_table, seq_lens, max_k) for those
-    layer_plans: list[LazyPlan] | None = None
-    full_table: tuple | None = None
-
-    @classmethod
-    def wrap(cls, meta: PagedAttentionMetadata, copies: _StepCopies) -> "OverflowMetadata":
-        if meta.special or meta.mass_layer is not None:     # (lazy loading sets its own)
-            raise ValueError("an overflow request's step has no verification, probe or "
-                             "mass rows")
-        out = cls.__new__(cls)
-        out.__dict__.update(meta.__dict__)
-        out.copies = copies
-        return out
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.copies.kv_of(layer)
-
-    def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
-                  ) -> torch.Tensor:
-        self.copies.before(self.kv, layer)
-        if self.layer_plans is not None:
-            p = self.layer_plans[layer]
-            self.block_table, self.seq_lens, self.max_k = (
-                self.full_table if p.table is None else (p.table, p.seq_lens, p.max_k))
-        out = super().attention(attn, layer, x, positions)
-        num_layers = self.copies.kv.num_layers
-        if self.quest is not None:
-            if layer == 0:
-                self._scores = []
-            self._scores.append(quest_layer_scores(self, attn, layer, x, positions))
-        self.copies.after(self.kv, layer)
-        if layer == num_layers - 1:
-            self.copies.finish()
-            if self.quest is not None:
-                self.quest_score = torch.stack(self._scores)
-        return out

@@ -3,12 +3,13 @@ which host pages a step loads, and the sentinel that says when that choice went 
 
 ``engine/kv_overflow.py`` runs it: after a block's refresh, a **measuring step** loads every
 page and measures (last layer) the attention mass the active block's rows give each page; the
-block's later **lazy steps** load only the pages ``select_pages`` picks from that mass and
-attend to those (plus the GPU-resident ones). With ``--lazy-load-sentinel J`` every lazy step
-also measures the mass its loaded pages get; when the ``SENTINEL_TOP_K`` most attended of them
-overlap those of the measuring step by less than ``J`` (Jaccard), the block's attention has
-moved, and the next step is a measuring step again: it loads every page (the skipped ones
-included) and chooses anew.
+block's later **lazy steps** attend to the GPU-resident pages plus the share ``F`` of the
+other pages that ``select_pages`` ranks highest, so they load only the host pages among
+those (which pages are resident is the placement's choice, ``engine/overflow_placement.py``).
+With ``--lazy-load-sentinel J`` every lazy step also measures the mass its loaded pages get;
+when the ``SENTINEL_TOP_K`` most attended of them overlap those of the measuring step by less
+than ``J`` (Jaccard), the block's attention has moved, and the next step is a measuring step
+again: it loads every page (the skipped ones included) and chooses anew.
 """
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ class LazyPlan:
     seq_lens: torch.Tensor | None = None
     max_k: int = 0
     skipped: int = 0
-    keep: np.ndarray | None = None          # logical page of each page of ``table``
+    keep: np.ndarray | None = None          # stage slot of each page of ``table``
     watched: np.ndarray | None = None       # indices into ``keep``: the sentinel's pages
+    wanted: int = 0                         # pages of largest score the step attends to
+    hits: int = 0                           # of those, the GPU-resident ones
 
 
 # pages in the lazy-load sentinel's top sets (at most half the watched pages: a set of them all
@@ -44,40 +47,58 @@ def sentinel_overlap(ref: np.ndarray, keep: np.ndarray, watched: np.ndarray,
                      mass: np.ndarray) -> float:
     """Jaccard overlap of the ``SENTINEL_TOP_K`` most attended watched pages now (``mass``, per
     page of the compacted table ``keep``) and at the block's measuring step (``ref``, per
-    logical page). Ties break towards the lower page."""
+    stage slot). Ties break towards the lower page."""
     k = max(1, min(SENTINEL_TOP_K, len(watched) // 2))
     now = set(watched[np.argsort(-mass[watched], kind="stable")[:k]].tolist())
     then = set(watched[np.argsort(-ref[keep[watched]], kind="stable")[:k]].tolist())
     return len(now & then) / len(now | then)
 
 
-def select_pages(mass: np.ndarray, budget: float, written: tuple[int, int]
-                 ) -> list[tuple[int, int]]:
-    """Which spilled pages a lazy step loads, as sorted disjoint ranges ``[a, b)``: every
-    spilled page in ``written`` (the step rewrites part of it, so all of it must be there to go
-    back), plus the ``ceil(budget * spill)`` other pages of most attention ``mass`` [spill],
-    chosen in chunks of ``ceil(spill / 256)`` pages (fewer, larger copies).
+def select_pages(score: np.ndarray, budget: float, written: np.ndarray, spill: int
+                 ) -> tuple[list[tuple[int, int]], int, int]:
+    """Which host pages a lazy step loads. Everything is in **stage order** (``kv_overflow``:
+    slots ``0..spill-1`` are the host pages, the others the GPU-resident ones): ``score`` [n]
+    predicts the attention each page gets, ``written`` [n] (bool) marks the pages the step
+    rewrites (all of such a page must be there to go back).
+
+    The step attends to the resident pages plus the ``k = ceil(budget * m)`` pages of largest
+    score among the ``m`` pages it does not write (wherever they live), so it loads the host
+    pages among those ``k`` (in chunks of ``ceil(spill / 256)`` host pages, fewer and larger
+    copies: the chunks of most ranked score) and the written host pages. A placement that keeps
+    the most attended pages resident (``engine/overflow_placement.py``) therefore loads fewer.
+
+    Returns (sorted disjoint host-page ranges ``[a, b)``, ``k``, how many of the ``k`` are
+    resident: the step's L0 hits).
 
     NOTE: the written pages are left out of the ranking: the active block attends to itself
     most, so ranked with the rest they took the whole budget and the prompt's pages were all
     skipped (demo arith, threshold: 88 % at budgets 0.25 and 0.1 alike, against 98 %)."""
-    s = mass.shape[0]
-    w0, w1 = max(0, written[0]), max(0, min(s, written[1]))
-    ranked = np.ones(s, dtype=bool)
-    ranked[w0:w1] = False
-    chunk = -(-s // 256)
-    n_chunks = -(-s // chunk)
-    starts = np.arange(0, s, chunk)
-    # a chunk's mass: its ranked pages' sum (a chunk of written pages only comes last)
-    per_chunk = np.where(np.logical_or.reduceat(ranked, starts),
-                         np.add.reduceat(np.where(ranked, mass, 0.0), starts), -np.inf)
-    take = min(n_chunks, -(-int(np.ceil(budget * s)) // chunk))
+    n, s = score.shape[0], spill
+    ranked = ~np.asarray(written, dtype=bool)
+    m = int(ranked.sum())
+    k = min(m, int(np.ceil(budget * m - 1e-9)))
+    order = np.argsort(-np.where(ranked, score, -np.inf), kind="stable")[:k]
+    want = int((order < s).sum())                    # of the k, those in host memory
     pick = np.zeros(s, dtype=bool)
-    for c in np.argsort(-per_chunk, kind="stable")[:take]:
-        pick[c * chunk:(c + 1) * chunk] = True
-    pick[w0:w1] = True
+    if want == int(ranked[:s].sum()):                # every host page it could skip: all
+        pick[:] = True
+    elif want:
+        chunk = -(-s // 256)
+        starts = np.arange(0, s, chunk)
+        r = ranked[:s]
+        # a chunk's score: its ranked pages' sum (a chunk of written pages only comes last)
+        per_chunk = np.where(np.logical_or.reduceat(r, starts),
+                             np.add.reduceat(np.where(r, score[:s], 0.0), starts), -np.inf)
+        for c in np.argsort(-per_chunk, kind="stable")[:-(-want // chunk)]:
+            pick[c * chunk:(c + 1) * chunk] = True
+    pick |= ~ranked[:s]
+    return runs(pick), k, k - want
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of True in ``mask`` as sorted ranges ``[a, b)``."""
     ranges, a = [], None
-    for i, p in enumerate(pick.tolist() + [False]):
+    for i, p in enumerate(mask.tolist() + [False]):
         if p and a is None:
             a = i
         elif not p and a is not None:
@@ -133,39 +154,47 @@ def quest_scores_reference(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return logits.amax(1).amax(-1)                                     # [H, P]
 
 
-def plan_lazy(mass: np.ndarray, budget: float, written: tuple[int, int], spill: int,
-              num_pages: int, page_size: int, canvas_len: int, like: torch.Tensor) -> LazyPlan:
-    """The spilled pages a lazy step loads (``select_pages`` on ``mass`` [spill]) and, when some
-    are skipped, the compacted block table its attention reads: the kept spilled pages, then
-    the resident ones (the partial last page stays last). ``like``: the step's block table
-    (shape and device)."""
-    ps, s, n = page_size, spill, num_pages
-    ranges = select_pages(mass, budget, written)
+def plan_lazy(score: np.ndarray, budget: float, written: np.ndarray, spill: int,
+              page_size: int, canvas_len: int, last: int, like: torch.Tensor,
+              key: tuple[int, int]) -> LazyPlan:
+    """The host pages a lazy step loads (``select_pages``, stage order: ``score`` and
+    ``written`` [n]) and, when some are skipped, the compacted block table its attention reads:
+    the kept host pages, then the resident ones, the partial last page last (``last``: the
+    stage slot of the canvas's last logical page). ``like``: the step's block table (shape and
+    device); ``key``: the written logical pages, by which the plan is kept for the block."""
+    ps, s, n = page_size, spill, score.shape[0]
+    ranges, wanted, hits = select_pages(score, budget, written, s)
     if ranges == [(0, s)]:
-        return LazyPlan(written, ranges)
+        return LazyPlan(key, ranges, wanted=wanted, hits=hits)
     keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
+    full_last = canvas_len % ps == 0
+    if last in keep and not full_last:
+        keep.remove(last)
+        keep.append(last)
+        keys = (len(keep) - 1) * ps + (canvas_len - (canvas_len // ps) * ps)
+    else:
+        keys = len(keep) * ps
     # the sentinel watches the loaded host pages it could have skipped (not the written)
-    w0, w1 = written
-    watched = [i for i, p in enumerate(keep) if p < s and not w0 <= p < w1]
-    keys = (len(keep) - 1) * ps + (canvas_len - (n - 1) * ps)
+    watched = [i for i, p in enumerate(keep) if p < s and not written[p]]
     table = np.zeros(like.shape, dtype=np.int32)
     table[0, :len(keep)] = keep
-    return LazyPlan(written, ranges, h2d(table, torch.int32, like.device),
+    return LazyPlan(key, ranges, h2d(table, torch.int32, like.device),
                     h2d([keys], torch.int32, like.device), seqlen_bound(keys),
                     s - sum(b - a for a, b in ranges), np.asarray(keep),
-                    np.asarray(watched) if len(watched) >= 2 else None)
+                    np.asarray(watched) if len(watched) >= 2 else None, wanted, hits)
 
 
 def quest_layer_scores(meta, attn, layer: int, x: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:
-    """The bounds of a step's queries at ``layer`` on every spilled page [spill] (an overflow
-    step's ``OverflowMetadata``; on a measuring step, whose stage holds every page, the
-    layer's key summary is made first)."""
-    s = meta.copies.plan.spill
+    """The bounds of a step's queries at ``layer`` on every page [n], in stage order (an
+    overflow step's ``OverflowMetadata``; on a measuring step, whose stage holds every page, the
+    layer's key summary is made first: of the resident pages too, so a step's largest bounds
+    can fall on pages it need not load)."""
+    n = meta.copies.plan.num_pages
     if meta.quest_measure:
         if layer == 0:
             meta.quest.summary = []
-        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:s]))
+        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:n]))
     q, _, _ = attn.project(x)
     q = attn.rotary(q, positions)
     score = quest_scores(q, *meta.quest.summary[layer])

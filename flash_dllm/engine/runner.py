@@ -98,7 +98,9 @@ class ModelRunner:
                                        int(config.kv_overflow_gb * 2**30),
                                        lazy_budget=config.lazy_load_budget,
                                        lazy_sentinel=config.lazy_load_sentinel,
-                                       lazy_predictor=config.lazy_load_predictor)
+                                       lazy_predictor=config.lazy_load_predictor,
+                                       placement=config.kv_placement,
+                                       placement_top_k=config.kag_top_k)
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
@@ -333,11 +335,9 @@ class ModelRunner:
         rid = seq.req.request_id
         st = self._overflow_req
         if st is None or st.request_id != rid:
-            ov = seq.overflow
-            st = self._overflow_req = OverflowState(
-                rid, self.overflow.host_buffer(ov.spill), h2d(ov.resident, torch.long,
-                                                              self.device))
-        return self.overflow.step(meta, seq.overflow, st, seq.window, seq.req.canvas_len)
+            st = self._overflow_req = self.overflow.new_state(rid, seq.overflow)
+        return self.overflow.step(meta, seq.overflow, st, seq.window, seq.req.canvas_len,
+                                  (seq.req.block_start, seq.req.block_end))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""

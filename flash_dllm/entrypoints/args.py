@@ -121,9 +121,10 @@ class EngineArgs:
                                   "(default: %(default)s, such requests are refused)")
     lazy_load_budget: float | None = _knob(
         "lazy_load_budget", float,
-        "with --kv-overflow-gb: a step that does not rewrite a long request's host pages loads "
-        "only this share of them (0-1], the most attended at its block's first step, and its "
-        "attention skips the rest (approximate; default: every page, exact)")
+        "with --kv-overflow-gb: a step that does not rewrite a long request's host pages "
+        "attends to its GPU-resident pages plus this share (0-1] of its other pages, those of "
+        "most predicted attention, and loads only the host pages among them; its attention "
+        "skips the rest (approximate; default: every page, exact)")
     lazy_load_sentinel: float | None = _knob(
         "lazy_load_sentinel", float,
         "with --lazy-load-budget: each lazy step compares the host pages its block attends to "
@@ -140,7 +141,10 @@ class EngineArgs:
                               "which cached pages leave a tier first: lru (least recently "
                               "used), ema (least attended: moving average of the attention mass "
                               "their pages got), kag (least central in the KV access graph, "
-                              "PageRank); ema and kag learn from cache=flash steps only "
+                              "PageRank); ema and kag learn from cache=flash steps only. "
+                              "With --lazy-load-budget also which pages of a request larger "
+                              "than the pool stay on the GPU (re-chosen at each block refresh "
+                              "of the dual cache; lru keeps its last pages) "
                               "(default: %(default)s)",
                               choices=["lru", "ema", "kag"])
     kv_prefetch: bool = _knob("kv_prefetch", bool,
