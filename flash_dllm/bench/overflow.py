@@ -34,18 +34,28 @@ from flash_dllm.engine.engine import Engine
 from flash_dllm.models.loader import build_model, parse_dtype
 
 
-def _run(eng: Engine, prompt: list[int], params: SamplingParams, dev: torch.device
-         ) -> tuple[list[tuple[bool, float]], list[int]]:
-    """(refresh?, seconds) per step of one request, and its tokens."""
+def _run(eng: Engine, prompt: list[int], params: SamplingParams, dev: torch.device,
+         detail: list | None = None) -> tuple[list[tuple[bool, float]], list[int]]:
+    """(refresh?, seconds) per step of one request, and its tokens. ``detail``: also, per
+    step, its block, its kind (refresh / measure / lazy / full) and its copies (stats deltas)."""
     req = eng.add_request(prompt, params)
     steps = []
+    ov = eng.runner.overflow
     while eng.has_unfinished():
-        refresh = req.first_step
+        refresh, block = req.first_step, req.block
+        before = dict(ov.stats) if ov is not None else {}
         _sync(dev)
         t0 = time.perf_counter()
         eng.step()                                 # ends with the step's device->host copy
         _sync(dev)
         steps.append((refresh, time.perf_counter() - t0))
+        if detail is not None:
+            d = {k: v - before[k] for k, v in ov.stats.items()}
+            kind = ("refresh" if refresh else "measure" if d["measuring_steps"]
+                    else "lazy" if d["lazy_wanted"] else "full")
+            detail.append({"block": block, "kind": kind, "s": steps[-1][1],
+                           "h2d_bytes": d["h2d_bytes"], "wanted": d["lazy_wanted"],
+                           "hits": d["lazy_hits"]})
     return steps, req.tokens.tolist()
 
 
@@ -70,7 +80,9 @@ def _copy_rate(dev: torch.device, chunk: int, count: int, to_device: bool, reps:
 def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "bfloat16",
                        prompt_len: int = 2048, gen: int = 32, block: int = 32,
                        resident: float = 0.25, page_size: int = 16, cache: str = "dual",
-                       progress=print) -> dict:
+                       progress=print, steps_per_block: int | None = None,
+                       lazy_budget: float | None = None, placements: tuple[str, ...] = (),
+                       lazy_predictor: str = "quest") -> dict:
     if not 0 < resident < 1:
         raise ValueError(f"resident must be in (0, 1), got {resident!r}")
     dev = torch.device(device)
@@ -84,7 +96,8 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
     while len(prompt) < prompt_len:
         prompt.append(prompt[-1])
     params = SamplingParams(max_tokens=gen, block_length=block, cache=cache, decode="vanilla",
-                            early_stop=False)
+                            early_stop=False,
+                            steps=steps_per_block * (gen // block) if steps_per_block else None)
     n_pages = -(-total // page_size)
     res_pages = max(1, int(resident * n_pages))
     tdtype = next(model.parameters()).dtype
@@ -94,6 +107,7 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
               "dtype": str(tdtype).replace("torch.", ""), "torch": torch.__version__,
               "prompt_len": prompt_len, "gen": gen, "block_length": block, "cache": cache,
               "page_size": page_size, "pages": n_pages, "resident_pages": res_pages,
+              "steps_per_block": steps_per_block,
               "kv_bytes": n_pages * page_size * kv_token}
 
     # today's behaviour without the overflow: refused at submission
@@ -167,7 +181,54 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
                                if ref_bound and b["refresh_s"] else None),
         "target_step_over_bound": 1.25,
     })
+    if lazy_budget is not None:
+        report["lazy"] = _lazy_cases(model, cfg, prompt, params, dev, page_size, res_pages,
+                                     n_pages, kv_token, lazy_budget, placements, lazy_predictor,
+                                     a["step_s_median"], tokens["all_in_gpu"], progress)
     return report
+
+
+def _lazy_cases(model, cfg, prompt, params, dev, page_size, res_pages, n_pages, kv_token,
+                budget, placements, predictor, all_in_gpu_step, ref_tokens, progress,
+                reps: int = 3) -> dict:
+    """The same request under lazy loading (``--lazy-load-budget``) with each placement: the
+    steps of the blocks after the first (whose refresh moved the resident set) are timed.
+    Random weights: which pages the attention picks means nothing, so the step time against
+    the bytes it streamed is the figure here (median over the lazy steps of ``reps - 1`` runs
+    after an untimed one) (``benchmarks/placement_overflow.py`` measures
+    hits and accuracy on trained checkpoints)."""
+    out = {"budget": budget, "predictor": predictor, "cases": {}}
+    for placement in placements or ("lru",):
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        eng = Engine(model, cfg, EngineConfig(
+            page_size=page_size, num_kv_pages=res_pages, max_num_seqs=1,
+            kv_overflow_gb=1.05 * (n_pages - res_pages) * page_size * kv_token / 2**30 + 1e-3,
+            lazy_load_budget=budget, lazy_load_predictor=predictor, kv_placement=placement))
+        progress(f"lazy {budget} {predictor} {placement}: {reps} runs (the first untimed)")
+        later: list = []
+        for rep in range(reps):
+            detail: list = []
+            _, toks = _run(eng, prompt, params, dev, detail)
+            if rep or reps == 1:
+                later += [d for d in detail if d["block"] >= 1 and d["kind"] == "lazy"]
+        med = statistics.median(d["s"] for d in later) if later else None
+        wanted = sum(d["wanted"] for d in later)
+        out["cases"][placement] = {
+            "steps": detail,                               # the last run's
+            "timed_lazy_steps": len(later),
+            "placement_host_s": eng.runner.overflow.stats["placement_s"],    # all runs
+            "lazy_step_s_median": med,
+            "lazy_step_over_all_in_gpu": med / all_in_gpu_step if med and all_in_gpu_step
+            else None,
+            "h2d_bytes_per_lazy_step": (sum(d["h2d_bytes"] for d in later) / len(later)
+                                        if later else None),
+            "hit_rate": sum(d["hits"] for d in later) / wanted if wanted else None,
+            "replacements": eng.runner.overflow.stats["replacements"],
+            "tokens_equal_exact": toks == ref_tokens}
+        del eng
+        gc.collect()
+    return out
 
 
 def table(r: dict) -> str:
@@ -190,4 +251,11 @@ def table(r: dict) -> str:
         f"  tokens equal: {r['tokens_equal']}; without --kv-overflow-gb: "
         f"{'refused' if r['refused_without_overflow'] else 'accepted'}",
     ]
+    lz = r.get("lazy")
+    for name, c in (lz["cases"].items() if lz else ()):
+        lines.append(
+            f"  lazy {lz['budget']} ({lz['predictor']}, {name}): step {f(c['lazy_step_s_median'])}"
+            f" = {c['lazy_step_over_all_in_gpu'] or float('nan'):.3f}x all in GPU, "
+            f"{(c['h2d_bytes_per_lazy_step'] or 0) / 2**30:.2f} GiB streamed per step, "
+            f"hit rate {c['hit_rate'] if c['hit_rate'] is not None else float('nan'):.2f}")
     return "\n".join(lines)

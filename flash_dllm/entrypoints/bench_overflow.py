@@ -20,6 +20,14 @@ def add_overflow_parser(bsub) -> None:
                         "%(default)s)")
     o.add_argument("--page-size", type=int, default=16)
     o.add_argument("--cache", default="dual", choices=["dual", "prefix"])
+    o.add_argument("--steps-per-block", type=int, default=None,
+                   help="denoising steps per block (default: one token per step)")
+    o.add_argument("--lazy-load-budget", type=float, default=None,
+                   help="also time the request under lazy loading at this budget, once per "
+                        "--kv-placement")
+    o.add_argument("--kv-placement", nargs="+", default=["lru"], choices=["lru", "ema", "kag"],
+                   help="with --lazy-load-budget: which pages stay resident (default: lru)")
+    o.add_argument("--lazy-load-predictor", default="quest", choices=["mass", "quest"])
     o.add_argument("--json", default=None, help="write the report here")
     o.set_defaults(func=cmd_bench_overflow)
 
@@ -34,7 +42,11 @@ def cmd_bench_overflow(a: argparse.Namespace) -> int:
     resolve_device(a.device)
     report = run_overflow_bench(a.model_shape, a.device, a.dtype, a.prompt_len, a.gen_len,
                                 a.block_length, a.resident, a.page_size, a.cache,
-                                progress=lambda m: print(m, flush=True))
+                                progress=lambda m: print(m, flush=True),
+                                steps_per_block=a.steps_per_block,
+                                lazy_budget=a.lazy_load_budget,
+                                placements=tuple(a.kv_placement),
+                                lazy_predictor=a.lazy_load_predictor)
     write_report(report, a.json)
     print(table(report))
     return 0
