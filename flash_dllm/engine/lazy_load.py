@@ -97,14 +97,8 @@ def select_pages(score: np.ndarray, budget: float, written: np.ndarray, spill: i
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:
     """The runs of True in ``mask`` as sorted ranges ``[a, b)``."""
-    ranges, a = [], None
-    for i, p in enumerate(mask.tolist() + [False]):
-        if p and a is None:
-            a = i
-        elif not p and a is not None:
-            ranges.append((a, i))
-            a = None
-    return ranges
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], np.asarray(mask, dtype=np.int8), [0]))))
+    return [(int(a), int(b)) for a, b in zip(edges[0::2], edges[1::2])]
 
 
 # which pages a lazy step loads: ``mass`` (the attention each page got at the block's measuring
@@ -166,22 +160,24 @@ def plan_lazy(score: np.ndarray, budget: float, written: np.ndarray, spill: int,
     ranges, wanted, hits = select_pages(score, budget, written, s)
     if ranges == [(0, s)]:
         return LazyPlan(key, ranges, wanted=wanted, hits=hits)
-    keep = [p for a, b in ranges for p in range(a, b)] + list(range(s, n))
-    full_last = canvas_len % ps == 0
-    if last in keep and not full_last:
-        keep.remove(last)
-        keep.append(last)
-        keys = (len(keep) - 1) * ps + (canvas_len - (canvas_len // ps) * ps)
+    kept = np.ones(n, dtype=bool)                   # the loaded host pages and the resident
+    kept[:s] = False
+    for a, b in ranges:
+        kept[a:b] = True
+    keep = np.flatnonzero(kept)
+    if kept[last] and canvas_len % ps:              # the partial last page goes last
+        keep = np.concatenate([keep[keep != last], [last]])
+        keys = (len(keep) - 1) * ps + canvas_len % ps
     else:
         keys = len(keep) * ps
     # the sentinel watches the loaded host pages it could have skipped (not the written)
-    watched = [i for i, p in enumerate(keep) if p < s and not written[p]]
+    watched = np.flatnonzero((keep < s) & ~np.asarray(written, dtype=bool)[keep])
     table = np.zeros(like.shape, dtype=np.int32)
     table[0, :len(keep)] = keep
     return LazyPlan(key, ranges, h2d(table, torch.int32, like.device),
                     h2d([keys], torch.int32, like.device), seqlen_bound(keys),
-                    s - sum(b - a for a, b in ranges), np.asarray(keep),
-                    np.asarray(watched) if len(watched) >= 2 else None, wanted, hits)
+                    s - sum(b - a for a, b in ranges), keep,
+                    watched if len(watched) >= 2 else None, wanted, hits)
 
 
 def quest_layer_scores(meta, attn, layer: int, x: torch.Tensor,
