@@ -147,6 +147,36 @@ def test_a_quest_run_rechooses_its_pages_after_every_step_and_budget_one_is_exac
     assert quest.runner._overflow_req is None and quest.kv_manager.num_used == 0
 
 
+def test_quest_summaries_ignore_the_unwritten_slots_of_the_partial_last_page():
+    """The canvas (86 tokens, pages of 4) ends half-way through its last page, whose other
+    slots were never written: NaN there (the pool and the stage are ``torch.empty``) changes
+    no bound, no plan and no token. Before the mend the last page's summary took them in and
+    every other page's score was NaN or 0 (a CI failure of the test above)."""
+    model = tiny("llada", seed=5)
+    params = _params("dual", "vanilla")
+
+    def run(poison):
+        eng = Engine(model, model.cfg, EngineConfig(lazy_load_predictor="quest", **LAZY))
+        ov = eng.runner.overflow
+        if poison:
+            eng.runner.kv.fill_(float("nan"))
+            ov.stage.fill_(float("nan"))
+        calls = []
+        real = ov._lazy_step
+        ov._lazy_step = lambda *a: calls.append(a[1].copy()) or real(*a)
+        return _run(eng, [LONG], params)[0], calls
+
+    ref, ref_calls = run(False)
+    got, calls = run(True)
+    assert got == ref and len(calls) == len(ref_calls) > 0
+    for c, r in zip(calls, ref_calls):
+        assert np.isfinite(c).all() and (c > 0).all()
+        np.testing.assert_allclose(c, r, rtol=1e-5)
+    kmin, kmax = key_summary(torch.tensor([[[[1.0]], [[float("nan")]]],
+                                           [[[2.0]], [[-3.0]]]]), tail=(0, 1))
+    assert kmin.flatten().tolist() == [1.0, -3.0] and kmax.flatten().tolist() == [1.0, 2.0]
+
+
 def test_bad_predictor_names_are_named():
     with pytest.raises(ValueError, match="lazy_load_predictor"):
         EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0.5, lazy_load_predictor="oracle")

@@ -229,6 +229,8 @@ class OverflowKV:
             if self.lazy_predictor == "quest":
                 state.summary = state.score = state.layers = None
                 out.quest, out.quest_measure = state, True
+                if canvas_len % ps:
+                    out.quest_tail = (int(state.slot_of[n - 1]), canvas_len % ps)
         elif state.summary is not None and not full:
             out.quest = state
         if lazy is not None:

@@ -107,12 +107,23 @@ def runs(mask: np.ndarray) -> list[tuple[int, int]]:
 LAZY_PREDICTORS = ("mass", "quest")
 
 
-def key_summary(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def key_summary(keys: torch.Tensor, tail: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-page, per-channel minimum and maximum of the (rotated) keys: [pages, page_size, Hkv,
     D] -> ([pages, Hkv, D], [pages, Hkv, D]) in the keys' dtype (Quest's page summary: with
     every layer's kept, 2 / page_size of the spilled keys' bytes; min and max are exact in any
-    dtype)."""
-    return keys.amin(1), keys.amax(1)
+    dtype). ``tail`` = (page, valid slots): the canvas's partial last page, summarised over its
+    first ``valid`` slots only.
+
+    NOTE: the slots past the canvas were never written (the pool and the stage are
+    ``torch.empty``): their bytes are anything, NaN or 1e38 included, and summarised with the
+    rest they made that page's bound the largest of every head and every other page's score
+    underflow to 0 (a CI run whose memory held large values)."""
+    kmin, kmax = keys.amin(1), keys.amax(1)
+    if tail is not None:
+        page, valid = tail
+        kmin[page], kmax[page] = keys[page, :valid].amin(0), keys[page, :valid].amax(0)
+    return kmin, kmax
 
 
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -190,7 +201,8 @@ def quest_layer_scores(meta, attn, layer: int, x: torch.Tensor,
     if meta.quest_measure:
         if layer == 0:
             meta.quest.summary = []
-        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:n]))
+        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:n],
+                                              meta.quest_tail))
     q, _, _ = attn.project(x)
     q = attn.rotary(q, positions)
     score = quest_scores(q, *meta.quest.summary[layer])

@@ -123,6 +123,7 @@ class OverflowMetadata(PagedAttentionMetadata):
     # them from this step, every layer) and the bounds this step's queries give each spilled page
     quest: object = None                             # the request's OverflowState
     quest_measure: bool = False
+    quest_tail: tuple[int, int] | None = None        # (stage slot, valid slots): partial page
     quest_score: torch.Tensor | None = None          # [layers, spill] after the forward
     # quest's lazy steps: each layer's compacted block table (``None`` table: every page), and
     # the step's own (block_table, seq_lens, max_k) for those
