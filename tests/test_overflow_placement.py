@@ -2,7 +2,9 @@
 ``--lazy-load-budget``, ``engine/overflow_placement.py``), on the CPU: the choice itself (the
 active block resident, then by score; host pages by decreasing score), that any resident set,
 moved at every block refresh, changes no token when every page is attended (full and compacted
-tables), and that under lazy loading a placement by attention turns loads into L0 hits."""
+tables) nor when the same logical pages are skipped, that the pages a block's later steps write
+stay resident (no host write-back between refreshes, prefix cache included), and that under
+lazy loading a placement by attention turns loads into L0 hits."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,15 +24,17 @@ def test_choose_keeps_the_active_block_then_the_highest_scores_resident():
     assert rs.choose(6, (8, 10)) is None                  # no evidence yet: keep the split
     rs.observe(np.array([5.0, 0, 0, 4.0, 0, 0, 3.0, 0, 0, 0]))
     order = rs.choose(6, (8, 10))
-    # 4 resident: the active block (8, 9), then pages 0 and 3; host: 6 first (its score), the
-    # rest later pages first (ties keep the tail, as the positional split)
-    assert order[6:].tolist() == [8, 9, 0, 3]
+    # 4 resident, in logical order: the active block (8, 9), then pages 0 and 3; host: 6 first
+    # (its score), the rest later pages first (ties keep the tail, as the positional split)
+    assert order[6:].tolist() == [0, 3, 8, 9]
     assert order[:6].tolist() == [6, 7, 5, 4, 2, 1]
     assert sorted(order.tolist()) == list(range(10))
     # the evidence decays: a new block's mass takes over
     for _ in range(30):
         rs.observe(np.array([0, 0, 0, 0, 0, 1.0, 2.0, 0, 0, 0]))
-    assert rs.choose(6, (8, 10))[6:].tolist() == [8, 9, 5, 6]
+    assert rs.choose(6, (8, 10))[6:].tolist() == [5, 6, 8, 9]
+    # the same resident set is always the same order (another active block: a new set)
+    assert rs.choose(6, (8, 10)).tolist() == rs.choose(6, (8, 10)).tolist()
     # more active pages than room: as many as fit
     assert ResidentSet("lru", 10).choose(6, (0, 10)) is None
     one = ResidentSet("ema", 10)
@@ -112,3 +116,80 @@ def test_placement_by_attention_turns_lazy_loads_into_hits(predictor):
         assert st[p]["lazy_hits"] > st["lru"]["lazy_hits"]
         assert st[p]["h2d_bytes"] < st["lru"]["h2d_bytes"]
         assert st[p]["lazy_wanted"] == pytest.approx(st["lru"]["lazy_wanted"])
+
+
+SKIP = {1, 2, 5, 9, 10, 11, 14}          # logical pages the lazy steps below never attend to
+
+
+@pytest.mark.parametrize("family,cache,predictor", [("llada", "dual", "mass"),
+                                                     ("dream", "dual", "quest"),
+                                                     ("dream", "prefix", "mass")])
+def test_skipping_the_same_logical_pages_from_any_resident_set_gives_the_same_tokens(
+        monkeypatch, family, cache, predictor):
+    """Lazy steps skip a fixed set of logical pages (the plan picks every other host page);
+    moving the resident set to a random one at every refresh (those pages kept on the host)
+    must change no token: a stage slot / logical page mix-up in the compacted tables, the
+    written mask or the write-back would (a mutation of ``wmask`` in ``OverflowKV.step`` that the
+    budget-1 test above misses fails here)."""
+    import flash_dllm.engine.lazy_load as ll
+    import flash_dllm.engine.overflow_placement as op
+    model = tiny(family, seed=5)
+    params = _params(cache, "vanilla", max_tokens=24)
+    holder = []
+
+    def select(score, budget, written, spill):
+        order = holder[-1].runner._overflow_req.order
+        pick = np.array([int(order[j]) not in SKIP for j in range(spill)]) | written[:spill]
+        return ll.runs(pick), 1, 0
+    monkeypatch.setattr(ll, "select_pages", select)
+
+    def run(placement):
+        holder.append(Engine(model, model.cfg, EngineConfig(
+            lazy_load_budget=0.5, lazy_load_predictor=predictor, kv_placement=placement,
+            **CFG)))
+        got, _ = _run(holder[-1], [LONG], params)
+        return got, dict(holder[-1].runner.overflow.stats)
+
+    ref, st_ref = run("lru")
+    rng = np.random.default_rng(3)
+
+    def choose(self, spill, active):
+        rest = [p for p in rng.permutation(self.n).tolist() if p not in SKIP]
+        host = list(SKIP) + rest[:spill - len(SKIP)]
+        rng.shuffle(host)
+        return np.array(host + rest[spill - len(SKIP):])
+    monkeypatch.setattr(op.ResidentSet, "choose", choose)
+    got, st = run("ema")
+    assert st_ref["skipped_pages"] > 0 and st["replacements"] >= 2
+    assert got == ref
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_the_pages_a_block_rewrites_at_every_step_stay_resident(monkeypatch, cache):
+    """ema / kag keep the pages of the block's later steps' window resident (the prefix cache's
+    masked suffix too), so after their first choice no step between refreshes writes a host
+    page back (lru's positional split keeps the tail, so it writes back host pages of the
+    first blocks)."""
+    from flash_dllm.engine.kv_overflow import OverflowKV
+    model = tiny("llada", seed=5)
+    # (the prefix cache's later windows, block to canvas end, must fit the 6 pool pages)
+    params = _params(cache, "vanilla", max_tokens=32 if cache == "dual" else 24)
+    real, written, refreshes = OverflowKV.step, [], []
+
+    def step(self, meta, plan, state, window, canvas_len, active=(0, 0)):
+        out = real(self, meta, plan, state, window, canvas_len, active)
+        if window[0] <= 0 and window[1] >= canvas_len:
+            refreshes.append(1)
+        elif len(refreshes) >= 2:     # (the prefill places nothing: no evidence before it)
+            written.append(bool(out.copies.spill_written))
+        return out
+    monkeypatch.setattr(OverflowKV, "step", step)
+    d2h = {}
+    for placement in ("lru", "ema", "kag"):
+        written.clear(), refreshes.clear()
+        eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.25,
+                                                    kv_placement=placement, **CFG))
+        _run(eng, [LONG], params)
+        d2h[placement] = eng.runner.overflow.stats["d2h_bytes"]
+        assert written and (placement == "lru" or not any(written))
+    assert d2h["ema"] == d2h["kag"] <= d2h["lru"], d2h

@@ -159,7 +159,8 @@ class OverflowKV:
              active: tuple[int, int] = (0, 0)) -> "OverflowMetadata":
         """The step's metadata: ``meta`` (built over the logical page ids ``0..n-1``) reading and
         writing the stage. ``window``: the positions the step recomputes (all of them are
-        written at every layer); ``active``: the active block's positions.
+        written at every layer); ``active``: the positions the block's later steps write (the
+        placement keeps their pages resident).
 
         A step that rewrites every page (the dual cache's block refresh) first lets the
         placement re-choose which pages stay resident (``overflow_placement.ResidentSet``; no
@@ -260,8 +261,9 @@ class OverflowKV:
         if order is None or np.array_equal(order, state.order):
             return
         n = order.shape[0]
-        self.stats["replacements"] += 1
-        self.stats["pages_moved"] += int(np.setdiff1d(order[spill:], state.order[spill:]).size)
+        moved = int(np.setdiff1d(order[spill:], state.order[spill:]).size)
+        self.stats["replacements"] += int(moved > 0)         # the resident set changed
+        self.stats["pages_moved"] += moved
         state.order = order
         state.slot_of = np.empty(n, dtype=np.int64)
         state.slot_of[order] = np.arange(n)

@@ -16,12 +16,12 @@ those of them that live on the host: keeping the most attended pages resident lo
   (``cache/access_graph.py``: pages linked when one block's queries attend to both; PageRank
   with teleport in proportion to the decayed mass).
 
-The choice is made at a step that rewrites every page (the dual cache's block refresh): the
-refresh writes each page to its new home, so moving the resident set costs no byte. The
-active block's pages are always resident (they are rewritten at every step of the block), the
-others by score; host pages are laid out by decreasing score, so the pages a lazy step most
-likely loads are adjacent (fewer, larger copies). Under the prefix cache no step after the
-prefill rewrites the prompt, so the prefill's (positional) split stays.
+The choice is made at a step that rewrites every page (a block refresh): the refresh writes
+each page to its new home, so moving the resident set costs no byte. The pages the block's
+later steps rewrite are always resident (the active block; under the prefix cache also the
+masked suffix, and for Dream's shifted logits the page before the block), the others by
+score; host pages are laid out by decreasing score, so the pages a lazy step most likely
+loads are adjacent (fewer, larger copies).
 """
 from __future__ import annotations
 
@@ -77,9 +77,10 @@ class ResidentSet:
 
     def choose(self, spill: int, active: tuple[int, int]) -> np.ndarray | None:
         """The stage order (stage slot -> logical page) to use from the next step: host slots
-        ``0..spill-1`` (by decreasing score), then the resident pages (the active block's
-        ``[active[0], active[1])`` first, in logical order, then the others in logical order).
-        None: keep the current order (``lru``, or no evidence yet)."""
+        ``0..spill-1`` (by decreasing score), then the resident pages in logical order: the
+        pages ``[active[0], active[1])`` (those the block's later steps rewrite, as many as
+        fit), then the others of largest score. None: keep the current order (``lru``, or no
+        evidence yet)."""
         if not self.active or self.observed == 0:
             return None
         t0 = time.perf_counter()
@@ -90,7 +91,7 @@ class ResidentSet:
         # ties: later pages first (as the positional split, which keeps the tail)
         rank = np.lexsort((-np.arange(n), -score))
         rest = [int(p) for p in rank if not a0 <= p < a1][:r - len(forced)]
-        resident = list(forced) + sorted(rest)
+        resident = sorted(list(forced) + rest)     # (one set, one order: no needless remap)
         is_res = np.zeros(n, dtype=bool)
         is_res[resident] = True
         host = [int(p) for p in rank if not is_res[p]]        # decreasing score

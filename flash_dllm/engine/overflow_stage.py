@@ -120,11 +120,11 @@ class OverflowMetadata(PagedAttentionMetadata):
     mass_pages: int = 0                # pages of the block table ``mass`` covers
     lazy: LazyPlan | None = None       # a lazy step the sentinel checks
     # lazy_predictor="quest": the request's state (its key summaries; ``quest_measure``: make
-    # them from this step, every layer) and the bounds this step's queries give each spilled page
+    # them from this step, every layer) and the bounds this step's queries give each page
     quest: object = None                             # the request's OverflowState
     quest_measure: bool = False
     quest_tail: tuple[int, int] | None = None        # (stage slot, valid slots): partial page
-    quest_score: torch.Tensor | None = None          # [layers, spill] after the forward
+    quest_score: torch.Tensor | None = None          # [layers, n] after the forward
     # quest's lazy steps: each layer's compacted block table (``None`` table: every page), and
     # the step's own (block_table, seq_lens, max_k) for those
     layer_plans: list[LazyPlan] | None = None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flash_dllm.cache.modes import query_range
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.config import EngineConfig
 from flash_dllm.engine import drift, inputs
@@ -330,14 +331,14 @@ class ModelRunner:
         return StepResult(blocks, counters, page_mass=page_mass, drifted=drifted)
 
     def _overflow_meta(self, seq, meta) -> OverflowMetadata:
-        """An overflow request's step metadata (its host buffer and resident page index are
-        made at its first step and kept while it runs)."""
-        rid = seq.req.request_id
-        st = self._overflow_req
-        if st is None or st.request_id != rid:
-            st = self._overflow_req = self.overflow.new_state(rid, seq.overflow)
-        return self.overflow.step(meta, seq.overflow, st, seq.window, seq.req.canvas_len,
-                                  (seq.req.block_start, seq.req.block_end))
+        """An overflow request's step metadata (host buffer and resident page index made at its
+        first step; the window of the block's later steps is kept resident)."""
+        r, st = seq.req, self._overflow_req
+        if st is None or st.request_id != r.request_id:
+            st = self._overflow_req = self.overflow.new_state(r.request_id, seq.overflow)
+        return self.overflow.step(meta, seq.overflow, st, seq.window, r.canvas_len, query_range(
+            r.params.cache, r.canvas_len, r.block_start, r.block_end, False,
+            self.cfg.logit_shift, first_block=False, refresh=False))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""
