@@ -1,10 +1,14 @@
-"""The Grafana dashboard and Prometheus alert rules in deploy/ (issue 14): well formed, and every
-metric they name is exported by a running server."""
+"""The Grafana dashboard and Prometheus alert rules in deploy/ (issue 14): well formed, every
+metric they name is exported by a running server, every alert has a case in Prometheus' own rule
+tests (run by ``promtool`` where it is installed), and the committed check against a real
+Prometheus (``tools/dashboard_check.py``) covers the dashboard as it is now."""
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -20,6 +24,9 @@ from flash_dllm.server.app import build_app
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "flash-dllm.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
+CHECK = ROOT / "benchmarks" / "results" / "dashboard_check_cpu.json"
+PROMTOOL = shutil.which("promtool")
 NAME = re.compile(r"\bflash_dllm_[a-zA-Z0-9_]+")
 
 
@@ -90,3 +97,37 @@ def test_every_named_metric_is_exported(exported, source):
     assert len(named) >= (20 if source == "dashboard" else 6)
     missing = sorted(named - exported)
     assert not missing, f"{source} names metrics the server does not export: {missing}"
+
+
+def test_every_alert_has_a_rule_test_that_fires_it_and_one_that_does_not():
+    cases = [c for t in yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+             for c in t["alert_rule_test"]]
+    for name in {r["alert"] for r in alert_rules()}:
+        mine = [c for c in cases if c["alertname"] == name]
+        assert any(c["exp_alerts"] for c in mine), f"no case of {ALERT_TESTS.name} fires {name}"
+        assert any(not c["exp_alerts"] for c in mine), f"no case keeps {name} quiet"
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian: apt-get "
+                                             "install prometheus)")
+@pytest.mark.parametrize("args", [("check", "rules", ALERTS), ("test", "rules", ALERT_TESTS)],
+                         ids=["check", "test"])
+def test_promtool_accepts_the_rules_and_their_tests_pass(args):
+    r = subprocess.run([PROMTOOL, *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_committed_prometheus_check_covers_the_dashboard_as_it_is():
+    """``tools/dashboard_check.py`` ran every query of the dashboard through a real Prometheus
+    scraping a real server: its report must hold today's panels and queries, each answered
+    with data, and every alert rule evaluated without error (edit the dashboard, run it again)."""
+    rep = json.loads(CHECK.read_text())
+    assert not rep["failures"]
+    want = [(p["title"], [t["expr"].replace("$job", "flash-dllm") for t in p["targets"]])
+            for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+    got = [(p["title"], [q["expr"] for q in p["queries"]]) for p in rep["panels"]]
+    assert got == want, "the dashboard changed since tools/dashboard_check.py last ran"
+    assert all(p["status"] == "ok" and all(q["ok"] for q in p["queries"])
+               for p in rep["panels"])
+    assert {r["name"] for r in rep["rules"]} == {r["alert"] for r in alert_rules()}
+    assert all(r["health"] == "ok" for r in rep["rules"])

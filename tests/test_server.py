@@ -240,6 +240,32 @@ def test_metrics_present_and_moving(ckpt):
     assert after['flash_dllm_sentinel_triggers_total{sentinel="entropy"}'] == 0
 
 
+def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
+    """The sentinels' and caches' knobs reach the engine from the body (the sentinels run, the
+    text equals the offline API's with the same params); out of range is a 400
+    naming the field, a wrong type too."""
+    app, aeng = make_app(ckpt)
+    knobs = {"max_tokens": 16, "block_length": 8, "decode": "verify", "cache": "dual",
+             "threshold": 0.001, "verify_rule": "cumprod", "max_verify": 4, "entropy_max": 0.5,
+             "kv_jaccard_min": 0.9, "kv_top_k": 4, "early_stop": False}
+
+    async def go():
+        async with client(app) as c:
+            ok = await c.post("/v1/completions", json={"prompt": "Hello", **knobs})
+            bad = [await c.post("/v1/completions", json={"prompt": "Hello", **kw})
+                   for kw in ({"kv_jaccard_min": 1.5}, {"max_verify": 0, "decode": "verify"},
+                              {"verify_rule": "majority"}, {"drift_min": "0.9"})]
+            return ok, bad, metrics_of((await c.get("/metrics")).text)
+    ok, bad, m = run(go())
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["text"] == llm.generate("Hello", SamplingParams(**knobs))[0].text
+    checks = aeng.engine.stats["sentinel_checks"]
+    assert checks["kv_consistency"] > 0 and checks["entropy"] > 0
+    assert 0 <= m["flash_dllm_sentinel_trigger_rate"] <= 1
+    for r, field in zip(bad, ("kv_jaccard_min", "max_verify", "verify_rule", "drift_min")):
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
 # ----------------------------------------------------------------------- admission control
 def test_request_waits_for_pages_then_runs(ckpt, llm):
     # prompt "ab" (3 ids with BOS) + 32 slots = 35 tokens = 3 pages of 16; the pool holds 4

@@ -3,9 +3,9 @@
 Gauges are read from the engine at scrape time; counters and histograms are fed by the engine thread
 through the ``StepObserver`` hooks (``prometheus_client`` metrics are thread-safe).
 
-NOTE: ``flash_dllm_sentinel_triggers_total{sentinel=...}`` is read from
-``Engine.stats["sentinel_triggers"]`` at scrape time; an engine without sentinels exports every
-name of ``decoding.sentinels.SENTINELS`` at 0.
+NOTE: ``flash_dllm_sentinel_triggers_total{sentinel=...}`` (and ``..._checks_total``) are read
+from ``Engine.stats["sentinel_triggers"]`` (``["sentinel_checks"]``) at scrape time; an engine
+without sentinels exports every name of ``decoding.sentinels.SENTINELS`` at 0.
 """
 from __future__ import annotations
 
@@ -97,22 +97,25 @@ class ServerMetrics:
 
 
 class _SentinelCollector:
-    """``flash_dllm_sentinel_triggers_total{sentinel}`` from the engine's own counters."""
+    """``flash_dllm_sentinel_triggers_total{sentinel}`` and ``..._checks_total{sentinel}`` from
+    the engine's own counters (their ratio over a window is the trigger rate per sentinel)."""
 
     def __init__(self, stats: dict) -> None:
         self.stats = stats
 
     def collect(self):
-        fam = CounterMetricFamily(PREFIX + "sentinel_triggers",
-                                  "Slots a sentinel flagged (demoted to verification / refreshed).",
-                                  labels=["sentinel"])
-        try:
-            counts = dict(self.stats.get("sentinel_triggers") or {})
-        except RuntimeError:         # resized by the engine thread mid-copy: report zeros once
-            counts = {}
-        for name in sorted(set(SENTINELS) | set(counts)):
-            fam.add_metric([name], float(counts.get(name, 0)))
-        yield fam
+        for key, doc in (("sentinel_triggers", "Slots a sentinel flagged (demoted to "
+                                               "verification / refreshed)."),
+                         ("sentinel_checks", "Slots a sentinel checked (for lazy_load and "
+                                             "drift: steps).")):
+            fam = CounterMetricFamily(PREFIX + key, doc, labels=["sentinel"])
+            try:
+                counts = dict(self.stats.get(key) or {})
+            except RuntimeError:     # resized by the engine thread mid-copy: report zeros once
+                counts = {}
+            for name in sorted(set(SENTINELS) | set(counts)):
+                fam.add_metric([name], float(counts.get(name, 0)))
+            yield fam
 
     def describe(self):
         return []

@@ -1,8 +1,9 @@
 """HTTP request/response models: the OpenAI completion + chat schemas and ``/generate``.
 
 Requests are strict: wrong JSON types are errors (no ``"16"`` -> 16 coercion) and unknown fields
-are rejected by name. Besides the OpenAI fields, the dLLM knobs ``block_length``, ``steps``,
-``decode``, ``cache``, ``threshold``, ``gamma`` (and ``top_k``) are accepted as extra body fields.
+are rejected by name. Besides the OpenAI fields, every ``SamplingParams`` knob (``block_length``,
+``steps``, ``decode``, ``cache``, ``threshold``, ``gamma``, ``top_k``, the sentinels' and the
+caches' knobs, ...) is accepted as an extra body field (``DLLMKnobs``).
 
 The OpenAI parameters this engine does not use follow one policy (``IGNORED_PARAMS`` and
 ``NEUTRAL_PARAMS`` below; ``ServerContext.check_request`` applies it): the harmless ones are
@@ -127,6 +128,18 @@ class DLLMKnobs(_Strict):
     cache: str | None = None
     threshold: float | None = Field(None, gt=0.0, le=1.0)
     gamma: float | None = Field(None, gt=0.0, allow_inf_nan=False)   # decode="verify" acceptance
+    # the other SamplingParams knobs: typed here, their ranges checked by SamplingParams (a 400
+    # naming the field)
+    early_stop: bool | None = None
+    verify_rule: str | None = None
+    max_verify: int | None = None
+    entropy_max: float | None = Field(None, allow_inf_nan=False)
+    perturb_sigma: float | None = Field(None, allow_inf_nan=False)
+    kv_jaccard_min: float | None = Field(None, allow_inf_nan=False)
+    kv_top_k: int | None = None
+    flash_budget: int | None = None
+    drift_min: float | None = Field(None, allow_inf_nan=False)
+    drift_defer: bool | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; raises ``ValueError`` naming the field on a bad combination."""
