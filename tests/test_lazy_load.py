@@ -177,6 +177,24 @@ def test_quest_summaries_ignore_the_unwritten_slots_of_the_partial_last_page():
     assert kmin.flatten().tolist() == [1.0, -3.0] and kmax.flatten().tolist() == [1.0, 2.0]
 
 
+def test_quest_summaries_live_in_memory_reserved_before_the_pool_is_sized():
+    """The key summaries are written into the overflow stage's preallocated buffer (made before
+    the pool is sized, so the pool's budget leaves room for them), not allocated per step."""
+    model = tiny("llada", seed=5)
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_predictor="quest", **LAZY))
+    ov = eng.runner.overflow
+    L, H, D = model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
+    assert ov.summary.shape == (L, 2, ov.max_pages, H, D)
+    seen = []
+    real = ov._lazy_step
+    ov._lazy_step = lambda *a: seen.append(a[0].summary) or real(*a)
+    _run(eng, [LONG], _params("dual", "vanilla"))
+    base, end = ov.summary.data_ptr(), ov.summary.data_ptr() + ov.summary.nbytes
+    assert seen and all(base <= t.data_ptr() < end for sm in seen for pair in sm for t in pair)
+    mass = Engine(model, model.cfg, EngineConfig(**LAZY))
+    assert mass.runner.overflow.summary is None
+
+
 def test_bad_predictor_names_are_named():
     with pytest.raises(ValueError, match="lazy_load_predictor"):
         EngineConfig(kv_overflow_gb=0.01, lazy_load_budget=0.5, lazy_load_predictor="oracle")

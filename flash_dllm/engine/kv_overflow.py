@@ -99,6 +99,12 @@ class OverflowKV:
         self.page_shape = (ps, H, D)
         self.dtype, self.device = dtype, device
         self.stage = torch.empty(2, 2, max_pages, ps, H, D, dtype=dtype, device=device)
+        # quest's key summaries, (min, max) of every page per layer: made with the stage, before
+        # the pool is sized, so they come out of its budget (layers / (2 page_size) times the
+        # stage: as large as it for LLaDA-8B at pages of 16, 2 GiB at 64K tokens) instead of
+        # failing a long request's first measuring step for want of memory
+        self.summary = (torch.empty(L, 2, max_pages, H, D, dtype=dtype, device=device)
+                        if lazy_budget is not None and lazy_predictor == "quest" else None)
         self.page_layer_bytes = ps * H * D * self.stage.element_size() * 2        # K + V, one layer
         self.host_bytes = host_bytes
         self._host: torch.Tensor | None = None          # flat pinned bytes

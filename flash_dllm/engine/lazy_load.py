@@ -107,19 +107,23 @@ def runs(mask: np.ndarray) -> list[tuple[int, int]]:
 LAZY_PREDICTORS = ("mass", "quest")
 
 
-def key_summary(keys: torch.Tensor, tail: tuple[int, int] | None = None
+def key_summary(keys: torch.Tensor, tail: tuple[int, int] | None = None,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-page, per-channel minimum and maximum of the (rotated) keys: [pages, page_size, Hkv,
     D] -> ([pages, Hkv, D], [pages, Hkv, D]) in the keys' dtype (Quest's page summary: with
     every layer's kept, 2 / page_size of the spilled keys' bytes; min and max are exact in any
     dtype). ``tail`` = (page, valid slots): the canvas's partial last page, summarised over its
-    first ``valid`` slots only.
+    first ``valid`` slots only. ``out``: the (min, max) tensors to write (preallocated).
 
     NOTE: the slots past the canvas were never written (the pool and the stage are
     ``torch.empty``): their bytes are anything, NaN or 1e38 included, and summarised with the
     rest they made that page's bound the largest of every head and every other page's score
     underflow to 0 (a CI run whose memory held large values)."""
-    kmin, kmax = keys.amin(1), keys.amax(1)
+    if out is None:
+        kmin, kmax = keys.amin(1), keys.amax(1)
+    else:
+        kmin, kmax = torch.amin(keys, 1, out=out[0]), torch.amax(keys, 1, out=out[1])
     if tail is not None:
         page, valid = tail
         kmin[page], kmax[page] = keys[page, :valid].amin(0), keys[page, :valid].amax(0)
@@ -201,8 +205,9 @@ def quest_layer_scores(meta, attn, layer: int, x: torch.Tensor,
     if meta.quest_measure:
         if layer == 0:
             meta.quest.summary = []
-        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:n],
-                                              meta.quest_tail))
+        buf = meta.copies.kv.summary                 # [layers, 2, max_pages, Hkv, D]
+        meta.quest.summary.append(key_summary(meta.copies.kv_of(layer)[0][:n], meta.quest_tail,
+                                              out=(buf[layer, 0, :n], buf[layer, 1, :n])))
     q, _, _ = attn.project(x)
     q = attn.rotary(q, positions)
     score = quest_scores(q, *meta.quest.summary[layer])
