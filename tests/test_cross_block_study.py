@@ -27,9 +27,9 @@ def llm():
     return LLM(model="demo")
 
 
-def _ours(llm, prompt, tau_next):
+def _ours(llm, prompt, tau_next, block=32):
     m = llm.engine.model
-    return cb.decode(m, llm.tokenizer.encode(prompt), 64, 32, 0.9, tau_next,
+    return cb.decode(m, llm.tokenizer.encode(prompt), 64, block, 0.9, tau_next,
                      m.cfg.mask_token_id, set(m.cfg.eos_token_ids), m.cfg.logit_shift)
 
 
@@ -45,10 +45,11 @@ def test_without_lookahead_equals_the_engine_threshold_decoding(llm):
 
 def test_lookahead_commits_only_the_next_block_early(llm):
     base_f = la_f = early = 0
-    for prompt in PROMPTS:
-        base, la = _ours(llm, prompt, None), _ours(llm, prompt, 0.5)
+    for prompt in PROMPTS:         # blocks of 16: the demo's answers end in the second
+        base, la = _ours(llm, prompt, None, 16), _ours(llm, prompt, 0.5, 16)
         P = len(llm.tokenizer.encode(prompt))
-        assert all(P + 32 <= s < P + 64 for s in la["early"])
+        # only into a block that was then decoded (an early stop drops the next block's)
+        assert all(P + 16 <= s < P + 16 * len(la["per_block"]) for s in la["early"])
         assert all(la["canvas"][s] == t for s, t in la["early"].items())
         base_f, la_f = base_f + base["forwards"], la_f + la["forwards"]
         early += len(la["early"])
