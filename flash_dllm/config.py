@@ -217,8 +217,11 @@ class EngineConfig:
     # give each page, from per-page key summaries; ``engine/lazy_load.quest_scores``)
     lazy_load_predictor: str = "mass"
     # which cached pages leave a tier first; with lazy_load_budget also which pages of a request
-    # larger than the pool stay resident (``engine/overflow_placement.py``)
-    kv_placement: str = "lru"
+    # larger than the pool stay resident (``engine/overflow_placement.py``). None: each use's
+    # winner on the benchmarks (``placement_cpu.json``, ``placement_overflow_*_h200.json``):
+    # "lru" for cached pages (no policy beat it beyond run-to-run spread), "ema" for the
+    # resident set (19-33 % fewer bytes than lru; "kag" no better than ema)
+    kv_placement: str | None = None
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
     # GPU benchmark shows it pays (on the CPU it helped one host-tier size and hurt another:
@@ -287,7 +290,8 @@ class EngineConfig:
             raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
                              "lazy_load_budget (--lazy-load-budget) too")
         _check_choice("kv_offload_dtype", self.kv_offload_dtype, ("bf16", "fp8", "int8"))
-        _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
+        if self.kv_placement is not None:
+            _check_choice("kv_placement", self.kv_placement, ("lru", "ema", "kag"))
         _check_int("kag_top_k", self.kag_top_k, 1)
         self.kag_update_steps      # validates kag_update
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:

@@ -86,6 +86,21 @@ def test_any_resident_set_moved_at_every_refresh_changes_no_token(monkeypatch, f
     assert eng.runner._overflow_req is None and eng.kv_manager.num_used == 0
 
 
+def test_the_default_placement_is_each_use_s_benchmark_winner():
+    """Unset, --kv-placement is lru for cached pages and ema for an overflow request's resident
+    set under lazy loading (no placement moves pages without it)."""
+    model = tiny("llada", seed=5)
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, prefix_reuse=True,
+                                                **CFG))
+    assert eng.config.kv_placement is None
+    assert eng.runner.overflow.placement == "ema"
+    assert not eng.kv_manager.wants_mass                  # lru: no attention evidence wanted
+    assert Engine(model, model.cfg, EngineConfig(**CFG)).runner.overflow.placement == "lru"
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, kv_placement="lru",
+                                                **CFG))
+    assert eng.runner.overflow.placement == "lru"
+
+
 def test_placement_without_lazy_loading_keeps_the_split_and_the_tokens():
     model = tiny("llada", seed=5)
     params = _params("dual", "threshold")

@@ -100,7 +100,7 @@ class ModelRunner:
                                        lazy_budget=config.lazy_load_budget,
                                        lazy_sentinel=config.lazy_load_sentinel,
                                        lazy_predictor=config.lazy_load_predictor,
-                                       placement=config.kv_placement,
+                                       placement=config.kv_placement or "ema",
                                        placement_top_k=config.kag_top_k)
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())

@@ -137,16 +137,17 @@ class EngineArgs:
         "attended to most at its first step) or quest (re-chosen after every step from an upper "
         "bound of the attention the step's queries can give each page, from per-page key "
         "summaries) (default: %(default)s)", choices=["mass", "quest"])
-    kv_placement: str = _knob("kv_placement", str,
-                              "which cached pages leave a tier first: lru (least recently "
-                              "used), ema (least attended: moving average of the attention mass "
-                              "their pages got), kag (least central in the KV access graph, "
-                              "PageRank); ema and kag learn from cache=flash steps only. "
-                              "With --lazy-load-budget also which pages of a request larger "
-                              "than the pool stay on the GPU (re-chosen at each block refresh "
-                              "of the dual cache; lru keeps its last pages) "
-                              "(default: %(default)s)",
-                              choices=["lru", "ema", "kag"])
+    kv_placement: str | None = _knob("kv_placement", str,
+                                     "which cached pages leave a tier first: lru (least "
+                                     "recently used), ema (least attended: moving average of "
+                                     "the attention mass their pages got), kag (least central "
+                                     "in the KV access graph, PageRank); ema and kag learn from "
+                                     "cache=flash steps only. With --lazy-load-budget also "
+                                     "which pages of a request larger than the pool stay on the "
+                                     "GPU (re-chosen at each block refresh; lru keeps its last "
+                                     "pages). Default: lru for cached pages, ema for that "
+                                     "resident set (each the winner of its benchmark)",
+                                     choices=["lru", "ema", "kag"])
     kv_prefetch: bool = _knob("kv_prefetch", bool,
                               "with a disk tier: read the disk copies of waiting requests' "
                               "reusable prefixes into host memory while they wait, so that "
