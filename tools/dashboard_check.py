@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             "what": "every query of deploy/grafana/flash-dllm.json through a real Prometheus "
                     "scraping a running flash-dllm server; alert rules' health as Prometheus "
                     "evaluated them",
-            "prometheus": version, "server": ["flash-dllm"] + server_cmd[3:], "duration_s": round(t1 - t0, 1),
+            "prometheus": version, "server": ["flash-dllm"] + server_cmd[3:],
+            "duration_s": round(t1 - t0, 1),
             "load": load_report, "rules": rule_rows, "failures": failures,
             "panels": [{"title": p["title"], "status": p["status"],
                         "series": sum(len(r["series"]) for r in p["results"]),
@@ -324,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         if failures:
             print("FAILED:\n  " + "\n  ".join(failures))
         return 1 if failures else 0
+    except (RuntimeError, TimeoutError) as e:       # a process that did not come up: its log
+        for log in ("server.log", "prometheus.log"):
+            path = work / log
+            if path.exists():
+                tail = "".join(path.read_text().splitlines(True)[-15:])
+                print(f"--- last lines of {log}:\n{tail}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         for p in procs:
             p.terminate()
