@@ -24,11 +24,18 @@ def _check_fraction(name: str, value, optional: bool = False) -> None:
                          f"got {value!r}")
 
 
-def _check_int(name: str, value, lo: int | None = None) -> None:
+def _check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+# the largest seed a torch.Generator takes (an unsigned 64-bit integer): a larger one failed the
+# engine's step that made the request's generator, and with it every request
+MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k, 0)
         _check_fraction("top_p", self.top_p)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            _check_int("seed", self.seed, 0, MAX_SEED)
         _check_choice("decode", self.decode, DECODE_POLICIES)
         _check_choice("cache", self.cache, CACHE_MODES)
         _check_fraction("threshold", self.threshold)

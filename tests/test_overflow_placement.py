@@ -101,6 +101,28 @@ def test_the_default_placement_is_each_use_s_benchmark_winner():
     assert eng.runner.overflow.placement == "lru"
 
 
+def test_a_new_host_order_of_the_same_resident_set_is_no_replacement(monkeypatch):
+    """Only a change of the resident set counts as a replacement: the host pages re-laid out
+    at every refresh (same resident pages) move nothing and change no token."""
+    import flash_dllm.engine.overflow_placement as op
+    model = tiny("llada", seed=5)
+    params = _params("dual", "vanilla", max_tokens=24)
+    ref, _ = _run(Engine(model, model.cfg, EngineConfig(page_size=PS)), [LONG], params)
+    rng = np.random.default_rng(1)
+
+    def choose(self, spill, active):
+        host = rng.permutation(spill)                    # the positional split's host pages
+        return np.concatenate([host, np.arange(spill, self.n)])
+    monkeypatch.setattr(op.ResidentSet, "choose", choose)
+    monkeypatch.setattr(op.ResidentSet, "active", property(lambda self: True))
+    eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=1.0, kv_placement="ema",
+                                                **CFG))
+    got, _ = _run(eng, [LONG], params)
+    st = eng.runner.overflow.stats
+    assert got == ref
+    assert st["replacements"] == st["pages_moved"] == 0
+
+
 def test_placement_without_lazy_loading_keeps_the_split_and_the_tokens():
     model = tiny("llada", seed=5)
     params = _params("dual", "threshold")

@@ -241,26 +241,44 @@ def test_metrics_present_and_moving(ckpt):
 
 
 def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
-    """The sentinels' and caches' knobs reach the engine from the body (the sentinels run, the
-    text equals the offline API's with the same params); out of range is a 400
-    naming the field, a wrong type too."""
+    """Every SamplingParams field but max_tokens is a body knob, and each arrives at the engine
+    with the value sent (all non-default; drift runs without verify, so in a second request);
+    the sentinels then run and the text equals the offline API's with the same params. Out of
+    range is a 400 naming the field, a wrong type too."""
+    from dataclasses import fields
+    from flash_dllm.server.protocol import DLLMKnobs
+    assert set(DLLMKnobs.model_fields) == {f.name for f in fields(SamplingParams)} - {"max_tokens"}
     app, aeng = make_app(ckpt)
-    knobs = {"max_tokens": 16, "block_length": 8, "decode": "verify", "cache": "dual",
-             "threshold": 0.001, "verify_rule": "cumprod", "max_verify": 4, "entropy_max": 0.5,
-             "kv_jaccard_min": 0.9, "kv_top_k": 4, "early_stop": False}
+    seen = []
+    real = aeng.submit
+    aeng.submit = lambda ids, params, *a, **k: seen.append(params) or real(ids, params, *a, **k)
+    verify = {"max_tokens": 16, "block_length": 8, "steps": 8, "decode": "verify",
+              "cache": "dual", "threshold": 0.001, "gamma": 0.7, "verify_rule": "cumprod",
+              "max_verify": 4, "entropy_max": 0.5, "perturb_sigma": 0.25, "kv_jaccard_min": 0.9,
+              "kv_top_k": 4, "flash_budget": 3, "early_stop": False, "temperature": 0.5,
+              "top_k": 5, "top_p": 0.9, "seed": 7}
+    drift = {"max_tokens": 16, "block_length": 8, "decode": "threshold", "cache": "prefix",
+             "drift_min": 0.9, "drift_defer": False}
+    defaults = SamplingParams()
+    for body in (verify, drift):
+        assert all(v != getattr(defaults, k) for k, v in body.items()), body
 
     async def go():
         async with client(app) as c:
-            ok = await c.post("/v1/completions", json={"prompt": "Hello", **knobs})
+            ok = [await c.post("/v1/completions", json={"prompt": "Hello", **kw})
+                  for kw in (verify, drift)]
             bad = [await c.post("/v1/completions", json={"prompt": "Hello", **kw})
                    for kw in ({"kv_jaccard_min": 1.5}, {"max_verify": 0, "decode": "verify"},
                               {"verify_rule": "majority"}, {"drift_min": "0.9"})]
             return ok, bad, metrics_of((await c.get("/metrics")).text)
     ok, bad, m = run(go())
-    assert ok.status_code == 200, ok.text
-    assert ok.json()["choices"][0]["text"] == llm.generate("Hello", SamplingParams(**knobs))[0].text
+    for r, body, params in zip(ok, (verify, drift), seen):
+        assert r.status_code == 200, r.text
+        assert {k: getattr(params, k) for k in body} == body
+        ref = llm.generate("Hello", SamplingParams(**body))[0].text
+        assert r.json()["choices"][0]["text"] == ref
     checks = aeng.engine.stats["sentinel_checks"]
-    assert checks["kv_consistency"] > 0 and checks["entropy"] > 0
+    assert all(checks[s] > 0 for s in ("kv_consistency", "entropy", "perturbation", "drift"))
     assert 0 <= m["flash_dllm_sentinel_trigger_rate"] <= 1
     for r, field in zip(bad, ("kv_jaccard_min", "max_verify", "verify_rule", "drift_min")):
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
@@ -453,6 +471,14 @@ BAD = [
     ("steps not a multiple of blocks", "/generate",
      {"prompt": "x", "max_new_tokens": 16, "block_length": 8, "num_inference_steps": 3}, "steps", 400),
     ("bad decode", "/v1/completions", {"prompt": "x", "decode": "magic"}, "decode", 400),
+    # a seed torch cannot take failed the engine's step, and then every request (a review)
+    ("seed over 2**64-1", "/v1/completions", {"prompt": "x", "temperature": 1.0,
+                                              "seed": 2**64}, "seed", 400),
+    ("sentinel seed over 2**64-1", "/v1/completions",
+     {"prompt": "x", "max_tokens": 16, "block_length": 8, "decode": "verify",
+      "threshold": 0.001, "perturb_sigma": 0.5, "seed": 2**64 + 5}, "seed", 400),
+    ("seed + n - 1 over 2**64-1", "/v1/completions", {"prompt": "x", "temperature": 1.0,
+                                                      "seed": 2**64 - 2, "n": 3}, "seed", 400),
     ("bad cache", "/v1/completions", {"prompt": "x", "cache": "huge"}, "cache", 400),
     ("n > 16", "/v1/completions", {"prompt": "x", "n": 17}, "n", 400),
     ("too many stop strings", "/v1/chat/completions",

@@ -20,7 +20,7 @@ The load, all at once against one demo-model server with a small L0, an L1 and a
 evictions, tier moves, the access graph; ``cache=flash``, the mode the graph learns from),
 requests with the KV sentinel and with verify's entropy sentinel, and a few bad requests (the
 4xx panel). Exit status 1 when a
-query fails, a panel has no data, or a rule does not evaluate.
+query fails, a query has no data, or a rule does not evaluate.
 """
 from __future__ import annotations
 
@@ -260,15 +260,14 @@ def main(argv: list[str] | None = None) -> int:
                   "--kv-disk-path", str(work / "kv.bin"), "--kv-disk-gb", "0.01",
                   "--kv-placement", "kag", "--kv-prefetch", "--max-num-seqs", "4",
                   "--warmup", "minimal"]
-    procs = []
+    procs, logs = [], [open(work / "server.log", "w"), open(work / "prometheus.log", "w")]
     try:
-        server = subprocess.Popen(server_cmd, stdout=open(work / "server.log", "w"),
-                                  stderr=subprocess.STDOUT)
+        server = subprocess.Popen(server_cmd, stdout=logs[0], stderr=subprocess.STDOUT)
         procs.append(server)
         prom_proc = subprocess.Popen(
             [binary, f"--config.file={prometheus_config(work, f'127.0.0.1:{port}', '1s')}",
              f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{pport}"],
-            stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT)
+            stdout=logs[1], stderr=subprocess.STDOUT)
         procs.append(prom_proc)
         wait_http(url + "/ready", 300, server)
         wait_http(prom + "/-/ready", 60, prom_proc)
@@ -281,9 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         failures = []
         for p in panels:
             p["results"] = [query_range(prom, t["expr"], t0, t1, step) for t in p["targets"]]
-            n = sum(len(r["series"]) for r in p["results"])
             p["status"] = ("query error" if not all(r["ok"] for r in p["results"])
-                           else "ok" if n else "no data")
+                           else "ok" if all(r["series"] for r in p["results"]) else "no data")
             if p["status"] != "ok":
                 failures.append(f"panel {p['title']!r}: {p['status']}")
         import httpx
@@ -307,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "panels": [{"title": p["title"], "status": p["status"],
                         "series": sum(len(r["series"]) for r in p["results"]),
                         "queries": [{"expr": t["expr"], "ok": r["ok"],
-                                     "error": r.get("error"),
+                                     "error": r.get("error"), "series": len(r["series"]),
                                      "last": [legend(t["legend"], s["labels"]) + " = "
                                               + fmt_value(s["points"][-1][1], p["unit"])
                                               for s in r["series"][:6] if s["points"]]}
@@ -341,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for f in logs:
+            f.close()
         if os.environ.get("KEEP_DASHBOARD_WORK") is None:
             shutil.rmtree(work, ignore_errors=True)
         else:

@@ -198,7 +198,7 @@ def _lazy_cases(model, cfg, prompt, params, dev, page_size, res_pages, n_pages, 
     after an untimed one) (``benchmarks/placement_overflow.py`` measures
     hits and accuracy on trained checkpoints)."""
     out = {"budget": budget, "predictor": predictor, "cases": {}}
-    for placement in placements or ("lru",):
+    for placement in placements or ("ema",):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         eng = Engine(model, cfg, EngineConfig(

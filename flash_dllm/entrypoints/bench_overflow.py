@@ -25,8 +25,9 @@ def add_overflow_parser(bsub) -> None:
     o.add_argument("--lazy-load-budget", type=float, default=None,
                    help="also time the request under lazy loading at this budget, once per "
                         "--kv-placement")
-    o.add_argument("--kv-placement", nargs="+", default=["lru"], choices=["lru", "ema", "kag"],
-                   help="with --lazy-load-budget: which pages stay resident (default: lru)")
+    o.add_argument("--kv-placement", nargs="+", default=["ema"], choices=["lru", "ema", "kag"],
+                   help="with --lazy-load-budget: which pages stay resident (default: ema, "
+                        "the engine's default there)")
     o.add_argument("--lazy-load-predictor", default="quest", choices=["mass", "quest"])
     o.add_argument("--json", default=None, help="write the report here")
     o.set_defaults(func=cmd_bench_overflow)
