@@ -139,6 +139,7 @@ def simulate(trace: dict, resident: int, budget: float | None, placement: str,
              top_k: int = 8) -> dict:
     """``OverflowKV.step``'s loads for one request (mass predictor): host pages loaded per
     step, and of the pages lazy steps attend to (their ``k``) the resident ones (L0 hits)."""
+    from flash_dllm.engine.kv_overflow import rewrites_host
     from flash_dllm.engine.lazy_load import select_pages
     from flash_dllm.engine.overflow_placement import ResidentSet
 
@@ -159,9 +160,7 @@ def simulate(trace: dict, resident: int, budget: float | None, placement: str,
         p0, p1 = max(0, w0 // ps), min(n, -(-w1 // ps))
         written = np.zeros(n, dtype=bool)
         written[slot_of[p0:p1]] = True
-        host = order[:s]
-        if s == 0 or (w0 <= int(host.min()) * ps
-                      and w1 >= min((int(host.max()) + 1) * ps, C)):
+        if rewrites_host((w0, w1), order[:s], ps, C):
             page_mass = plan = None                      # every host key rewritten: no load
             continue
         if budget is None or page_mass is None:

@@ -19,8 +19,8 @@ The load, all at once against one demo-model server with a small L0, an L1 and a
 ``--kv-placement kag`` and ``--kv-prefetch``: multi-turn chat sessions (prefix reuse,
 evictions, tier moves, the access graph; ``cache=flash``, the mode the graph learns from),
 requests with the KV sentinel and with verify's entropy sentinel, and a few bad requests (the
-4xx panel). Exit status 1 when a
-query fails, a query has no data, or a rule does not evaluate.
+4xx panel). Exit status 1 when a query fails, a query has no data, or a rule does not
+evaluate.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,30 +40,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flash_dllm.bench.serve import free_port  # noqa: E402
+
 DASHBOARD = ROOT / "deploy" / "grafana" / "flash-dllm.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 JOB = "flash-dllm"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     import httpx
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} "
-                               "answered")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    with httpx.Client(timeout=2) as client:             # one client for every poll
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} "
+                                   "answered")
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
 
 

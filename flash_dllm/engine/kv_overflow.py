@@ -198,8 +198,7 @@ class OverflowKV:
         wmask = np.zeros(n, dtype=bool)
         wmask[state.slot_of[p0:p1]] = True                  # stage order
         host = state.order[:s]
-        full = s == 0 or (window[0] <= int(host.min()) * ps and      # every host key rewritten
-                          window[1] >= min((int(host.max()) + 1) * ps, canvas_len))
+        full = rewrites_host(window, host, ps, canvas_len)
         lazy, layers = None, state.layers
         if full:
             ranges = []
@@ -319,6 +318,14 @@ class OverflowKV:
         state.page_mass = state.lazy = None      # the next step loads every page, measures
         state.summary = state.score = state.layers = None
         return True, True
+
+
+def rewrites_host(window: tuple[int, int], host: np.ndarray, page_size: int,
+                  canvas_len: int) -> bool:
+    """Whether a step recomputing the positions ``window`` rewrites every key of the host pages
+    ``host`` (logical ids; none: trivially), so it loads none of them."""
+    return host.size == 0 or (window[0] <= int(host.min()) * page_size and
+                              window[1] >= min((int(host.max()) + 1) * page_size, canvas_len))
 
 
 @dataclass
