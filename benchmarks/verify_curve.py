@@ -205,18 +205,34 @@ def _label(ax, text: str, x: float, y: float, used: dict, below: bool = False) -
 
 
 def _place_labels(ax, used: dict) -> None:
-    """Draw the queued labels: one within 1/8 of the axes' width and 1/25 of their height of a
-    label already placed (on the same side of its point) is stacked above (or below) it."""
+    """Draw the queued labels, each at the nearest offset from its point (above or below it,
+    its own side first; then to its left) where its box overlaps no marker and no label placed
+    before. Boxes are estimated in points from the axes' size on the figure and the text's
+    length (6 pt font)."""
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
     sx, sy = (x1 - x0) or 1.0, (y1 - y0) or 1.0
-    placed: list[tuple[float, float, bool]] = []
-    for text, x, y, below in used.get("pending", []):
-        u, v = (x - x0) / sx, (y - y0) / sy
-        k = sum(1 for (pu, pv, pb) in placed if pb == below and abs(pu - u) < 0.125
-                and abs(pv - v) < 0.04)
-        placed.append((u, v, below))
-        dy = -(9 + 8 * k) if below else 3 + 8 * k
-        ax.annotate(text, (x, y), fontsize=6, xytext=(3, dy), textcoords="offset points")
+    pos = ax.get_position()                     # axes in figure fractions
+    fw, fh = ax.figure.get_size_inches() * 72   # figure in points
+    aw, ah = pos.width * fw, pos.height * fh
+    pending = used.get("pending", [])
+    pts = [((x - x0) / sx * aw, (y - y0) / sy * ah) for _, x, y, _ in pending]
+    placed = [(px - 3, py - 3, px + 3, py + 3) for px, py in pts]          # the markers
+    for (text, x, y, below), (px, py) in zip(pending, pts):
+        w, h = 3.9 * len(text) + 2, 7.0
+        ups = [3 + 8 * k for k in range(12)]
+        downs = [-(10 + 8 * k) for k in range(12)]
+        dys = [d for pair in zip(downs, ups) for d in pair] if below else \
+            [d for pair in zip(ups, downs) for d in pair]
+        tries = [(4, dy) for dy in dys] + [(-w - 4, dy) for dy in dys[:4]]
+        for dx, dy in tries:
+            box = (px + dx, py + dy, px + dx + w, py + dy + h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
+                       for b in placed):
+                break
+        else:
+            dx, dy = tries[0]
+        placed.append((px + dx, py + dy, px + dx + w, py + dy + h))
+        ax.annotate(text, (x, y), fontsize=6, xytext=(dx, dy), textcoords="offset points")
 
 
 def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None:
@@ -227,6 +243,7 @@ def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None
     panels = sorted({(r["suite"], r["cache"]) for r in rows if r["name"] != "exact"})
     fronts = {(f["suite"], f["cache"]): f for f in frontier(rows, exact_given)}
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
+    todo = []
     for (suite, cache), pair in zip(panels, axes):
         exact = next((r for r in rows if r["suite"] == suite and r["name"] == "exact"), None)
         given = (exact_given or {}).get(suite)
@@ -279,9 +296,12 @@ def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None
                           else "seconds per sample (decode)")
             ax.set_ylabel("accuracy (%)")
             ax.grid(alpha=0.3)
-            _place_labels(ax, used)
+            ax.margins(x=0.12)              # room for the rightmost points' labels
             ax.legend(fontsize=7)
+            todo.append((ax, used))
     fig.tight_layout()
+    for ax, used in todo:        # once the layout has fixed each panel's size
+        _place_labels(ax, used)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
