@@ -23,12 +23,10 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from itertools import product
 from pathlib import Path
 
 GAMMAS = (0.6, 0.7, 0.8, 0.9, 0.95)
 RULES = ("agree", "cumprod")
-VERIFY_VIEWS = ("prefix", "others")       # flash_dllm.config.VERIFY_VIEWS (no import at parse)
 
 
 def _configs(a) -> list[dict]:
@@ -47,23 +45,22 @@ def _configs(a) -> list[dict]:
                                  params=dict(base, decode="threshold", threshold=tau,
                                              cache=cache)))
             for tau in a.tau:
-                for rule, g, mv, view in product(a.rules, a.gammas, a.max_verify, a.views):
-                    runs.append(dict(
-                        suite=suite, name=_verify_name(rule, g, tau, mv, view, a), cache=cache,
-                        rule=rule, gamma=g, tau=tau, max_verify=mv, view=view,
-                        params=dict(base, decode="verify", threshold=tau, gamma=g,
-                                    verify_rule=rule, max_verify=mv, cache=cache,
-                                    verify_view=view, entropy_max=a.entropy_max,
-                                    perturb_sigma=a.perturb_sigma)))
+                for rule in a.rules:
+                    for g in a.gammas:
+                        for mv in a.max_verify:
+                            runs.append(dict(
+                                suite=suite, name=_verify_name(rule, g, tau, mv, a), cache=cache,
+                                rule=rule, gamma=g, tau=tau, max_verify=mv,
+                                params=dict(base, decode="verify", threshold=tau, gamma=g,
+                                            verify_rule=rule, max_verify=mv, cache=cache,
+                                            entropy_max=a.entropy_max,
+                                            perturb_sigma=a.perturb_sigma)))
     return runs
 
 
-def _verify_name(rule: str, gamma: float, tau: float, max_verify, view: str, a) -> str:
-    """``verify-<rule>-<gamma>``, plus the view unless "prefix", and the tau / max_verify when
-    several are swept."""
+def _verify_name(rule: str, gamma: float, tau: float, max_verify, a) -> str:
+    """``verify-<rule>-<gamma>``, plus the tau / max_verify when several are swept."""
     name = f"verify-{rule}-{gamma}"
-    if view != "prefix":
-        name = f"verify-{view}-{rule}-{gamma}"
     if len(a.tau) > 1:
         name += f"-t{tau}"
     if len(a.max_verify) > 1:
@@ -322,9 +319,6 @@ def main(argv=None) -> int:
     ap.add_argument("--caches", nargs="+", default=["none"])
     ap.add_argument("--gammas", nargs="+", type=float, default=list(GAMMAS))
     ap.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
-    ap.add_argument("--views", nargs="+", default=["prefix"], choices=VERIFY_VIEWS,
-                    help="verify_view: what a draft's check sees (prefix: the drafts before it; "
-                         "others: all the other drafts)")
     ap.add_argument("--tau", type=float, nargs="+", default=[0.9],
                     help="threshold(s): threshold and verify run at each")
     ap.add_argument("--max-tokens", type=int, default=None,

@@ -7,7 +7,6 @@ from flash_dllm.cache.modes import CACHE_MODES
 
 DECODE_POLICIES = ("vanilla", "threshold", "verify")
 VERIFY_RULES = ("agree", "cumprod")      # flash_dllm.decoding.verify.accept_prefix
-VERIFY_VIEWS = ("prefix", "others")      # flash_dllm.decoding.verify.build_verify_block
 DEFAULT_BLOCK_LENGTH = 32
 
 
@@ -68,9 +67,6 @@ class SamplingParams:
     # --- decode="verify" (Flash-Verify)
     gamma: float = 0.8                   # acceptance level; > 1 accepts nothing (= threshold)
     verify_rule: str = "agree"           # "agree" | "cumprod"
-    # which drafts a draft's check sees: "prefix" the drafts before it in verification order
-    # (an autoregressive-style check), "others" all the other drafts (leave one out)
-    verify_view: str = "prefix"
     max_verify: int | None = None        # drafts verified per forward; None: block_length
     # --- sentinels (None = off)
     entropy_max: float | None = None     # nats; a slot above it is verified, never committed as is
@@ -119,7 +115,6 @@ class SamplingParams:
             raise ValueError(f"gamma must be a finite number > 0 (values > 1 accept no draft), "
                              f"got {self.gamma!r}")
         _check_choice("verify_rule", self.verify_rule, VERIFY_RULES)
-        _check_choice("verify_view", self.verify_view, VERIFY_VIEWS)
         if self.max_verify is None:
             object.__setattr__(self, "max_verify", self.block_length)
         _check_int("max_verify", self.max_verify, 1)

@@ -114,22 +114,24 @@ def test_order_candidates_by_confidence_then_position():
 
 
 # ------------------------------------------------------------------ intra-query attention mask
-def _verify_forward(model, canvas, cand_pos, cand_tok, allow_fn=None, view="prefix"):
+def _verify_forward(model, canvas, cand_pos, cand_tok, allow_fn=None):
     """Engine attention path: the canvas (no cache) plus a verification block in one packed
-    forward; returns logits of the mask views (M_2..M_m for "prefix", M_1..M_m for "others")."""
+    forward; returns logits of the mask views M_2..M_m."""
     shift = model.cfg.logit_shift
-    blk = build_verify_block(canvas, cand_pos, cand_tok, shift, view)
+    blk = build_verify_block(canvas, cand_pos, cand_tok, shift)
     allow = blk.allow if allow_fn is None else allow_fn(blk.allow)
-    L, d = canvas.shape[0], blk.num_keys
-    seg = Segment(0, L, torch.arange(L), verify=VerifyRows(L, L + blk.num_rows, d, allow))
+    L, m = canvas.shape[0], cand_pos.shape[0]
+    seg = Segment(0, L, torch.arange(L), verify=VerifyRows(L, L + blk.num_rows, m - 1, allow))
     h = model.hidden(torch.cat([canvas, blk.ids]), torch.cat([torch.arange(L), blk.positions]),
                      DenseStep([seg]))
-    return model.logits(h[L + d:])
+    return model.logits(h[L + m - 1:])
 
 
-def tiny_one_layer(family):
-    """One layer, so K/V depend only on (token, position): a mask view can be checked against a
-    dense forward of the canvas it claims to see."""
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_mask_view_equals_dense_prefix_filled_canvas_one_layer(family):
+    """With one layer, K/V depend only on (token, position), so mask view M_i must equal the dense
+    forward of the canvas with d_1..d_{i-1} filled in (read at p_i), and not the canvas with d_i
+    filled in as well."""
     cfg = ({"architectures": ["LLaDAModelLM"], "d_model": 64, "n_layers": 1, "n_heads": 4,
             "mlp_hidden_size": 128, "vocab_size": 100, "max_sequence_length": 256,
             "mask_token_id": MASK, "eos_token_id": EOS} if family == "llada" else
@@ -139,15 +141,6 @@ def tiny_one_layer(family):
             "eos_token_id": EOS})
     model = build_model(cfg, seed=0)
     model.init_weights(std=0.3, seed=1)
-    return model
-
-
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_mask_view_equals_dense_prefix_filled_canvas_one_layer(family):
-    """With one layer, K/V depend only on (token, position), so mask view M_i must equal the dense
-    forward of the canvas with d_1..d_{i-1} filled in (read at p_i), and not the canvas with d_i
-    filled in as well."""
-    model = tiny_one_layer(family)
     shift = model.cfg.logit_shift
     canvas = torch.tensor([5, 17, 3, 42, 8] + [MASK] * 8)
     # adjacent drafts in non-canvas order: with Dream's shift M_i's row is an earlier draft's slot
@@ -162,28 +155,6 @@ def test_mask_view_equals_dense_prefix_filled_canvas_one_layer(family):
             assert torch.allclose(got[i - 1], ref, atol=1e-4), i
             x[cand_pos[i]] = cand_tok[i]                      # what a leak would see
             assert not torch.allclose(got[i - 1], model(x[None])[0, cand_pos[i] - shift], atol=1e-2)
-
-
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_others_view_equals_dense_canvas_with_every_other_draft(family):
-    """``verify_view="others"``, one layer: mask view M_i equals the dense forward of the canvas
-    with every draft but d_i filled in (read at p_i), and not with d_i filled in as well."""
-    model = tiny_one_layer(family)
-    shift = model.cfg.logit_shift
-    canvas = torch.tensor([5, 17, 3, 42, 8] + [MASK] * 8)
-    cand_pos = torch.tensor([7, 6, 10, 8, 5])
-    cand_tok = torch.tensor([11, 12, 13, 14, 15])
-    with torch.no_grad():
-        got = _verify_forward(model, canvas, cand_pos, cand_tok, view="others")
-        assert got.shape[0] == 5
-        for i in range(5):
-            x = canvas.clone()
-            others = torch.arange(5) != i
-            x[cand_pos[others]] = cand_tok[others]
-            ref = model(x[None])[0, cand_pos[i] - shift]
-            assert torch.allclose(got[i], ref, atol=1e-4), i
-            x[cand_pos[i]] = cand_tok[i]                      # what a leak would see
-            assert not torch.allclose(got[i], model(x[None])[0, cand_pos[i] - shift], atol=1e-2)
 
 
 A_TOK, B_TOK, COUNT_MASK = 1, 2, 31
@@ -236,8 +207,8 @@ def test_mask_view_cannot_see_its_own_draft(leak, monkeypatch):
     if leak:
         orig = vs.build_verify_block
 
-        def leaky_block(canvas, pos, tok, shift, view):
-            blk = orig(canvas, pos, tok, shift, view)
+        def leaky_block(canvas, pos, tok, shift):
+            blk = orig(canvas, pos, tok, shift)
             blk.allow = _leaky(pos.shape[0])(blk.allow)
             return blk
         monkeypatch.setattr(vs, "build_verify_block", leaky_block)
@@ -277,7 +248,7 @@ def _dense_masked_logits(model, ids, pos, allow):
 
 
 @torch.no_grad()
-def reference_verify(model, prompt, gen, block, tau, gamma, rule, max_verify, view="prefix"):
+def reference_verify(model, prompt, gen, block, tau, gamma, rule, max_verify):
     shift = model.cfg.logit_shift
     P, L = len(prompt), len(prompt) + gen
     x = torch.full((L,), MASK, dtype=torch.long)
@@ -292,24 +263,20 @@ def reference_verify(model, prompt, gen, block, tau, gamma, rule, max_verify, vi
             n = L + 2 * m
             allow = torch.zeros(n, L + 2 * m, dtype=torch.bool)
             allow[:L, :L] = True
-            # which drafts D_i's / M_i's rows see: j <= i / j < i ("prefix"), all / j != i
-            d_sees = (lambda i, j: j <= i) if view == "prefix" else (lambda i, j: True)
-            m_sees = (lambda i, j: j < i) if view == "prefix" else (lambda i, j: j != i)
             for i, (p_i, d_i) in enumerate(drafts):
                 filled = x.clone()
-                for j, (p_j, d_j) in enumerate(drafts):
-                    if m_sees(i, j):
-                        filled[p_j] = d_j
+                for p_j, d_j in drafts[:i]:
+                    filled[p_j] = d_j
                 ids += [torch.tensor([d_i]), torch.tensor([int(filled[p_i - shift])])]
                 pos += [torch.tensor([p_i]), torch.tensor([p_i - shift])]
                 rd, rm = L + 2 * i, L + 2 * i + 1             # rows of D_i and M_i
                 allow[rd, :L] = True
                 allow[rm, :L] = True
                 for j, (p_j, _) in enumerate(drafts):
-                    if d_sees(i, j):
+                    if j <= i:
                         allow[rd, p_j] = False
                         allow[rd, L + 2 * j] = True
-                    if m_sees(i, j):
+                    if j < i:
                         allow[rm, p_j] = False
                         allow[rm, L + 2 * j] = True
             logits = _dense_masked_logits(model, torch.cat(ids), torch.cat(pos), allow)
@@ -345,18 +312,16 @@ def reference_verify(model, prompt, gen, block, tau, gamma, rule, max_verify, vi
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("rule,gamma,max_verify,view", [
-    ("agree", 0.3, 8, "prefix"), ("agree", 0.05, 3, "prefix"), ("cumprod", 0.2, 8, "prefix"),
-    ("cumprod", 0.02, 4, "prefix"), ("agree", 0.3, 8, "others"), ("cumprod", 0.02, 4, "others")])
-def test_verify_matches_reference(family, rule, gamma, max_verify, view):
+@pytest.mark.parametrize("rule,gamma,max_verify", [("agree", 0.3, 8), ("agree", 0.05, 3),
+                                                   ("cumprod", 0.2, 8), ("cumprod", 0.02, 4)])
+def test_verify_matches_reference(family, rule, gamma, max_verify):
     model = tiny(family)
     params = SamplingParams(max_tokens=16, block_length=8, decode="verify", threshold=0.7,
-                            gamma=gamma, verify_rule=rule, max_verify=max_verify, early_stop=False,
-                            verify_view=view)
+                            gamma=gamma, verify_rule=rule, max_verify=max_verify, early_stop=False)
     reqs, outs = run_engine(model, PROMPTS, params)
     accepted = 0
     for prompt, req, out in zip(PROMPTS, reqs, outs):
-        ref, nfe = reference_verify(model, prompt, 16, 8, 0.7, gamma, rule, max_verify, view)
+        ref, nfe = reference_verify(model, prompt, 16, 8, 0.7, gamma, rule, max_verify)
         assert req.canvas[len(prompt):].tolist() == ref
         assert out.num_forwards == nfe
         accepted += out.metrics["verify_accepted"]

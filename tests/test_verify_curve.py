@@ -48,7 +48,7 @@ def test_frontier_when_threshold_never_gets_there_or_nothing_qualifies():
 
 def test_configs_sweep_tau_and_max_verify_with_the_suites_canvas():
     a = vc.argparse.Namespace(suites=["chain", "arith"], caches=["dual"], tau=[0.7, 0.9],
-                              gammas=[0.8], rules=["agree"], max_verify=[None, 4], views=["prefix"],
+                              gammas=[0.8], rules=["agree"], max_verify=[None, 4],
                               max_tokens=None, block_length=32, no_exact=False,
                               entropy_max=None, perturb_sigma=None)
     runs = vc._configs(a)

@@ -37,15 +37,13 @@ def order_candidates(confidence: torch.Tensor, max_verify: int) -> torch.Tensor:
 
 @dataclass
 class VerifyBlock:
-    """The extra query rows that verify ``m`` drafts: the draft views, then the mask views.
-    ``view="prefix"``: ``m - 1`` draft views ``D_1 .. D_{m-1}`` and ``m - 1`` mask views
-    ``M_2 .. M_m`` (``M_1`` is the canvas row); ``view="others"``: ``m`` of each, ``M_1`` too.
-    ``allow`` [rows, canvas + draft views] bool: which keys (the canvas, then the draft views)
-    each row may attend to."""
+    """The extra query rows that verify ``m`` drafts: ``m - 1`` draft views then ``m - 1`` mask
+    views (``M_2 .. M_m``). ``allow`` [2 (m - 1), canvas + m - 1] bool: which keys (the canvas,
+    then the draft views) each row may attend to."""
 
-    ids: torch.Tensor        # [rows] long
-    positions: torch.Tensor  # [rows] long
-    allow: torch.Tensor      # [rows, canvas + rows / 2] bool
+    ids: torch.Tensor        # [2 (m - 1)] long
+    positions: torch.Tensor  # [2 (m - 1)] long
+    allow: torch.Tensor      # [2 (m - 1), canvas + m - 1] bool
 
     @property
     def num_rows(self) -> int:
@@ -56,48 +54,27 @@ class VerifyBlock:
         return self.num_rows // 2
 
 
-VERIFY_VIEWS = ("prefix", "others")
-
-
 def build_verify_block(canvas: torch.Tensor, cand_pos: torch.Tensor, cand_tok: torch.Tensor,
-                       logit_shift: int, view: str = "prefix") -> VerifyBlock:
-    """canvas [L] (drafted slots still MASK), cand_pos/cand_tok [m] in verification order.
-
-    ``view="prefix"``: mask view ``M_i`` sees the drafts before it in verification order (the
-    module docstring). ``view="others"``: ``M_i`` sees every draft but its own (a leave-one-out
-    check: each draft is judged with the whole drafted block around it), and every draft view
-    sees every draft."""
+                       logit_shift: int) -> VerifyBlock:
+    """canvas [L] (drafted slots still MASK), cand_pos/cand_tok [m] in verification order."""
     m, L = cand_pos.shape[0], canvas.shape[0]
     dev = canvas.device
+    r = torch.arange(m - 1, device=dev)                     # row pair r: D_{r+1} and M_{r+2}
     j = torch.arange(m, device=dev)
-    if view == "prefix":
-        v = torch.arange(1, m, device=dev)        # mask views of drafts 2 .. m; D_1 .. D_{m-1}
-        d = m - 1
-        sees = j[None, :d] < v[:, None]                      # [m-1, m-1]: draft j is before v
-    else:
-        v = j                                      # every draft's mask view; D_1 .. D_m
-        d = m
-        sees = j[None, :] != v[:, None]                      # [m, m]: every draft but its own
     # mask view M_i is the row at p_i - shift holding the canvas token there, unless that slot is
-    # a draft it sees (only possible with a shift), in which case it holds the draft
-    mv_pos = cand_pos[v] - logit_shift
+    # an earlier draft (only possible with a shift), in which case it holds the draft
+    mv_pos = cand_pos[1:] - logit_shift                      # [m-1]
     mv_ids = canvas[mv_pos]
     if logit_shift:
-        hit = (mv_pos[:, None] == cand_pos[None, :d]) & sees                 # [views, d]
-        mv_ids = torch.where(hit.any(1), cand_tok[:d][hit.long().argmax(1)], mv_ids)
-    # the draft views: D_r sees the drafts a mask view after it sees ("prefix": D_1 .. D_r,
-    # itself included; "others": all of them)
-    d_sees = (j[None, :d] <= j[:d, None]) if view == "prefix" else torch.ones(d, d, dtype=torch.bool,
-                                                                           device=dev)
-
-    def canvas_allow(s: torch.Tensor) -> torch.Tensor:       # hide the MASK keys of seen drafts
-        a = torch.ones(s.shape[0], L, dtype=torch.bool, device=dev)
-        a[:, cand_pos[:d]] = ~s
-        return a
-    allow = torch.cat([torch.cat([canvas_allow(d_sees), d_sees], dim=1),
-                       torch.cat([canvas_allow(sees), sees], dim=1)], dim=0)
-    return VerifyBlock(ids=torch.cat([cand_tok[:d], mv_ids]),
-                       positions=torch.cat([cand_pos[:d], mv_pos]), allow=allow)
+        hit = (mv_pos[:, None] == cand_pos[None, :]) & (j[None, :] <= r[:, None])   # [m-1, m]
+        mv_ids = torch.where(hit.any(1), cand_tok[hit.long().argmax(1)], mv_ids)
+    earlier = j[None, :m - 1] <= r[:, None]                  # [m-1, m-1]: draft j is in prefix r
+    canvas_allow = torch.ones(m - 1, L, dtype=torch.bool, device=dev)
+    canvas_allow[:, cand_pos[:m - 1]] = ~earlier             # hide the MASK keys of those drafts
+    pair = torch.cat([canvas_allow, earlier], dim=1)         # [m-1, L + m-1]
+    return VerifyBlock(ids=torch.cat([cand_tok[:m - 1], mv_ids]),
+                       positions=torch.cat([cand_pos[:m - 1], mv_pos]),
+                       allow=torch.cat([pair, pair], dim=0))
 
 
 def draft_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

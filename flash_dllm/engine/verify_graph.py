@@ -112,8 +112,6 @@ def fits(batch, dims: dict | None, cap: int) -> bool:
     M = max(r.params.max_verify for r in batch)
     if M > DraftStore.WIDTH or dims is None:
         return False
-    if any(r.params.verify_view != "prefix" for r in batch):
-        return False            # verify_view "others" runs on the general path
     B, bl = len(batch), batch[0].params.block_length
     Lb = dense_keys(max(r.canvas_len for r in batch), dims["page_size"], dims["table_width"])
     return (B * (bl + M) * dims["vocab"] <= cap

@@ -80,9 +80,7 @@ class VerifyPlan:
     cand_tok: torch.Tensor
     block: VerifyBlock | None      # None when m == 1 (M_1 is the canvas row itself)
     rows: VerifyRows | None
-    # packed rows of the mask views: M_2 .. M_m ([m - 1], view "prefix": M_1 is the canvas
-    # row) or M_1 .. M_m ([m], view "others")
-    mask_rows: torch.Tensor
+    mask_rows: torch.Tensor        # [m - 1] packed rows of the mask views M_2 .. M_m
 
 
 def plan_verification(req, st, logit_shift: int, start: int) -> VerifyPlan | None:
@@ -96,9 +94,9 @@ def plan_verification(req, st, logit_shift: int, start: int) -> VerifyPlan | Non
         return None
     if m == 1:
         return VerifyPlan(pos, tok, None, None, pos.new_empty(0))
-    blk = build_verify_block(st.canvas, pos, tok, logit_shift, req.params.verify_view)
+    blk = build_verify_block(st.canvas, pos, tok, logit_shift)
     rows = VerifyRows(start, start + blk.num_rows, blk.num_keys, blk.allow)
-    mask_rows = torch.arange(start + blk.num_keys, start + blk.num_rows, device=pos.device)
+    mask_rows = torch.arange(start + m - 1, start + 2 * (m - 1), device=pos.device)
     return VerifyPlan(pos, tok, blk, rows, mask_rows)
 
 
@@ -129,15 +127,14 @@ def select_verify(batch, states, counters: list, plans: list[VerifyPlan | None],
         s, e = bounds[i]
         m = plan.cand_pos.shape[0]
         slot = s + torch.searchsorted(positions[s:e], plan.cand_pos)      # slot row per draft
-        views = plan.mask_rows.shape[0]         # m - 1 (M_1 is the canvas row) or m
-        cand_rows.append(torch.cat([slot[:m - views], torch.arange(off, off + views, device=dev)]))
+        cand_rows.append(torch.cat([slot[:1], torch.arange(off, off + m - 1, device=dev)]))
         cand_tok.append(plan.cand_tok)
         cand_gid.append(torch.full((m,), g, dtype=torch.long, device=dev))
         cand_slot.append(slot)
         p = batch[i].params
         vgroups.append(RowGroup(n_cand, n_cand + m, p.temperature, p.top_k, p.top_p,
                                 states[i].generator))
-        off += views
+        off += m - 1
         n_cand += m
         _count(counters, i, "verify_candidates", m)
     if cand_rows:

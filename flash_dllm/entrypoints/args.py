@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from flash_dllm.cache.modes import CACHE_MODES
-from flash_dllm.config import DECODE_POLICIES, VERIFY_RULES, VERIFY_VIEWS, EngineConfig, SamplingParams
+from flash_dllm.config import DECODE_POLICIES, VERIFY_RULES, EngineConfig, SamplingParams
 
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # serving on a GPU sizes the KV pool from the device's memory (``EngineArgs.kv_sizing``): the 1 GiB
@@ -239,9 +239,6 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | Non
     g.add_argument("--gamma", type=float, default=d.gamma,
                    help="verify: acceptance level (> 1 accepts nothing)")
     g.add_argument("--verify-rule", default=d.verify_rule, choices=VERIFY_RULES)
-    g.add_argument("--verify-view", default=d.verify_view, choices=VERIFY_VIEWS,
-                   help="verify: what a draft's check sees (prefix: the drafts before it; "
-                        "others: every other draft)")
     g.add_argument("--max-verify", type=int, default=None,
                    help="verify: drafts checked per forward (default: block length)")
     g.add_argument("--entropy-max", type=float, default=None,
@@ -268,8 +265,7 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
     kw = dict(max_tokens=a.max_tokens, block_length=a.block_length, steps=a.steps,
               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, decode=a.decode,
               cache=a.cache, threshold=a.threshold, seed=a.seed, early_stop=not a.no_early_stop,
-              gamma=a.gamma, verify_rule=a.verify_rule, verify_view=a.verify_view,
-              max_verify=a.max_verify,
+              gamma=a.gamma, verify_rule=a.verify_rule, max_verify=a.max_verify,
               entropy_max=a.entropy_max, perturb_sigma=a.perturb_sigma,
               kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k, flash_budget=a.flash_budget,
               drift_min=a.drift_min, drift_defer=a.drift_defer)

@@ -132,7 +132,6 @@ class DLLMKnobs(_Strict):
     # naming the field)
     early_stop: bool | None = None
     verify_rule: str | None = None
-    verify_view: str | None = None
     max_verify: int | None = None
     entropy_max: float | None = Field(None, allow_inf_nan=False)
     perturb_sigma: float | None = Field(None, allow_inf_nan=False)
