@@ -17,6 +17,7 @@ Requests at different blocks, steps, cache modes and policies share the same for
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -32,6 +33,12 @@ from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.verify_step import merge_counters, new_counters
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
+
+log = logging.getLogger(__name__)
+
+# failed steps in a row after which a step's exception is raised again (a broken device, not one
+# bad batch): see ``Engine.isolate_step_failures``
+MAX_FAILED_STEPS = 3
 
 
 class Engine:
@@ -67,7 +74,14 @@ class Engine:
         self._stop_ids = tuple(int(t) for t in cfg.eos_token_ids)
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
+                      "failed_steps": 0,      # steps whose requests failed (isolated)
                       **new_counters()}       # decode="verify" and sentinels
+        # True (the server's single-process engine, ``AsyncEngine``): a step that raises fails
+        # only the requests of its batch, with an error naming the exception, and the engine
+        # goes on; False (offline ``LLM``, tensor-parallel replicas, disaggregated workers): it
+        # raises, as every replica or peer must see the same failure
+        self.isolate_step_failures = False
+        self._failed_in_a_row = 0
 
     @property
     def pool(self):
@@ -158,8 +172,34 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.seqs and not plan.ops:
             return []
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception as e:   # noqa: BLE001 - isolated below, or raised again
+            return self._step_failed(plan, e)
+        self._failed_in_a_row = 0
         return self._apply(plan, result, t0)
+
+    def _step_failed(self, plan: StepPlan, exc: Exception) -> list[StepOutput]:
+        """A step raised. With ``isolate_step_failures`` its requests finish with an error that
+        names the exception, their pages are freed and never published for prefix reuse (their
+        K/V may be half written), and the other requests go on. Raised again without it, when
+        the step also moved pages between tiers (their state is not known), or at the
+        ``MAX_FAILED_STEPS``-th failed step in a row."""
+        self._failed_in_a_row += 1
+        if (not self.isolate_step_failures or plan.ops or not plan.requests
+                or self._failed_in_a_row >= MAX_FAILED_STEPS):
+            raise exc
+        log.exception("engine step failed; failing its %d request(s): %s",
+                      len(plan.requests), ", ".join(r.request_id for r in plan.requests))
+        self.stats["failed_steps"] += 1
+        outputs = []
+        for req in plan.requests:
+            req._finish("error")
+            req.error = f"request {req.request_id}: the engine step failed: {exc!r}"
+            self._release(req)
+            outputs.append(StepOutput(req.request_id, [], req.num_tokens, 0, True, "error"))
+        self.scheduler.drop_finished()
+        return outputs
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float) -> list[StepOutput]:
         """Book-keeping after a step, on the host: requests advance, finish and free pages."""
@@ -267,13 +307,13 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         """Return a finished or aborted request's pages and device state. A request that
-        finished (not aborted) publishes its pages for prefix reuse: the prompt and every block
-        before the last one decoded (their K/V were refreshed with their final tokens; the last
-        block's K/V were computed while it was still being unmasked)."""
+        finished (not aborted, not failed) publishes its pages for prefix reuse: the prompt and
+        every block before the last one decoded (their K/V were refreshed with their final
+        tokens; the last block's K/V were computed while it was still being unmasked)."""
         self._block_mass.pop(req.request_id, None)
         self._mass_steps.pop(req.request_id, None)
         publish = None
-        if (self.config.prefix_reuse and req.finish_reason != "abort"
+        if (self.config.prefix_reuse and req.finish_reason not in ("abort", "error")
                 and req.params.cache != "none" and req.overflow is None):
             n = req.prompt_len + max(req.block - 1, 0) * req.params.block_length
             publish = req.tokens[:n].tolist()

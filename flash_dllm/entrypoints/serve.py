@@ -113,6 +113,7 @@ def load_async_engine(model=None, device: str = "cpu", dtype: str = "auto",
         args = EngineArgs(model=None if model is None else str(model), device=device, dtype=dtype)
     override = {} if config is None else dataclasses.asdict(config)
     loaded = load_engine(args, **override)
+    loaded.engine.isolate_step_failures = True      # a failed step fails its batch, not the server
     return AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
 
 
@@ -128,6 +129,7 @@ def build_server_app(a: argparse.Namespace):
         from flash_dllm.entrypoints.loader import load_random_engine
         loaded = load_random_engine(shape, EngineArgs.from_cli_args(a),
                                     max_len=getattr(a, "model_max_len", None))
+        loaded.engine.isolate_step_failures = True
         aeng, tok, folder = AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
     else:
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
