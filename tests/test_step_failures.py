@@ -127,3 +127,16 @@ def test_the_server_engine_keeps_serving_after_a_failed_step():
     assert err1 is not None and "injected fault" in str(err1)
     assert err2 is None and outs2[-1].finished and outs2[-1].finish_reason in ("stop", "length")
     assert aeng.error is None
+
+
+def test_a_tensor_parallel_rank_never_isolates():
+    """Rank 0 raises whatever its flag says (the other ranks would not know the batch was
+    dropped); the followers are plain engines, which raise by default."""
+    from flash_dllm.engine.tp_engine import TPEngine
+    eng = _engine(True)
+    req = eng.add_request(PROMPTS[0], PARAMS)
+    _faulty(eng, {req.request_id})
+    eng.__class__ = TPEngine     # (its _step_failed needs no process group; step is Engine's)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        Engine.step(eng)
+    assert Engine(eng.model, eng.cfg).isolate_step_failures is False

@@ -63,6 +63,11 @@ class TPEngine(Engine):
         super().graphs_ready()
         self._cmds.append(("graphs_ready",))    # every rank stops capturing at the same step
 
+    def _step_failed(self, plan, exc: Exception):
+        """Never isolated, whatever ``isolate_step_failures`` says: the other ranks would not
+        know that this one dropped the batch, and the replicas would drift apart."""
+        raise exc
+
     def step(self):
         if self.closed:
             raise RuntimeError("this tensor-parallel engine was closed (its other ranks stopped)")
