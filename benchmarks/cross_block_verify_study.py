@@ -125,7 +125,8 @@ def decode(model, prompt: list[int], gen: int, block: int, tau: float, gamma: fl
             drafts, cross = [], False
             left = (ids == mask_id) & act
             if gamma is not None and inblock and bool(left.any()):
-                order = sorted(left.nonzero().flatten().tolist(), key=lambda s: (-float(conf[s]), s))
+                order = sorted(left.nonzero().flatten().tolist(),
+                               key=lambda s: (-float(conf[s]), s))
                 drafts = [(s, int(tok[s])) for s in order[:max_verify]]
             elif gamma is not None and tau_next is not None and not bool(left.any()) \
                     and b1 < P + gen:
@@ -138,7 +139,8 @@ def decode(model, prompt: list[int], gen: int, block: int, tau: float, gamma: fl
             break                                                # the engine's early stop
     out = ids[P:].tolist()
     cut = next((i for i, t in enumerate(out) if t in eos or t == mask_id), len(out))
-    return {"tokens": out[:cut], "canvas": out, "forwards": forwards, "per_block": per_block, **stats}
+    return {"tokens": out[:cut], "canvas": out, "forwards": forwards, "per_block": per_block,
+            **stats}
 
 
 def main() -> int:
