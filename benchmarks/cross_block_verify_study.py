@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -87,13 +88,17 @@ def decode(model, prompt: list[int], gen: int, block: int, tau: float, gamma: fl
     ids = torch.tensor(prompt + [mask_id] * gen)
     max_verify = max_verify or block
     forwards, per_block = 0, []
-    stats = {"checked": 0, "accepted": 0, "cross_checked": 0, "cross_accepted": 0}
+    stats = {"checked": 0, "accepted": 0, "cross_checked": 0, "cross_accepted": 0,
+             # per block boundary: (next block's start, drafted slots, the input of the
+             # forward that made them)
+             "cross_drafts": []}
     drafts: list[tuple[int, int]] = []
     cross = False                            # the pending drafts are the next block's
     for b0 in range(P, P + gen, block):
         b1 = min(b0 + block, P + gen)
         n_fwd = 0
         while bool((ids[b0:b1] == mask_id).any()):
+            seen = ids.clone()                       # this forward's input (for the record)
             canvas, views = forward_with_views(model, ids, drafts, shift)
             forwards += 1
             n_fwd += 1
@@ -105,6 +110,8 @@ def decode(model, prompt: list[int], gen: int, block: int, tau: float, gamma: fl
                     break
                 ids[p] = d
                 accepted += 1
+            if cross:
+                assert n_fwd == 1 and all(b0 <= p < b1 for p, _ in drafts)   # where they belong
             stats["cross_checked" if cross else "checked"] += len(drafts)
             stats["cross_accepted" if cross else "accepted"] += accepted
             # the engine's proposal: the best token but MASK, its probability under the whole
@@ -134,6 +141,7 @@ def decode(model, prompt: list[int], gen: int, block: int, tau: float, gamma: fl
                 nxt = [s for s in range(b1, n1) if conf[s] >= tau_next]
                 nxt.sort(key=lambda s: (-float(conf[s]), s))
                 drafts, cross = [(s, int(tok[s])) for s in nxt[:max_verify]], True
+                stats["cross_drafts"].append((b1, [s for s, _ in drafts], seen.tolist()))
         per_block.append(n_fwd)
         if early_stop and any(int(t) in eos for t in ids[b0:b1]) and b1 < P + gen:
             break                                                # the engine's early stop
@@ -141,6 +149,9 @@ def decode(model, prompt: list[int], gen: int, block: int, tau: float, gamma: fl
     cut = next((i for i, t in enumerate(out) if t in eos or t == mask_id), len(out))
     return {"tokens": out[:cut], "canvas": out, "forwards": forwards, "per_block": per_block,
             **stats}
+
+
+VARIANTS = ("threshold", "verify", "cross_verified", "verify_and_cross")
 
 
 def main() -> int:
@@ -153,6 +164,7 @@ def main() -> int:
     p.add_argument("--gamma", type=float, default=0.8)
     p.add_argument("--tau-next", type=float, default=0.9)
     p.add_argument("--block", type=int, default=32)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -165,12 +177,14 @@ def main() -> int:
     model, tok = llm.engine.model, llm.tokenizer
     cfg = model.cfg
     eos = set(cfg.eos_token_ids)
-    variants = {"threshold": (None, False, None), "verify": (a.gamma, True, None),
-                "cross_verified": (a.gamma, False, a.tau_next),
-                "verify_and_cross": (a.gamma, True, a.tau_next)}
+    every = {"threshold": (None, False, None), "verify": (a.gamma, True, None),
+             "cross_verified": (a.gamma, False, a.tau_next),
+             "verify_and_cross": (a.gamma, True, a.tau_next)}
+    variants = {k: every[k] for k in ["threshold"] + [v for v in a.variants if v != "threshold"]}
     report = {"model": a.model, "device": "cpu", "tau": a.tau, "gamma": a.gamma,
               "tau_next": a.tau_next, "rule": "agree", "view": "prefix", "block": a.block,
-              "n": a.n, "cache": "none", "batch": 1, "suites": {}}
+              "n": a.n, "cache": "none", "batch": 1, "threads": a.threads,
+              "command": " ".join(sys.argv), "suites": {}}
     for name in a.suites:
         suite = SUITES[name]
         problems = suite.test_problems(a.n, 0)

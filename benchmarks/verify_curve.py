@@ -206,9 +206,9 @@ def _label(ax, text: str, x: float, y: float, used: dict, below: bool = False) -
 
 def _place_labels(ax, used: dict) -> None:
     """Draw the queued labels, each at the nearest offset from its point (above or below it,
-    its own side first; then to its left) where its box overlaps no marker and no label placed
-    before. Boxes are estimated in points from the axes' size on the figure and the text's
-    length (6 pt font)."""
+    its own side first; then to its left) where its box stays inside the axes and overlaps no
+    marker and no label placed before. Boxes are estimated in points from the axes' size on the
+    figure and the text's length (6 pt font)."""
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
     sx, sy = (x1 - x0) or 1.0, (y1 - y0) or 1.0
     pos = ax.get_position()                     # axes in figure fractions
@@ -226,8 +226,9 @@ def _place_labels(ax, used: dict) -> None:
         tries = [(4, dy) for dy in dys] + [(-w - 4, dy) for dy in dys[:4]]
         for dx, dy in tries:
             box = (px + dx, py + dy, px + dx + w, py + dy + h)
-            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
-                       for b in placed):
+            inside = box[0] >= 0 and box[1] >= 0 and box[2] <= aw and box[3] <= ah
+            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3]
+                                  and b[1] < box[3] for b in placed):
                 break
         else:
             dx, dy = tries[0]

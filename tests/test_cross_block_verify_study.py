@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_sampler import PROMPTS, run_engine, tiny
 
@@ -45,16 +46,34 @@ def test_in_block_verification_equals_the_engine(family, gamma):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-def test_cross_block_drafts_are_checked_and_only_at_a_block_start(family):
+def test_cross_block_drafts_are_the_next_blocks_confident_slots_checked_at_its_start(family):
+    """Three blocks: at each boundary the drafts are the next block's slots whose confidence is
+    >= tau_next in the forward that completed the block, most confident first (recomputed here
+    from that forward's input with a plain dense forward), and the next block's first forward
+    checks them (the loop asserts where and when); some pass; a rule nothing passes leaves
+    threshold decoding's tokens and forwards."""
     model = tiny(family)
-    checked = 0
+    c = model.cfg
+    shift, eos, accepted = c.logit_shift, set(c.eos_token_ids), 0
     for prompt in PROMPTS:
-        r = _ours(model, prompt, 0.05, False, 0.0)
-        assert r["checked"] == 0 and r["accepted"] == 0     # no in-block drafts
-        assert r["cross_accepted"] <= r["cross_checked"]
-        checked += r["cross_checked"]
-        # a rule nothing passes leaves threshold decoding's tokens and forwards
-        no = _ours(model, prompt, 2.0, False, 0.0)
-        base = _ours(model, prompt, None, False, None)
+        r = cbv.decode(model, prompt, 24, 8, 0.7, 0.05, False, 0.3, c.mask_token_id, eos, shift,
+                       early_stop=False)
+        P = len(prompt)
+        assert r["checked"] == 0 and r["accepted"] == 0              # no in-block drafts
+        assert [b for b, _, _ in r["cross_drafts"]] == [P + 8, P + 16]
+        assert r["cross_checked"] == sum(len(d) for _, d, _ in r["cross_drafts"])
+        accepted += r["cross_accepted"]
+        for b1, slots, seen in r["cross_drafts"]:
+            with torch.no_grad():
+                logits = model(torch.tensor(seen)[None])[0].float()
+            tok = logits.index_fill(1, torch.tensor([c.mask_token_id]), float("-inf")).argmax(-1)
+            p_tok = torch.softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+            want = [s for s in range(b1, b1 + 8) if float(p_tok[s - shift]) >= 0.3]
+            want.sort(key=lambda s: (-float(p_tok[s - shift]), s))
+            assert slots == want and slots
+        base = cbv.decode(model, prompt, 24, 8, 0.7, None, False, None, c.mask_token_id, eos,
+                          shift, early_stop=False)
+        no = cbv.decode(model, prompt, 24, 8, 0.7, 2.0, False, 0.3, c.mask_token_id, eos, shift,
+                        early_stop=False)
         assert (no["canvas"], no["forwards"]) == (base["canvas"], base["forwards"])
-    assert checked > 0
+    assert accepted > 0
