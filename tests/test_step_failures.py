@@ -36,7 +36,8 @@ def _faulty(engine: Engine, bad: set[str], times: int = 1):
 
 def _engine(isolate: bool, **config) -> Engine:
     model = tiny("llada", seed=3)
-    eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=1, prefix_reuse=True, **config))
+    eng = Engine(model, model.cfg, EngineConfig(**{"max_num_seqs": 1, "prefix_reuse": True,
+                                                   **config}))
     eng.isolate_step_failures = isolate
     return eng
 
@@ -140,3 +141,96 @@ def test_a_tensor_parallel_rank_never_isolates():
     with pytest.raises(RuntimeError, match="injected fault"):
         Engine.step(eng)
     assert Engine(eng.model, eng.cfg).isolate_step_failures is False
+
+
+def _mid_forward_fault(eng: Engine, at: int) -> None:
+    """The ``at``-th forward raises, inside the step (after the runner built its state)."""
+    real, n = eng.runner.forward, [0]
+
+    def forward(*a, **k):
+        n[0] += 1
+        if n[0] == at:
+            raise RuntimeError("injected mid-forward")
+        return real(*a, **k)
+    eng.runner.forward = forward
+
+
+def test_a_fault_inside_the_forward_fails_its_batch_and_spares_the_rest():
+    """Batches of two with a third request waiting: the requests of the failed step (which
+    have device state by then) fail; the waiting one finishes as without the fault; every
+    arena row and page comes back."""
+    prompts = PROMPTS + [[(7 * i + 3) % 90 + 5 for i in range(40)]]
+
+    def run(fault):
+        eng = _engine(True, max_num_seqs=2)
+        if fault:
+            _mid_forward_fault(eng, 3)
+        reqs = [eng.add_request(p, PARAMS) for p in prompts]
+        while eng.has_unfinished():
+            eng.step()
+        return eng, reqs
+    _, clean = run(False)
+    eng, reqs = run(True)
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    assert len(failed) == 2 and all(r.num_forwards >= 2 for r in failed)
+    for r, c in zip(reqs, clean):
+        if r.finish_reason != "error":
+            assert r.tokens.tolist() == c.tokens.tolist()
+    assert sorted(eng.runner._free_rows) == [0, 1] and not eng.runner._states
+
+
+def test_a_fault_while_creating_device_state_returns_the_arena_row(monkeypatch):
+    import flash_dllm.engine.runner as runner_mod
+    eng = _engine(True)
+    real, left = runner_mod.h2d, [1]
+
+    def h2d(*a, **k):
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("injected h2d fault")
+        return real(*a, **k)
+    monkeypatch.setattr(runner_mod, "h2d", h2d)
+    bad = eng.add_request(PROMPTS[0], PARAMS)
+    good = eng.add_request(PROMPTS[1], PARAMS)
+    while eng.has_unfinished():
+        eng.step()
+    assert bad.finish_reason == "error" and good.finish_reason in ("stop", "length")
+    assert eng.runner._free_rows == [0] and not eng.runner._states
+
+
+def test_never_isolated_with_host_kv_tiers():
+    """(a step may have collected finished tier moves that its failure would drop)"""
+    eng = _engine(True, kv_cpu_gb=0.01)
+    assert eng.runner.offload is not None
+    req = eng.add_request(PROMPTS[0], PARAMS)
+    _faulty(eng, {req.request_id})
+    with pytest.raises(RuntimeError, match="injected fault"):
+        eng.step()
+
+
+def test_a_failure_while_warming_up_is_raised():
+    from flash_dllm.engine.warmup import warm_up
+    eng = _engine(True)
+    _mid_forward_fault(eng, 1)
+    with pytest.raises(RuntimeError, match="injected mid-forward"):
+        warm_up(eng, "minimal", [5, 6, 7])
+    assert eng.isolate_step_failures is True           # put back afterwards
+
+
+def test_failures_apart_do_not_add_up():
+    """The limit counts failed steps in a row: a step that runs resets it."""
+    eng = _engine(True)
+    reqs = [eng.add_request(p, PARAMS) for p in PROMPTS]
+    fail = {reqs[0].request_id, reqs[2].request_id}
+    real = eng.runner.execute
+
+    def execute(plan):
+        if any(r.request_id in fail for r in plan.requests):
+            fail.difference_update(r.request_id for r in plan.requests)
+            raise RuntimeError("injected fault")
+        return real(plan)
+    eng.runner.execute = execute
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.finish_reason for r in reqs][::2] == ["error", "error"]
+    assert reqs[1].finish_reason in ("stop", "length")

@@ -184,10 +184,13 @@ class Engine:
         names the exception, their pages are freed and never published for prefix reuse (their
         K/V may be half written), and the other requests go on. Raised again without it, when
         the step also moved pages between tiers (their state is not known), or at the
-        ``MAX_FAILED_STEPS``-th failed step in a row."""
+        ``MAX_FAILED_STEPS``-th failed step in a row. Never isolated either: with host KV tiers
+        (the step may have collected finished tier moves that the failure dropped), or when the
+        device may be broken (``_device_healthy``)."""
         self._failed_in_a_row += 1
         if (not self.isolate_step_failures or plan.ops or not plan.requests
-                or self._failed_in_a_row >= MAX_FAILED_STEPS):
+                or self.runner.offload is not None        # (tier moves finished in the step)
+                or self._failed_in_a_row >= MAX_FAILED_STEPS or not self._device_healthy()):
             raise exc
         log.exception("engine step failed; failing its %d request(s): %s",
                       len(plan.requests), ", ".join(r.request_id for r in plan.requests))
@@ -200,6 +203,19 @@ class Engine:
             outputs.append(StepOutput(req.request_id, [], req.num_tokens, 0, True, "error"))
         self.scheduler.drop_finished()
         return outputs
+
+    def _device_healthy(self) -> bool:
+        """False when a failed step may have broken the device: a CUDA graph capture left open,
+        or a sticky CUDA error (the next synchronize raises it)."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            torch.cuda.synchronize(self.device)
+        except Exception:   # noqa: BLE001 - any error here means: do not go on
+            return False
+        return True
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float) -> list[StepOutput]:
         """Book-keeping after a step, on the host: requests advance, finish and free pages."""

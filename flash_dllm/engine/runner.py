@@ -10,8 +10,8 @@
 - the CUDA graphs of both capture modes (``engine/graphs.py``, ``engine/step_graph.py``).
 
 NOTE (syncs): a step makes ONE device->host copy, the active blocks after the commit
-(``StepResult.blocks``), from which the engine derives commits, the committed prefix and
-finishing on the host. Only opt-in features sync more (``verify`` counters, sentinels).
+(``StepResult.blocks``): the engine derives commits, prefix and finishing from it on the host.
+Only opt-in features sync more (``verify`` counters, sentinels).
 """
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ class SeqState:
         """cache="flash": attention mass [canvas] each key got in this request's last step."""
         if self.mass_src is None:
             return None
-        mass, row = self.mass_src
-        return mass[row, :self.canvas.shape[0]]
+        return self.mass_src[0][self.mass_src[1], :self.canvas.shape[0]]      # (mass, row)
 
 
 class ModelRunner:
@@ -202,14 +201,15 @@ class ModelRunner:
         if st is None:
             if pages is None:
                 raise ValueError(f"request {req.request_id!r} has no runner state and no pages")
-            row = self._free_rows.pop()
-            canvas = self.arena[row, :req.canvas_len]
-            canvas.copy_(h2d(req.tokens, torch.long, self.device))
-            st = SeqState(row, canvas, h2d(pages, torch.int32, self.device), block=req.block)
-            p = req.params
+            p, gen = req.params, None      # (what can fail comes before the row is taken)
             if p.temperature > 0:
                 seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
-                st.generator = torch.Generator(device=self.device).manual_seed(seed)
+                gen = torch.Generator(device=self.device).manual_seed(seed)
+            tokens, table = h2d(req.tokens, torch.long, self.device), h2d(pages, torch.int32,
+                                                                          self.device)
+            row = self._free_rows.pop()
+            st = SeqState(row, self.arena[row, :req.canvas_len], table, gen, block=req.block)
+            st.canvas.copy_(tokens)
             self._states[req.request_id] = st
         elif st.block != req.block:       # a new block: its drafts, refresh and history go
             st.block = req.block

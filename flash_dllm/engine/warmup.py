@@ -148,6 +148,8 @@ def warm_up(engine, level: str, filler_ids: list[int],
     kv_stats = copy.deepcopy(engine.kv_manager.stats)
     # (its steps compile kernels: not a recompute rate the cost model should learn)
     prefill_rate = engine.kv_manager.cost.prefill_tokens_per_s
+    # a step that fails while warming up is raised, not isolated: it is the server's failure
+    isolate, engine.isolate_step_failures = engine.isolate_step_failures, False
     # a long prompt is cut to what the model's length leaves (a small model still warms both)
     room = engine.cfg.max_position
     plan = [(p, n, b) for p in cases(level)
@@ -192,6 +194,7 @@ def warm_up(engine, level: str, filler_ids: list[int],
         engine.kv_manager.stats.clear()
         engine.kv_manager.stats.update(kv_stats)
         engine.kv_manager.cost.prefill_tokens_per_s = prefill_rate
+        engine.isolate_step_failures = isolate
     engine.graphs_ready()          # nothing is captured from now on
     rep.seconds = time.perf_counter() - t0
     rep.kernel_compiles = KERNEL_COMPILES.snapshot()["compiles"] - compiles0
