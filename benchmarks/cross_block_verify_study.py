@@ -55,10 +55,9 @@ def forward_with_views(model, ids: torch.Tensor, drafts: list[tuple[int, int]], 
     allow = torch.zeros(n, n, dtype=torch.bool)
     allow[:L, :L] = True
     d_ids, d_pos, m_ids, m_pos = [], [], [], []
+    filled = ids.clone()                            # the canvas with drafts 1 .. r+1 in
     for r in range(k):
-        filled = ids.clone()
-        for p_j, d_j in drafts[:r + 1]:
-            filled[p_j] = d_j
+        filled[drafts[r][0]] = drafts[r][1]
         p_v = drafts[r + 1][0]
         d_ids.append(drafts[r][1])
         d_pos.append(drafts[r][0])

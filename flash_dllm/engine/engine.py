@@ -195,14 +195,16 @@ class Engine:
         log.exception("engine step failed; failing its %d request(s): %s",
                       len(plan.requests), ", ".join(r.request_id for r in plan.requests))
         self.stats["failed_steps"] += 1
-        outputs = []
-        for req in plan.requests:
-            req._finish("error")
-            req.error = f"request {req.request_id}: the engine step failed: {exc!r}"
-            self._release(req)
-            outputs.append(StepOutput(req.request_id, [], req.num_tokens, 0, True, "error"))
+        outputs = [self._fail(req, f"the engine step failed: {exc!r}") for req in plan.requests]
         self.scheduler.drop_finished()
         return outputs
+
+    def _fail(self, req: Request, why: str) -> StepOutput:
+        """Finish ``req`` with an error naming ``why``; its pages go back, unpublished."""
+        req._finish("error")
+        req.error = f"request {req.request_id}: {why}"
+        self._release(req)
+        return StepOutput(req.request_id, [], req.num_tokens, 0, True, "error")
 
     def _device_healthy(self) -> bool:
         """False when a failed step may have broken the device: a CUDA graph capture left open,
@@ -234,11 +236,7 @@ class Engine:
             for req in reqs:
                 why = result.errors.get(req.request_id)
                 if why is not None:
-                    req._finish("error")
-                    req.error = f"request {req.request_id}: {why}"
-                    self._release(req)
-                    failed_outputs.append(StepOutput(req.request_id, [], req.num_tokens, 0,
-                                                     True, "error"))
+                    failed_outputs.append(self._fail(req, why))
             reqs = [r for r in reqs if r.request_id not in result.errors]
             self.scheduler.drop_finished()
         blocks = result.blocks                                      # [B, max_bl]
