@@ -3,7 +3,7 @@
 For each suite it decodes the same held-out problems with threshold decoding on a refreshing
 cache (dual by default) three ways: the whole canvas recomputed at every block's first step
 (``block``, fused decode steps on and off), and the drift trigger (``SamplingParams.drift_min``,
-``engine/drift.py``) at each ``--drift-min`` (``--defer``: also with ``drift_defer``, the
+``decoding/drift.py``) at each ``--drift-min`` (``--defer``: also with ``drift_defer``, the
 refresh at the next block start). It reports accuracy, forwards per sample, canvas
 positions recomputed per sample (the work a refresh costs), whole-canvas refreshes per sample
 and wall time, and writes ``<out>.json`` and ``<out>.png`` (accuracy against positions

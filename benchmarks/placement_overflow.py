@@ -1,5 +1,5 @@
 """Placement of requests larger than the GPU pool under lazy loading (issue 14): which pages stay
-resident (``--kv-placement lru|ema|kag``, ``engine/overflow_placement.py``) against accuracy, L0
+resident (``--kv-placement lru|ema|kag``, ``cache/io/overflow_placement.py``) against accuracy, L0
 hit rate and bytes streamed per answer token, on trained checkpoints (real attention patterns).
 
     python3 benchmarks/placement_overflow.py --model demo --suite arith --n 40 --decode vanilla \

@@ -10,7 +10,7 @@ takes the attention from the trained proxies instead:
    pages of ``--record-page-size``) as requests larger than the pool (lazy loading at F = 1,
    so the answers are exact). For every request it keeps each step's window and each block's
    measuring-step attention mass per page (last layer, the active block's rows): what the
-   engine's placement and lazy loading see (``engine/kv_overflow.py``).
+   engine's placement and lazy loading see (``cache/io/kv_overflow.py``).
 2. **Scale up** (the locality model, stated here because it decides the answer): the recorded
    prompt's attention per token is stretched over a prompt of ``--prompt-tokens`` tokens (token
    t of the long prompt takes the density of recorded token ``t * P / P_long``), times a
@@ -56,7 +56,7 @@ def recording():
     """Within it, every request larger than the pool leaves a trace (by request id): its
     canvas, page size and spill, each step's ``(window, hot)`` positions (``hot``: the window
     of the block's later steps) and each measuring step's mass per logical page."""
-    from flash_dllm.engine.kv_overflow import OverflowKV
+    from flash_dllm.cache.io.kv_overflow import OverflowKV
 
     traces: dict[str, dict] = {}
     real_step, real_observe = OverflowKV.step, OverflowKV.observe
@@ -139,9 +139,9 @@ def simulate(trace: dict, resident: int, budget: float | None, placement: str,
              top_k: int = 8) -> dict:
     """``OverflowKV.step``'s loads for one request (mass predictor): host pages loaded per
     step, and of the pages lazy steps attend to (their ``k``) the resident ones (L0 hits)."""
-    from flash_dllm.engine.kv_overflow import rewrites_host
-    from flash_dllm.engine.lazy_load import select_pages
-    from flash_dllm.engine.overflow_placement import ResidentSet
+    from flash_dllm.cache.io.kv_overflow import rewrites_host
+    from flash_dllm.cache.io.lazy_load import select_pages
+    from flash_dllm.cache.io.overflow_placement import ResidentSet
 
     ps, C = trace["page_size"], trace["canvas_len"]
     n = -(-C // ps)

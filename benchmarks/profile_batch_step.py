@@ -37,7 +37,7 @@ from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.entrypoints.llm import LLM
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 from flash_dllm.evals.tasks import get_suite
-from flash_dllm.engine.warmup import default_level, warm_up, filler
+from flash_dllm.worker.warmup import default_level, filler, warm_up
 
 
 def _sync(dev):

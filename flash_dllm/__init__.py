@@ -8,7 +8,7 @@ import time as _time  # noqa: E402
 IMPORTED_AT = _time.perf_counter()
 
 from flash_dllm.config import EngineConfig, SamplingParams  # noqa: E402
-from flash_dllm.engine.request import RequestOutput  # noqa: E402
+from flash_dllm.core.request import RequestOutput  # noqa: E402
 from flash_dllm.entrypoints.llm import LLM  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput"]

@@ -75,7 +75,7 @@ class SamplingParams:
     kv_top_k: int = 8                    # k of the KV-consistency sentinel
     # --- cache="flash": cached positions (most attended last step) recomputed per step
     flash_budget: int = 8
-    # --- cache="dual" / "prefix": Elastic-Cache-style drift trigger (``engine/drift.py``).
+    # --- cache="dual" / "prefix": Elastic-Cache-style drift trigger (``decoding/drift.py``).
     # None: the whole canvas is recomputed at every block's first step (Fast-dLLM). A number:
     # only when the attention the cached keys get has drifted (cosine similarity of the
     # ``kv_top_k`` most-attended cached keys' mass between consecutive steps below it);
@@ -187,7 +187,7 @@ class EngineConfig:
     # 8192, a small model served at concurrency 64 ran ~half its steps eagerly, issue 21)
     cuda_graph_max_tokens: int = 16384
     # steady greedy threshold/vanilla/verify steps of dual/prefix requests as ONE graph (forward, LM
-    # head, proposal, commit; the runner's ``step`` capture mode, ``engine/step_graph.py``) while
+    # head, proposal, commit; the runner's ``step`` capture mode, ``worker/step_graph.py``) while
     # batch x block_length <= the row cap (2048: batch 64 x 32). None (default): on when CUDA
     # graphs are (H200, same machine, A/B: batch-1 eval 1.7-1.8 s vs 1.9-2.1 s on the general
     # path; serving no worse, see benchmarks/FINDINGS.md); True: also on the CPU, where the body
@@ -198,7 +198,7 @@ class EngineConfig:
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).
     fuse_projections: bool | None = None
-    # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py, engine/kv_offload.py)
+    # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py, cache/io/kv_offload.py)
     # keep finished requests' full pages as cached blocks and reuse them for prompts that start
     # with the same tokens (multi-turn chat); reused K/V are approximate (bidirectional model)
     prefix_reuse: bool = False
@@ -206,7 +206,7 @@ class EngineConfig:
     kv_disk_path: str | None = None      # L2: a file for cached pages (None: none)
     kv_disk_gb: float = 0.0              # L2 size
     kv_offload_dtype: str = "bf16"       # pages below L0: "bf16" (the pool's, exact), fp8, int8
-    # pinned host memory for a request larger than the whole GPU pool (``engine/kv_overflow.py``):
+    # pinned host memory for a request larger than the whole GPU pool (``cache/io/kv_overflow.py``):
     # its pages that fit stay in the pool, the rest stream over PCIe layer by layer at every
     # step; such a request runs alone. 0: refused (as before)
     kv_overflow_gb: float = 0.0
@@ -221,10 +221,10 @@ class EngineConfig:
     lazy_load_sentinel: float | None = None
     # which pages a lazy step loads: "mass" (the most attended at the block's measuring step) or
     # "quest" (re-chosen after every step from an upper bound of the attention its queries can
-    # give each page, from per-page key summaries; ``engine/lazy_load.quest_scores``)
+    # give each page, from per-page key summaries; ``cache/io/lazy_load.quest_scores``)
     lazy_load_predictor: str = "mass"
     # which cached pages leave a tier first; with lazy_load_budget also which pages of a request
-    # larger than the pool stay resident (``engine/overflow_placement.py``). None: each use's
+    # larger than the pool stay resident (``cache/io/overflow_placement.py``). None: each use's
     # winner on the benchmarks (``placement_cpu.json``, ``placement_overflow_*_h200.json``):
     # "lru" for cached pages (no policy beat it beyond run-to-run spread), "ema" for the
     # resident set (19-33 % fewer bytes than lru; "kag" no better than ema)

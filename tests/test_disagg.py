@@ -22,9 +22,9 @@ import torch
 
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES, EngineConfig, SamplingParams
+from flash_dllm.disagg import messages as W
+from flash_dllm.disagg.worker import Worker
 from flash_dllm.distributed.fake_transport import FakeNetwork
-from flash_dllm.engine import pd_messages as W
-from flash_dllm.engine.pd_worker import Worker
 from flash_dllm.engine.engine import Engine, run_to_completion
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import load_engine
@@ -364,7 +364,7 @@ def test_bench_pd_writes_its_report(tmp_path):
 def test_role_switching_moves_a_worker_and_requests_still_finish():
     """A controller that sees a prefill backlog moves an idle decode worker to prefill; it is
     drained first, then takes first steps; every request still finishes, nothing is left."""
-    from flash_dllm.engine.pd_roles import RoleController
+    from flash_dllm.disagg.roles import RoleController
     from flash_dllm.entrypoints.pd_launch import launch
 
     pd = launch(EngineArgs(), 1, 2, timeout_s=20.0, role_switching=True, max_num_seqs=16,

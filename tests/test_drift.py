@@ -1,4 +1,4 @@
-"""The drift trigger (``SamplingParams.drift_min``, ``engine/drift.py``): Elastic-Cache-style
+"""The drift trigger (``SamplingParams.drift_min``, ``decoding/drift.py``): Elastic-Cache-style
 cache refresh on attention drift instead of at every block."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_paged_engine import _same
+from test_sampler import PROMPTS, tiny
 
 from flash_dllm.cache.modes import query_range
 from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.engine import drift
+from flash_dllm.decoding import drift
 from flash_dllm.engine.engine import Engine
-from test_paged_engine import _same
-from test_sampler import PROMPTS, tiny
 
 
 def test_query_range_refresh_choice():

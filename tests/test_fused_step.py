@@ -1,17 +1,17 @@
-"""The fused step (the runner's ``step`` capture mode, ``engine/step_graph.py``: a whole steady
+"""The fused step (the runner's ``step`` capture mode, ``worker/step_graph.py``: a whole steady
 greedy step as one CUDA graph) run eagerly on the CPU against the general step path, and its
 eligibility rules. tests/gpu checks the captured graphs."""
 from __future__ import annotations
 
 import pytest
 import torch
+from test_paged_engine import LONG
+from test_sampler import PROMPTS, run_engine, tiny
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.graphs import GraphCache
-from flash_dllm.engine.step_graph import StepGraphs as FusedStep
-from test_paged_engine import LONG
-from test_sampler import PROMPTS, run_engine, tiny
+from flash_dllm.worker.graphs import GraphCache
+from flash_dllm.worker.step_graph import StepGraphs as FusedStep
 
 
 def _compare(model, prompts, params, **kw):
@@ -256,7 +256,7 @@ def _fused_verify_steps(model, prompts, params, **kw) -> int:
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("rule,max_verify", [("agree", None), ("cumprod", 3), ("agree", 1)])
 def test_fused_verify_equals_general_path(family, cache, rule, max_verify):
-    """The fused verify step (``engine/verify_graph.py``: drafts padded to the batch's
+    """The fused verify step (``worker/verify_graph.py``: drafts padded to the batch's
     max_verify, verification rows attended in one batched call, acceptance without host reads)
     commits exactly what the general path commits, with the same forwards and verify
     counters, over requests of different canvas lengths (Dream: the shifted mask views)."""
@@ -319,7 +319,7 @@ def test_fused_and_general_verify_steps_alternate():
 def test_fused_verify_limits():
     """Past ``DraftStore.WIDTH`` drafts or ``VERIFY_MAX_ELEMENTS`` the verify step stays on
     the general path."""
-    from flash_dllm.engine.verify_graph import DraftStore
+    from flash_dllm.worker.verify_graph import DraftStore
     model = tiny("llada")
     eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
     wide = SamplingParams(max_tokens=128, block_length=128, cache="dual", decode="verify",
@@ -335,7 +335,7 @@ def test_fused_verify_limits():
 
 
 def test_draft_store_round_trip():
-    from flash_dllm.engine.verify_graph import DraftStore
+    from flash_dllm.worker.verify_graph import DraftStore
     store = DraftStore(3, torch.device("cpu"))
     pos, tok = torch.tensor([9, 4, 7]), torch.tensor([50, 51, 52])
     store.put(1, (pos, tok))

@@ -1,4 +1,4 @@
-"""Padded forward shapes (``engine/graphs.py``): a CUDA graph captured for a bucket serves every
+"""Padded forward shapes (``worker/graphs.py``): a CUDA graph captured for a bucket serves every
 step that rounds up to it. On the CPU the padding itself is checked against the unpadded step
 (same reference kernels, no graph): the real rows' hidden states and every real page's K/V are
 what the unpadded step computes; padding rows only touch the scratch page. The graphs themselves
@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_sampler import tiny
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.graphs import (ForwardGraphs, GraphCache, PaddedShape, _ForwardGraph,
+from flash_dllm.worker.graphs import (ForwardGraphs, GraphCache, PaddedShape, _ForwardGraph,
                                       pad_step, padded_shape)
-from flash_dllm.engine.warmup import graph_grid
-from test_sampler import tiny
+from flash_dllm.worker.warmup import graph_grid
 
 
 def test_padded_shape_buckets():

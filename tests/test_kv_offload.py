@@ -1,4 +1,4 @@
-"""The offloader's data path on its own (``engine/kv_offload``): page records are aligned, stores
+"""The offloader's data path on its own (``cache/io/kv_offload``): page records are aligned, stores
 and loads run in pipelined groups, and a record that fails its checksum or carries another key is
 never written into the pool, whichever group it is in."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flash_dllm.cache.io.kv_offload import RECORD_ALIGN, KVOffloader
 from flash_dllm.cache.tiers import Block, Store
-from flash_dllm.engine.kv_offload import RECORD_ALIGN, KVOffloader
 
 
 def _pool(pages=12, seed=0):
@@ -83,9 +83,10 @@ def test_the_data_path_never_prints_a_tensor(monkeypatch):
     with a tensor's repr made every checksum launch wait for the GPU. The whole data path (pack,
     checksum, copies, verify, unpack with a bad record, an engine run with every page moved
     down and up between steps) must run with printing tensors forbidden."""
+    from test_sampler import tiny
+
     from flash_dllm.config import EngineConfig, SamplingParams
     from flash_dllm.engine.engine import Engine
-    from test_sampler import tiny
 
     def forbidden(self, *a, **k):
         raise AssertionError("a tensor was printed on the data path")

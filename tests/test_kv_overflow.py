@@ -1,4 +1,4 @@
-"""Requests larger than the GPU page pool (``--kv-overflow-gb``, ``engine/kv_overflow.py``), on the
+"""Requests larger than the GPU page pool (``--kv-overflow-gb``, ``cache/io/kv_overflow.py``), on the
 CPU: such a request keeps the pages that fit in the pool and streams the rest from host memory
 layer by layer, and its outputs equal token for token those of an engine whose pool holds it
 whole; it runs alone, other requests wait and then run, nothing leaks, and what cannot stream is
@@ -6,12 +6,12 @@ refused with a message naming the reason."""
 from __future__ import annotations
 
 import pytest
-
-from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.engine.engine import Engine
 from test_sampler import tiny
 from test_server import metrics_of
 from test_tiers import check_ledger
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.engine import Engine
 
 PS = 4
 LONG = [(7 * i + 3) % 90 + 3 for i in range(70)]          # 70 + 16 = 86 tokens: 22 pages
@@ -180,7 +180,7 @@ def test_select_pages_takes_the_most_attended_and_the_written_pages():
     ceil(F * unwritten) pages wherever they live and loads the host ones among them."""
     import numpy as np
 
-    from flash_dllm.engine.lazy_load import select_pages
+    from flash_dllm.cache.io.lazy_load import select_pages
     mass = np.array([0.1, 5.0, 0.2, 0.3, 4.0, 0.0, 0.0, 0.1, 0.0, 0.0])
     assert select_pages(mass, 1.0, _w(10, 9), 8) == ([(0, 8)], 9, 1)
     # top 3 of 9: pages 1, 4 (host) and 3 (host); none resident
@@ -222,7 +222,7 @@ def test_lazy_loading_moves_fewer_bytes_and_at_budget_one_changes_nothing():
 def test_a_lazy_step_that_keeps_every_page_equals_the_exact_step(monkeypatch):
     """The compacted block table of a lazy step (kept host pages, then the resident ones, the
     partial last page last): given every page in two ranges, the outputs are the exact ones."""
-    import flash_dllm.engine.lazy_load as ll
+    import flash_dllm.cache.io.lazy_load as ll
     model = tiny("dream", seed=5)
     params = _params("dual", "vanilla")
     cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
@@ -252,7 +252,7 @@ def test_select_pages_ranks_only_the_pages_it_does_not_load_anyway():
     the budget goes to the other pages."""
     import numpy as np
 
-    from flash_dllm.engine.lazy_load import select_pages
+    from flash_dllm.cache.io.lazy_load import select_pages
     mass = np.array([0.3, 0.1, 0.2, 0.0, 9.0, 9.0, 0.0])
     assert select_pages(mass, 0.4, _w(7, 4, 5), 6) == ([(0, 1), (2, 3), (4, 6)], 2, 0)
 
@@ -261,7 +261,7 @@ def test_no_pinned_memory_fails_that_request_alone_and_the_engine_goes_on(monkey
     """Fault injection: pinning the host buffer fails (cudaHostAlloc out of memory). The
     overflow request finishes with an error naming the cause, its pages and tier ops are
     accounted for, and the next requests run."""
-    from flash_dllm.engine.kv_overflow import OverflowKV
+    from flash_dllm.cache.io.kv_overflow import OverflowKV
 
     def no_memory(self, nbytes):
         raise RuntimeError("CUDA error: out of memory")

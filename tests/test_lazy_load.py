@@ -1,4 +1,4 @@
-"""Lazy loading's sentinel (``--lazy-load-sentinel``, ``engine/lazy_load.py``), on the CPU: the
+"""Lazy loading's sentinel (``--lazy-load-sentinel``, ``cache/io/lazy_load.py``), on the CPU: the
 overlap it measures, that a sentinel which never fires changes no token of a lazy run, that one
 which fires forces the next step to load every page and measure again, counted per request, per
 engine and in the server's sentinel metrics; bad values are named errors. And the quest predictor
@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from flash_dllm.config import EngineConfig
-from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.lazy_load import (SENTINEL_TOP_K, key_summary, quest_scores,
-                                         quest_scores_reference, sentinel_overlap)
 from test_kv_overflow import LONG, PS, _params, _run
 from test_sampler import tiny
+
+from flash_dllm.cache.io.lazy_load import (SENTINEL_TOP_K, key_summary, quest_scores,
+                                           quest_scores_reference, sentinel_overlap)
+from flash_dllm.config import EngineConfig
+from flash_dllm.engine.engine import Engine
 
 LAZY = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01, lazy_load_budget=0.5)
 
@@ -40,7 +40,7 @@ def test_sentinel_overlap_is_the_jaccard_of_the_top_pages_then_and_now():
 
 
 def test_a_sentinel_that_never_fires_changes_no_token(monkeypatch):
-    import flash_dllm.engine.kv_overflow as ko
+    import flash_dllm.cache.io.kv_overflow as ko
     model = tiny("llada", seed=5)
     params = _params("dual", "vanilla")
     ref, _ = _run(Engine(model, model.cfg, EngineConfig(**LAZY)), [LONG], params)
@@ -54,7 +54,7 @@ def test_a_sentinel_that_never_fires_changes_no_token(monkeypatch):
 
 
 def test_a_firing_sentinel_forces_a_measuring_step_that_loads_every_page(monkeypatch):
-    import flash_dllm.engine.kv_overflow as ko
+    import flash_dllm.cache.io.kv_overflow as ko
     model = tiny("llada", seed=5)
     params = _params("dual", "vanilla")
     plain = Engine(model, model.cfg, EngineConfig(**LAZY))
@@ -206,8 +206,8 @@ def test_quest_per_layer_tables_that_keep_every_page_equal_the_exact_step(monkey
     """Quest plans a compacted block table per layer, swapped in before each layer's attention:
     given every page (in two ranges) at every layer, the tokens are the exact ones; given a
     different share per layer, each layer copies its own pages (the bytes add up per layer)."""
-    import flash_dllm.engine.kv_overflow as ko
-    import flash_dllm.engine.lazy_load as ll
+    import flash_dllm.cache.io.kv_overflow as ko
+    import flash_dllm.cache.io.lazy_load as ll
     model = tiny("dream", seed=5)
     params = _params("dual", "vanilla")
     cfg = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)

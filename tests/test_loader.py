@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import (BOS_ID, EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB, TINY_VOCAB_SIZE, tiny_config,
                       tiny_model, write_tiny_checkpoint)
+from safetensors.torch import load_file, save_file
+
 from flash_dllm.models.loader import CheckpointError, load_model, read_config, save_checkpoint
 
 
@@ -315,7 +315,8 @@ def test_serve_sizes_the_kv_pool_from_gpu_memory_unless_told():
     pool size wins (issue 21: 1 GiB held ~13 requests of the LLaDA-8B shape)."""
     import argparse
 
-    from flash_dllm.entrypoints.args import AUTO_GPU_MEMORY_UTILIZATION as U, EngineArgs
+    from flash_dllm.entrypoints.args import AUTO_GPU_MEMORY_UTILIZATION as U
+    from flash_dllm.entrypoints.args import EngineArgs
     from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 
     auto = EngineArgs(device="cuda", kv_cache_gb=None)
@@ -349,7 +350,7 @@ def test_a_kv_pool_larger_than_the_free_gpu_memory_is_a_named_error(monkeypatch)
     import torch
 
     from flash_dllm.config import EngineConfig
-    from flash_dllm.engine.runner import ModelRunner
+    from flash_dllm.worker.runner import ModelRunner
 
     G = 2**30
     cuda = torch.cuda

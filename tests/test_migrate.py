@@ -1,4 +1,4 @@
-"""Moving running requests between engines (``engine/migrate.py``): the base of prefill/decode
+"""Moving running requests between engines (``disagg/migrate.py``): the base of prefill/decode
 disaggregation. A request exported after any step and imported into another engine (running
 other requests) must finish exactly as if it had stayed, for every cache mode x decode policy,
 with sentinels and a seeded sampled request; the KV segment is one contiguous page-first tensor
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_sampler import PROMPTS, tiny
 
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES, EngineConfig, SamplingParams
-from flash_dllm.engine import migrate
+from flash_dllm.disagg import migrate
 from flash_dllm.engine.engine import Engine
 from flash_dllm.kernels.kv_pages import packed_shape
-from test_sampler import PROMPTS, tiny
 
 CFG = EngineConfig(max_num_seqs=20, num_kv_pages=160, page_size=4)
 
@@ -25,7 +25,7 @@ def _params() -> list[SamplingParams]:
                              cache="dual", decode="threshold"))
     ps.append(SamplingParams(max_tokens=16, block_length=8, decode="verify", cache="dual",
                              entropy_max=1.0, perturb_sigma=0.5, kv_jaccard_min=0.9))
-    # the drift trigger: its last step's mass moves with the request (engine/drift.py)
+    # the drift trigger: its last step's mass moves with the request (decoding/drift.py)
     ps += [SamplingParams(max_tokens=32, block_length=8, cache=c, decode="threshold",
                           threshold=0.3, drift_min=0.999, drift_defer=d, kv_top_k=3,
                           early_stop=False)
@@ -133,7 +133,7 @@ def test_import_waits_when_pages_do_not_fit():
 
 def test_request_with_drafts_in_the_fused_store_migrates():
     """A verify request whose drafts a fused step left in the runner's draft store
-    (``engine/verify_graph.py``) moves with them: it finishes as if it had stayed."""
+    (``worker/verify_graph.py``) moves with them: it finishes as if it had stayed."""
     from dataclasses import replace
     model = tiny("dream", seed=4)
     fused = replace(CFG, fused_step=True)

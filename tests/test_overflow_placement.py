@@ -1,5 +1,5 @@
 """Which pages of a request larger than the pool stay resident (``--kv-placement`` with
-``--lazy-load-budget``, ``engine/overflow_placement.py``), on the CPU: the choice itself (the
+``--lazy-load-budget``, ``cache/io/overflow_placement.py``), on the CPU: the choice itself (the
 active block resident, then by score; host pages by decreasing score), that any resident set,
 moved at every block refresh, changes no token when every page is attended (full and compacted
 tables) nor when the same logical pages are skipped, that the pages a block's later steps write
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from flash_dllm.config import EngineConfig
-from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.overflow_placement import ResidentSet
 from test_kv_overflow import LONG, PS, _params, _run
 from test_sampler import tiny
+
+from flash_dllm.cache.io.overflow_placement import ResidentSet
+from flash_dllm.config import EngineConfig
+from flash_dllm.engine.engine import Engine
 
 CFG = dict(page_size=PS, num_kv_pages=6, kv_overflow_gb=0.01)
 
@@ -53,7 +53,7 @@ def test_kag_ranks_by_pagerank_and_reports_stability():
 
 def _shuffle_every_refresh(monkeypatch, seed=0):
     """Every block refresh moves the resident set to a random one."""
-    import flash_dllm.engine.overflow_placement as op
+    import flash_dllm.cache.io.overflow_placement as op
     rng = np.random.default_rng(seed)
 
     def choose(self, spill, active):
@@ -76,7 +76,7 @@ def test_any_resident_set_moved_at_every_refresh_changes_no_token(monkeypatch, f
     assert got == ref
     assert st["replacements"] == 3 and st["pages_moved"] > 0    # the prefill and two refreshes
     # every page in two ranges: the compacted table of stage slots, the partial page last
-    import flash_dllm.engine.lazy_load as ll
+    import flash_dllm.cache.io.lazy_load as ll
     monkeypatch.setattr(ll, "select_pages",
                         lambda score, budget, written, spill: ([(0, 3), (3, spill)], 1, 0))
     eng = Engine(model, model.cfg, EngineConfig(lazy_load_budget=0.5, kv_placement="ema",
@@ -104,7 +104,7 @@ def test_the_default_placement_is_each_use_s_benchmark_winner():
 def test_a_new_host_order_of_the_same_resident_set_is_no_replacement(monkeypatch):
     """Only a change of the resident set counts as a replacement: the host pages re-laid out
     at every refresh (same resident pages) move nothing and change no token."""
-    import flash_dllm.engine.overflow_placement as op
+    import flash_dllm.cache.io.overflow_placement as op
     model = tiny("llada", seed=5)
     params = _params("dual", "vanilla", max_tokens=24)
     ref, _ = _run(Engine(model, model.cfg, EngineConfig(page_size=PS)), [LONG], params)
@@ -168,8 +168,8 @@ def test_skipping_the_same_logical_pages_from_any_resident_set_gives_the_same_to
     must change no token: a stage slot / logical page mix-up in the compacted tables, the
     written mask or the write-back would (a mutation of ``wmask`` in ``OverflowKV.step`` that the
     budget-1 test above misses fails here)."""
-    import flash_dllm.engine.lazy_load as ll
-    import flash_dllm.engine.overflow_placement as op
+    import flash_dllm.cache.io.lazy_load as ll
+    import flash_dllm.cache.io.overflow_placement as op
     model = tiny(family, seed=5)
     params = _params(cache, "vanilla", max_tokens=24)
     holder = []
@@ -207,7 +207,7 @@ def test_the_pages_a_block_rewrites_at_every_step_stay_resident(monkeypatch, cac
     masked suffix too), so after their first choice no step between refreshes writes a host
     page back (lru's positional split keeps the tail, so it writes back host pages of the
     first blocks)."""
-    from flash_dllm.engine.kv_overflow import OverflowKV
+    from flash_dllm.cache.io.kv_overflow import OverflowKV
     model = tiny("llada", seed=5)
     # (the prefix cache's later windows, block to canvas end, must fit the 6 pool pages)
     params = _params(cache, "vanilla", max_tokens=32 if cache == "dual" else 24)

@@ -1,16 +1,16 @@
-"""The step's host-side index building (``engine/inputs.py`` and the attention backend's
+"""The step's host-side index building (``worker/inputs.py`` and the attention backend's
 ``build``) against the paged-cache reference helpers (``tests/paged_reference.py``), on both the
 all-host path and the device-gather path."""
 from __future__ import annotations
 
 import numpy as np
-import torch
-
 import paged_reference as paged
-from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.engine import inputs
-from flash_dllm.engine.engine import Engine
+import torch
 from test_sampler import PROMPTS, tiny
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.engine.engine import Engine
+from flash_dllm.worker import inputs
 
 
 def _engine_with_running(page_size=4):

@@ -1,9 +1,9 @@
-"""Load-aware role switching (``engine/pd_roles.py``) on a simulated clock: the rules, and a bursty
+"""Load-aware role switching (``disagg/roles.py``) on a simulated clock: the rules, and a bursty
 trace on which switching beats every static split without flapping."""
 from __future__ import annotations
 
-from flash_dllm.engine.pd_roles import (DECODE, PREFILL, RoleController, WorkerLoad,
-                                        bursty_trace, simulate)
+from flash_dllm.disagg.roles import (DECODE, PREFILL, RoleController, WorkerLoad, bursty_trace,
+                                     simulate)
 
 
 def _w(rank, role, queue=0, running=0, slots=16, **kw):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_sampler import tiny
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.async_engine import AsyncEngine, EngineUnavailableError
 from flash_dllm.engine.engine import MAX_FAILED_STEPS, Engine
-from test_sampler import tiny
 
 # no two share a first token, so no request reuses another's prefix; longer than a page
 PROMPTS = [[(k * i + 11 * k) % 90 + 5 for i in range(40)] for k in (1, 2, 3)]
@@ -180,7 +180,7 @@ def test_a_fault_inside_the_forward_fails_its_batch_and_spares_the_rest():
 
 
 def test_a_fault_while_creating_device_state_returns_the_arena_row(monkeypatch):
-    import flash_dllm.engine.runner as runner_mod
+    import flash_dllm.worker.runner as runner_mod
     eng = _engine(True)
     real, left = runner_mod.h2d, [1]
 
@@ -209,7 +209,7 @@ def test_never_isolated_with_host_kv_tiers():
 
 
 def test_a_failure_while_warming_up_is_raised():
-    from flash_dllm.engine.warmup import warm_up
+    from flash_dllm.worker.warmup import warm_up
     eng = _engine(True)
     _mid_forward_fault(eng, 1)
     with pytest.raises(RuntimeError, match="injected mid-forward"):

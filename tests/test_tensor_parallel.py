@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from conftest import write_tiny_checkpoint
 
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache.modes import CACHE_MODES
@@ -22,8 +23,6 @@ from flash_dllm.config import DECODE_POLICIES, EngineConfig
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import load_engine
 from flash_dllm.models.loader import default_model_path
-
-from conftest import write_tiny_checkpoint
 
 # FLASH_DLLM_TP_DEVICE=cuda runs the equality tests on 2 GPUs (NCCL, CUDA graphs capturing the
 # collectives); the default is the CPU with gloo
@@ -81,7 +80,7 @@ def test_tp2_equals_tp1_token_for_token(which, request):
 
 
 def test_fused_verify_steps_under_tp2_equal_the_general_path(dream_folder):
-    """Fused verify steps (engine/verify_graph.py) with heads and vocabulary sharded over two
+    """Fused verify steps (worker/verify_graph.py) with heads and vocabulary sharded over two
     ranks: the same tokens, forwards and accepted drafts as one process on the general path."""
     from dataclasses import replace
     ps = [SamplingParams(max_tokens=32, block_length=16, cache=c, decode="verify", gamma=g,

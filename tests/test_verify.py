@@ -13,19 +13,14 @@ import math
 
 import pytest
 import torch
+from dense_oracle import DenseStep, Segment, VerifyRows
 from test_sampler import EOS, MASK, PROMPTS, run_engine, tiny
 
 from flash_dllm.config import SamplingParams
 from flash_dllm.decoding.sentinels import entropy, perturbation_flips, topk_jaccard
-from flash_dllm.decoding.verify import (
-    accept_prefix,
-    build_verify_block,
-    draft_probability,
-    order_candidates,
-    select_after_verify,
-)
+from flash_dllm.decoding.verify import (accept_prefix, build_verify_block, draft_probability,
+                                        order_candidates, select_after_verify)
 from flash_dllm.engine.engine import Engine
-from dense_oracle import DenseStep, Segment, VerifyRows
 from flash_dllm.models.loader import build_model
 
 
@@ -202,7 +197,7 @@ def test_mask_view_cannot_see_its_own_draft(leak, monkeypatch):
     """Prompt: six A, two B; B's logit weighs 2.5x. Drafts (p1, A), (p2, B), (p3, A). Honest M_2
     sees seven A and two B (A wins 7 : 5): B is rejected and p2 stays masked. Seeing its own draft
     it would count three B (7.5 > 7) and accept B: the mask changes the answer."""
-    import flash_dllm.engine.verify_step as vs
+    import flash_dllm.worker.verify_step as vs
     model = _counting_model(2.5)
     if leak:
         orig = vs.build_verify_block

@@ -8,14 +8,13 @@ import threading
 
 import httpx
 import pytest
-
 from conftest import write_tiny_checkpoint
+
 from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.engine.compile_watch import KernelCompiles, graph_counts, runtime_counts
-from flash_dllm.engine.warmup import (WARMUP_LEVELS, batch_sizes, cases, default_level,
-                                      warm_up)
 from flash_dllm.entrypoints.serve import attach_warmup, load_async_engine
 from flash_dllm.server.app import build_app
+from flash_dllm.worker.compile_watch import KernelCompiles, graph_counts, runtime_counts
+from flash_dllm.worker.warmup import WARMUP_LEVELS, batch_sizes, cases, default_level, warm_up
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """``flash-dllm bench overflow``: one request larger than the GPU page pool, against its bound.
 
-A request whose KV exceeds L0 (``--kv-overflow-gb``, ``engine/kv_overflow.py``) keeps a share of
+A request whose KV exceeds L0 (``--kv-overflow-gb``, ``cache/io/kv_overflow.py``) keeps a share of
 its pages in the pool and copies the rest in from pinned host memory at every step, layer by
 layer. A dual-cache step attends to every key, so those bytes must cross PCIe every step; the
 bound for such a step is

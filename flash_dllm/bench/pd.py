@@ -5,7 +5,7 @@
 - ``fragmentation``: the decode side's staging allocator under a random mixed workload
   (``distributed/segment_sim.py``);
 - ``roles``: role switching against static prefill/decode splits on a bursty trace, on a
-  simulated clock (``engine/pd_roles.py``);
+  simulated clock (``disagg/roles.py``);
 - ``serve``: a mixed workload of long and short prompts arriving as a Poisson stream, served
   colocated (one engine) and disaggregated (``--prefill-workers`` + ``--decode-workers`` worker
   processes); per prompt class: time to first token (first committed answer token) and latency
@@ -134,7 +134,7 @@ def run_serve_part(make_colocated, make_disaggregated, *, prefill_workers: int,
 
 
 def run_roles_part(seconds: float = 60.0, workers: int = 4) -> dict:
-    from flash_dllm.engine.pd_roles import RoleController, bursty_trace, simulate
+    from flash_dllm.disagg.roles import RoleController, bursty_trace, simulate
 
     trace = bursty_trace(0, seconds)
     out = {"trace": "bursty_trace(seed=0): 10 s quiet (12/s short prompts, 128-384 steps) / "

@@ -27,13 +27,13 @@ locks and ledger; split, each part would take that state as arguments.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
-from dataclasses import dataclass, field
 
 from flash_dllm.cache.page_pool import PagePool
 from flash_dllm.cache.tiers import (L0, L1, L2, TIER_NAMES, Block, CostModel, Fetch, Load, Spill,
-                                   Store, StoreDisk, make_policy)
+                                    Store, StoreDisk, make_policy)
 
 
 @dataclass
@@ -202,7 +202,7 @@ class KVCacheManager:
         return alloc
 
     def allocate_overflow(self, request_id: str, n_tokens: int) -> list[int] | None:
-        """A request larger than the pool (``engine/kv_overflow.py``): it runs alone and takes
+        """A request larger than the pool (``cache/io/kv_overflow.py``): it runs alone and takes
         every pool page (its last ones; the rest of its KV lives in host memory). Returns the
         pool pages, or None while anything else holds pages or cached blocks cannot all be
         evicted yet. No prefix reuse: nothing is matched, and ``free`` must not publish."""

@@ -39,7 +39,7 @@ def query_range(mode: str, canvas_len: int, block_start: int, block_end: int, fi
     """Half-open range [q0, q1) of canvas positions to recompute this step (for ``flash``, the
     window only: the engine adds the top-k positions). ``refresh``: whether this step recomputes
     the whole canvas (None: at every block's first step, as Fast-dLLM; the drift trigger,
-    ``engine/drift.py``, decides it for ``dual`` / ``prefix``: a first step without it
+    ``decoding/drift.py``, decides it for ``dual`` / ``prefix``: a first step without it
     recomputes the previous block, whose last commits are stale in the cache, and the active
     block, plus the masked suffix for ``prefix``)."""
     if mode not in CACHE_MODES:

@@ -8,7 +8,7 @@ of ``cache/prefix_tree.py``). Copies of it may live in three tiers:
 - **L1** a slot of the pinned host store (``block.l1``);
 - **L2** a slot of the disk store (``block.l2``).
 
-This module only decides and records; the runner's offloader (``engine/kv_offload.py``) moves
+This module only decides and records; the runner's offloader (``cache/io/kv_offload.py``) moves
 the bytes. Every move is an op (``Store`` L0 -> L1, ``Load`` L1 -> L0, ``Spill`` L1 -> L2,
 ``Fetch`` L2 -> L1, ``StoreDisk`` L0 -> L2 when no host slot is free) handed to the runner
 through the step plan.

@@ -1,11 +1,21 @@
 """LLaDA's step schedule: how many tokens each denoising step of a block commits."""
 from __future__ import annotations
 
+from functools import lru_cache
 
-def num_transfer_tokens(mask_count: int, steps: int) -> list[int]:
+
+@lru_cache(maxsize=1024)
+def num_transfer_tokens(mask_count: int, steps: int) -> tuple[int, ...]:
     """Split ``mask_count`` masks over ``steps`` steps: ``mask_count // steps`` each, the remainder
     one extra to the earliest steps (LLaDA's ``get_num_transfer_tokens``)."""
     if steps <= 0:
         raise ValueError(f"steps must be >= 1, got {steps}")
     base, rem = divmod(mask_count, steps)
-    return [base + (1 if i < rem else 0) for i in range(steps)]
+    return tuple(base + (1 if i < rem else 0) for i in range(steps))
+
+
+def transfer_count(req) -> int:
+    """Tokens ``vanilla`` commits at ``req``'s current step of its block."""
+    p = req.params
+    sched = num_transfer_tokens(p.block_length, p.steps_per_block)
+    return sched[min(req.step_in_block, len(sched) - 1)]

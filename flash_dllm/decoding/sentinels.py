@@ -8,10 +8,10 @@
   with that slot's top-k at its previous step; a Jaccard overlap below ``j_min`` means the context
   it reads has drifted, and the engine recomputes the cached K/V of the keys it now relies on.
 
-- **lazy load** (``engine/kv_overflow.py``): under lazy loading, the host pages a block attends
+- **lazy load** (``cache/io/kv_overflow.py``): under lazy loading, the host pages a block attends
   to most drifting from those its measuring step chose force the next step to load every page.
 
-- **drift** (``engine/drift.py``, ``drift_min``): the attention the most-attended cached keys get
+- **drift** (``decoding/drift.py``, ``drift_min``): the attention the most-attended cached keys get
   moving between two steps of a block makes the next step recompute the whole canvas.
 
 Names in ``SENTINELS`` key the engine's counters (``Engine.stats["sentinel_checks"/"_triggers"]``).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-SENTINELS = ("entropy", "perturbation", "kv_consistency", "lazy_load", "drift")
+from flash_dllm.core.counters import SENTINELS  # noqa: F401 (re-exported: the counters' names)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

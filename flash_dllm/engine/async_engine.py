@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from flash_dllm.config import SamplingParams
-from flash_dllm.engine.compile_watch import KERNEL_COMPILES, runtime_counts
+from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.request import Request, RequestOutput, StepOutput
+from flash_dllm.worker.compile_watch import KERNEL_COMPILES, runtime_counts
 
 
 class QueueFullError(RuntimeError):
@@ -134,7 +134,7 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: Engine, observer: StepObserver | None = None,
                  warmup=None) -> None:
-        """``warmup``: a callable ``warmup(engine) -> report`` (``engine/warmup.py``) the step
+        """``warmup``: a callable ``warmup(engine) -> report`` (``worker/warmup.py``) the step
         thread runs before anything else; until it returns the engine is not ready (requests
         get ``EngineUnavailableError``, ``/ready`` answers 503)."""
         self.engine = engine

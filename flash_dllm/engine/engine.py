@@ -23,16 +23,16 @@ import time
 import numpy as np
 import torch
 
+from flash_dllm.cache.io.kv_overflow import overflow_unsupported
 from flash_dllm.cache.kv_manager import KVCacheManager
 from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.engine.kv_overflow import overflow_unsupported
-from flash_dllm.engine.plan import StepPlan, StepResult
-from flash_dllm.engine.request import Request, RequestOutput, StepOutput
-from flash_dllm.engine.runner import ModelRunner
+from flash_dllm.core.counters import merge_counters, new_counters
+from flash_dllm.core.plan import StepPlan, StepResult
+from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.engine.scheduler import Scheduler
-from flash_dllm.engine.verify_step import merge_counters, new_counters
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
+from flash_dllm.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Engine:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
                              f"{bad[:5]}")
         # serving: a request bigger than the whole (empty) page pool would wait forever, unless
-        # it may stream its overflow from host memory (``engine/kv_overflow.py``)
+        # it may stream its overflow from host memory (``cache/io/kv_overflow.py``)
         if not self.kv_manager.can_ever_fit(total):
             why = Engine._overflow_refusal(self, total, params)
             if why is not None:

@@ -3,7 +3,7 @@
 NOTE: continuous batching happens at step granularity: requests join (admitted from ``waiting``
 when their whole canvas's pages fit and a running slot is free, first come first served) and leave
 (finished, aborted) between steps. A request larger than the whole pool (``--kv-overflow-gb``)
-waits until nothing runs and then runs alone (``engine/kv_overflow.py``). The scheduler never touches the device; the query window of
+waits until nothing runs and then runs alone (``cache/io/kv_overflow.py``). The scheduler never touches the device; the query window of
 each request comes from its cache mode (``cache/modes.py``).
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections import deque
 
 from flash_dllm.cache.kv_manager import KVCacheManager
 from flash_dllm.cache.modes import query_range
-from flash_dllm.engine import drift
-from flash_dllm.engine.plan import OverflowPlan, SeqPlan, StepPlan
-from flash_dllm.engine.request import Request
+from flash_dllm.core.plan import OverflowPlan, SeqPlan, StepPlan
+from flash_dllm.core.request import Request
+from flash_dllm.decoding import drift
 
 
 class Scheduler:
@@ -65,7 +65,7 @@ class Scheduler:
             if req.finished:          # aborted while waiting
                 continue
             if not self.kv.can_ever_fit(req.canvas_len):
-                # larger than the pool (``engine/kv_overflow.py``; the engine validated it):
+                # larger than the pool (``cache/io/kv_overflow.py``; the engine validated it):
                 # waits until nothing runs, then takes the whole pool
                 pages = None if self.running else self.kv.allocate_overflow(req.request_id,
                                                                             req.canvas_len)
@@ -124,7 +124,7 @@ class Scheduler:
         return self._last
 
     def remove(self, req: Request) -> None:
-        """Take an unfinished request out (it moves to another engine: ``engine/migrate.py``)."""
+        """Take an unfinished request out (it moves to another engine: ``disagg/migrate.py``)."""
         self.running = [r for r in self.running if r is not req]
         self.waiting = deque(r for r in self.waiting if r is not req)
         self._plans.pop(req.request_id, None)

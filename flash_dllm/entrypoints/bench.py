@@ -7,15 +7,15 @@ import json
 import sys
 
 from flash_dllm.bench import write_report
-from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
-from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server,
-                                                 request_knobs, run_against)
+from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server, request_knobs,
+                                                 run_against)
 from flash_dllm.entrypoints.bench_multiturn import add_multiturn_parser
 from flash_dllm.entrypoints.bench_overflow import add_overflow_parser
 from flash_dllm.entrypoints.bench_pd import add_pd_parser
 from flash_dllm.entrypoints.bench_plot import add_plot_parser, write_png
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
+from flash_dllm.worker.warmup import WARMUP_LEVELS
 
 
 def add_parser(sub) -> None:
@@ -172,8 +172,12 @@ def _prompts(a: argparse.Namespace) -> list[str]:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from flash_dllm.bench.serve import (InProcessServer, bench, bench_in_subprocess,
-                                        startup_report)
+    from flash_dllm.bench.serve import (
+        InProcessServer,
+        bench,
+        bench_in_subprocess,
+        startup_report,
+    )
     from flash_dllm.entrypoints.serve import build_server_app
 
     if len(a.requests) not in (1, len(a.concurrency)):

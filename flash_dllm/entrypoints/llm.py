@@ -6,8 +6,8 @@ import os
 from typing import Sequence
 
 from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.core.request import RequestOutput
 from flash_dllm.engine.engine import run_to_completion
-from flash_dllm.engine.request import RequestOutput
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import close_engine, load_engine
 

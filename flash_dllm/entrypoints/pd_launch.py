@@ -3,7 +3,7 @@
 ``launch`` spawns ``P + D`` workers (fresh interpreters, ``distributed/launch.spawn``), each
 running ``worker_main``: join the KV transport's process group, load the engine (a checkpoint or
 a random-init shape), warm it up, say hello on the control connection, then serve the front end
-(``engine/pd_worker.Worker``). The front end is ``engine/pd_engine.PDEngine``.
+(``disagg/worker.Worker``). The front end is ``disagg/router.PDEngine``.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from multiprocessing.connection import Listener
 
 import torch
 
+from flash_dllm.disagg.messages import Channel
+from flash_dllm.disagg.router import DECODE, PREFILL, PDEngine, WorkerHandle
+from flash_dllm.disagg.worker import Worker
 from flash_dllm.engine.engine import Engine
 from flash_dllm.entrypoints.args import is_cuda
-from flash_dllm.engine.pd_engine import DECODE, PREFILL, PDEngine, WorkerHandle
-from flash_dllm.engine.pd_messages import Channel
-from flash_dllm.engine.pd_worker import Worker
 
 
 def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
@@ -96,7 +96,7 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
                                   spawn(worker_main, spec)))
     controller = None
     if role_switching:
-        from flash_dllm.engine.pd_roles import RoleController
+        from flash_dllm.disagg.roles import RoleController
         controller = RoleController()
     eng = PDEngine(cfg, config, workers, listener, timeout_s, controller,
                    layer_groups=layer_groups if backend != "ipc" else 1)
@@ -199,7 +199,7 @@ def _load(spec: WorkerSpec, dev: torch.device) -> Engine:
 def _warm_up(engine: Engine, level: str) -> None:
     if level == "none":
         return
-    from flash_dllm.engine.warmup import filler, warm_up
+    from flash_dllm.worker.warmup import filler, warm_up
 
     warm_up(engine, level, filler(engine.cfg, range(5, 200)), lambda line: None)
 

@@ -7,8 +7,8 @@ import os
 import sys
 
 from flash_dllm.config import EngineConfig
-from flash_dllm.engine.warmup import WARMUP_LEVELS
 from flash_dllm.entrypoints.args import EngineArgs, positive_int
+from flash_dllm.worker.warmup import WARMUP_LEVELS
 
 
 def add_parser(sub) -> None:
@@ -149,10 +149,10 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
     from pathlib import Path
 
     from flash_dllm.engine.async_engine import AsyncEngine
-    from flash_dllm.engine.warmup import default_level
     from flash_dllm.entrypoints.pd_launch import launch
     from flash_dllm.models.loader import DEMO_MODEL, model_path, resolve_device
     from flash_dllm.models.tokenizer import Tokenizer
+    from flash_dllm.worker.warmup import default_level
 
     args = EngineArgs.from_cli_args(a)
     level = getattr(a, "warmup", None) or default_level(resolve_device(args.device))
@@ -179,9 +179,9 @@ WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vi
 
 
 def attach_warmup(aeng, tokenizer, level: str | None) -> str:
-    """Give the async engine its warm-up (``engine/warmup.py``); ``level`` None: the device's
+    """Give the async engine its warm-up (``worker/warmup.py``); ``level`` None: the device's
     default. Returns the level."""
-    from flash_dllm.engine.warmup import default_level, filler, warm_up
+    from flash_dllm.worker.warmup import default_level, filler, warm_up
 
     level = level or default_level(aeng.engine.runner.device)
     if level == "none":

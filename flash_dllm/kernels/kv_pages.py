@@ -46,7 +46,7 @@ codes are exactly torch's on every back end (the interpreter's fp8 casts have no
 
 Layouts: the pool may be any view whose pages are contiguous ``[page_size, kv_heads, head_dim]``;
 ``out`` (pack) and ``buf`` (unpack) may be strided over their (page, layer, k/v) dims, e.g. the
-payload columns of a batch of page records (``engine/kv_offload``) or a view of a larger staging
+payload columns of a batch of page records (``cache/io/kv_offload``) or a view of a larger staging
 buffer; scales are contiguous. The kernel runs when every tensor is on the GPU; an ``out``
 in host memory takes the reference path (a gather, then a copy): tiers should pack into a device
 staging buffer and copy that to pinned memory in one ``copy_``.
@@ -66,18 +66,8 @@ from __future__ import annotations
 
 import torch
 
-from flash_dllm.kernels._triton import (
-    FLOAT_DTYPES,
-    HAS_TRITON,
-    INT_DTYPES,
-    check,
-    check_device,
-    check_dtype,
-    describe,
-    interpreting,
-    next_pow2,
-    use_triton,
-)
+from flash_dllm.kernels._triton import (FLOAT_DTYPES, HAS_TRITON, INT_DTYPES, check, check_device,
+                                        check_dtype, describe, interpreting, next_pow2, use_triton)
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 

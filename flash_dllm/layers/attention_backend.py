@@ -39,7 +39,7 @@ from flash_dllm.kernels import rope_cache as rope_cache_op
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.kernels.rope_cache import inv_freq as rope_inv_freq
 from flash_dllm.layers.attention import (attention_weights, masked_attention,
-                                        masked_attention_batched)
+                                         masked_attention_batched)
 from flash_dllm.layers.rotary import Rotary
 from flash_dllm.transfer import h2d
 
@@ -113,7 +113,7 @@ class PagedAttentionMetadata:
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V pages ``[pages, page_size, kv_heads, head_dim]`` that layer ``layer``
         writes and reads (the pool's; a request larger than the pool streams its own:
-        ``engine/kv_overflow.py``)."""
+        ``cache/io/kv_overflow.py``)."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
@@ -207,7 +207,7 @@ class PagedAttentionMetadata:
 
 @dataclass
 class VerifyBatchMetadata(PagedAttentionMetadata):
-    """A fused verify step's metadata (``engine/verify_graph.py``): every request has the same
+    """A fused verify step's metadata (``worker/verify_graph.py``): every request has the same
     number of verification rows, ``2 (M - 1)`` for ``M`` (padded) drafts, packed after ALL the
     canvas rows: rows ``[canvas_rows, canvas_rows + B * 2 (M - 1))``, request b's block at
     ``canvas_rows + b * 2 (M - 1)``, draft views first, then mask views (as

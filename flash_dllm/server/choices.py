@@ -19,8 +19,8 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.responses import StreamingResponse
 
+from flash_dllm.core.request import RequestOutput
 from flash_dllm.engine.async_engine import EngineUnavailableError, RequestStream
-from flash_dllm.engine.request import RequestOutput
 from flash_dllm.server.context import ServerContext, make_params, new_request_id
 from flash_dllm.server.detokenize import IncrementalDetokenizer
 from flash_dllm.server.drain import RETRY_AFTER, Drain

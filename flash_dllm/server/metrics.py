@@ -9,16 +9,16 @@ without sentinels exports every name of ``decoding.sentinels.SENTINELS`` at 0.
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
 import time
 
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from flash_dllm.core.request import RequestOutput
 from flash_dllm.decoding.sentinels import SENTINELS
 from flash_dllm.engine.async_engine import AsyncEngine
-from flash_dllm.engine.compile_watch import KERNEL_COMPILES, runtime_counts
-from flash_dllm.engine.request import RequestOutput
+from flash_dllm.worker.compile_watch import KERNEL_COMPILES, runtime_counts
 
 PREFIX = "flash_dllm_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -174,7 +174,7 @@ class _TierCollector:
             moved.add_metric([tier, direction], n)
         yield moved
         ov = getattr(getattr(self.engine, "runner", None), "overflow", None)
-        if ov is not None:              # --kv-overflow-gb (``engine/kv_overflow.py``)
+        if ov is not None:              # --kv-overflow-gb (``cache/io/kv_overflow.py``)
             fam = CounterMetricFamily(PREFIX + "kv_overflow_bytes",
                                       "KV bytes of requests larger than the GPU pool streamed "
                                       "from pinned host memory for a step (h2d) or written "
@@ -252,7 +252,7 @@ class _TierCollector:
 
 
 class _DisaggCollector:
-    """Prefill/decode disaggregation (``engine/pd_engine.py``): per worker, its role, liveness,
+    """Prefill/decode disaggregation (``disagg/router.py``): per worker, its role, liveness,
     pages, staging segments and transfers in flight (all 0 when idle: nothing leaked); KV
     transfers, their bytes and seconds, failures, lost workers, role switches."""
 

@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from flash_dllm.engine.request import RequestOutput
+from flash_dllm.core.request import RequestOutput
 from flash_dllm.server.choices import (Choice, final_output, run_choices, sse_choices,
                                        submit_choices, total_usage, usage)
 from flash_dllm.server.context import (ServerContext, check_text, make_params, new_request_id,

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # pragma: no cover
 pytest.importorskip("triton")
 
 from dense_oracle import use_dense_oracle
+
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.entrypoints.llm import LLM
 from flash_dllm.evals.tasks import get_suite
@@ -66,7 +67,7 @@ def test_paged_triton_matches_dense_path(cache, decode):
                                           ("dual", "vanilla"), ("dual", "verify"),
                                           ("prefix", "verify")])
 def test_fused_step_matches_general_path(dtype, cache, decode):
-    """The whole-step graph (engine/step_graph.py) against the general path (forward graph +
+    """The whole-step graph (worker/step_graph.py) against the general path (forward graph +
     eager proposal/commit). Its LM head GEMM has all block rows, the general one the masked rows
     only, so cuBLAS may round differently: near-ties may flip (same bound as paged vs dense)."""
     llm_f, fused = _run(dtype, cache, decode, first_capture=1, max_num_seqs=8, fused_step=True)
@@ -114,7 +115,7 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
 
 @pytest.mark.parametrize("cache", ["dual", "prefix"])
 def test_fused_verify_graphs_random_model(cache):
-    """Fused verify steps (engine/verify_graph.py) captured and replayed on a random model of the
+    """Fused verify steps (worker/verify_graph.py) captured and replayed on a random model of the
     demo shape, against the general path's eager verify steps: one token per step passes tau,
     so every step verifies up to 31 drafts (gamma 1e-6: agreement alone decides). The batched verification
     attention sums in another order than the per-request one, so a near-tie may flip: at most
@@ -152,7 +153,7 @@ def test_padded_graphs_after_the_warm_up(dtype, cache, decode):
     batches of varied prompt lengths and sizes: nothing is captured after ready, most forwards
     replay a padded graph, and the answers are those of the eager engine (padding changes the
     GEMMs' row count, so cuBLAS may round differently: the paged-vs-dense bound)."""
-    from flash_dllm.engine.warmup import graph_grid
+    from flash_dllm.worker.warmup import graph_grid
 
     llm = LLM(device="cuda", dtype=dtype,
               engine_config=EngineConfig(max_num_seqs=16, fused_step=False))
@@ -178,7 +179,7 @@ def test_padded_graphs_after_the_warm_up(dtype, cache, decode):
 @pytest.mark.parametrize("dtype,cache,pages", [("bfloat16", "dual", 8), ("bfloat16", "prefix", 2),
                                                ("float32", "dual", 1)])
 def test_overflow_request_on_cuda_equals_the_all_in_pool_run(dtype, cache, pages):
-    """A request larger than the pool (``engine/kv_overflow.py``) with the copy stream: host ->
+    """A request larger than the pool (``cache/io/kv_overflow.py``) with the copy stream: host ->
     stage loads under the compute, write-backs to the pool and to host memory; token for token
     the all-in-pool run (same kernels, keys in the same order). One resident page: the active
     block spills too (loads and write-backs in the same step)."""
@@ -243,7 +244,7 @@ def test_batched_top_k_equals_per_request_rule_on_cuda(seed):
 def test_warmed_server_replays_fused_verify_steps():
     """After the full warm-up (which captures nothing afterwards), a default verify request
     (threshold 0.9, dual, block 32) replays fused verify graphs and captures none."""
-    from flash_dllm.engine.warmup import warm_up
+    from flash_dllm.worker.warmup import warm_up
     llm = LLM(model="proxy-llada", device="cuda", engine_config=EngineConfig(max_num_seqs=4))
     eng = llm.engine
     rep = warm_up(eng, "full", llm.tokenizer.encode("warm up text, 12 + 30 = 42."))

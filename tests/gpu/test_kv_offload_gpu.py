@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect or
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from flash_dllm.cache.io.kv_offload import RECORD_ALIGN, KVOffloader
 from flash_dllm.cache.tiers import Block, Store
-from flash_dllm.engine.kv_offload import RECORD_ALIGN, KVOffloader
 
 DEV = torch.device("cuda")
 

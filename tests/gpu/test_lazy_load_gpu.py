@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-import flash_dllm.engine.kv_overflow as ko
+import flash_dllm.cache.io.kv_overflow as ko
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.entrypoints.llm import LLM
 from flash_dllm.evals.tasks import get_suite

@@ -10,9 +10,10 @@ import torch
 
 from flash_dllm.decoding.policies import group_ids, select_threshold, select_top_k
 from flash_dllm.decoding.sampling import propose
-from flash_dllm.engine.inputs import StepInputs
-from flash_dllm.engine.verify_step import select_verify
+from flash_dllm.decoding.schedule import transfer_count
 from flash_dllm.transfer import h2d
+from flash_dllm.worker.inputs import StepInputs
+from flash_dllm.worker.verify_step import select_verify
 
 
 def sample_and_commit(model, arena: torch.Tensor, mask_id: int, step: StepInputs, batch: list,
@@ -52,7 +53,7 @@ def select(batch: list, conf: torch.Tensor, positions: torch.Tensor,
     if "vanilla" in by_policy:
         idx = by_policy["vanilla"]
         keep |= select_top_k(conf, positions, [bounds[i] for i in idx],
-                             [batch[i].transfer_count() for i in idx],
+                             [transfer_count(batch[i]) for i in idx],
                              [batch[i].canvas_len for i in idx])
     if "threshold" in by_policy:
         idx = by_policy["threshold"]

@@ -23,53 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_dllm.core.counters import count as _count
 from flash_dllm.decoding.policies import group_ids
 from flash_dllm.decoding.sampling import RowGroup, propose
-from flash_dllm.decoding.sentinels import (
-    SENTINELS,
-    entropy,
-    perturbation_flips,
-    topk_jaccard,
-)
-from flash_dllm.decoding.verify import (
-    VerifyBlock,
-    accept_prefix,
-    build_verify_block,
-    draft_probability,
-    order_candidates,
-    select_after_verify,
-)
+from flash_dllm.decoding.sentinels import entropy, perturbation_flips, topk_jaccard
+from flash_dllm.decoding.verify import (VerifyBlock, accept_prefix, build_verify_block,
+                                        draft_probability, order_candidates, select_after_verify)
 from flash_dllm.layers.attention_backend import VerifyRows
 from flash_dllm.transfer import h2d
-
-
-def new_counters() -> dict:
-    """Per-request (``RequestOutput.metrics``) and per-engine (``Engine.stats``) counters."""
-    return {"verify_candidates": 0, "verify_accepted": 0, "positions_computed": 0,
-            "sentinel_checks": dict.fromkeys(SENTINELS, 0),
-            "sentinel_triggers": dict.fromkeys(SENTINELS, 0)}
-
-
-def merge_counters(target: dict, delta: dict) -> None:
-    """Add a ``new_counters``-layout dict into another."""
-    for key, v in delta.items():
-        if isinstance(v, dict):
-            for name, n in v.items():
-                target[key][name] += n
-        else:
-            target[key] += v
-
-
-def _count(counters: list, i: int, key: str, n: int, name: str | None = None) -> None:
-    """Add ``n`` to request ``i``'s counters of this step (created at the first count)."""
-    if not n:
-        return
-    if counters[i] is None:
-        counters[i] = new_counters()
-    if name is None:
-        counters[i][key] += n
-    else:
-        counters[i][key][name] += n
 
 
 @dataclass

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flash_dllm.engine.lazy_load import LAZY_PREDICTORS, LazyPlan, plan_lazy, sentinel_overlap
-from flash_dllm.engine.overflow_placement import OVERFLOW_PLACEMENTS, ResidentSet
-from flash_dllm.engine.overflow_stage import OverflowMetadata, _StepCopies
-from flash_dllm.engine.plan import OverflowPlan
+from flash_dllm.cache.io.lazy_load import LAZY_PREDICTORS, LazyPlan, plan_lazy, sentinel_overlap
+from flash_dllm.cache.io.overflow_placement import OVERFLOW_PLACEMENTS, ResidentSet
+from flash_dllm.cache.io.overflow_stage import OverflowMetadata, _StepCopies
+from flash_dllm.core.plan import OverflowPlan
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
 from flash_dllm.transfer import h2d
 
@@ -90,7 +90,7 @@ class OverflowKV:
         if placement not in OVERFLOW_PLACEMENTS:
             raise ValueError(f"kv_placement must be one of {OVERFLOW_PLACEMENTS}, got "
                              f"{placement!r}")
-        # which pages stay resident (``engine/overflow_placement.py``): it needs the measuring
+        # which pages stay resident (``cache/io/overflow_placement.py``): it needs the measuring
         # steps' evidence, so only under lazy loading (where it is also the only thing it moves)
         self.placement = placement if lazy_budget is not None else "lru"
         self.placement_top_k = placement_top_k

@@ -1,18 +1,18 @@
 """The GPU stage of a request larger than the pool: one step's copies around each layer's
 attention (``_StepCopies``) and the step's attention metadata (``OverflowMetadata``). The
-layout and the order of the copies are ``engine/kv_overflow.py``'s docstring.
+layout and the order of the copies are ``cache/io/kv_overflow.py``'s docstring.
 
 Everything here is in **stage order**: stage slots ``0..spill-1`` hold the host pages (host
 slot ``j`` is stage slot ``j``), ``spill..n-1`` the resident ones (stage slot ``s + i`` is pool
 page ``resident_idx[i]``); the step's block table maps the request's logical pages to stage
-slots (``OverflowState.order``, chosen by ``engine/overflow_placement.py``).
+slots (``OverflowState.order``, chosen by ``cache/io/overflow_placement.py``).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from flash_dllm.engine.lazy_load import LazyPlan, quest_layer_scores, runs
+from flash_dllm.cache.io.lazy_load import LazyPlan, quest_layer_scores, runs
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
 
 

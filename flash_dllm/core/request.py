@@ -2,7 +2,7 @@
 
 NOTE (who owns what): ``Request`` holds host data only. The canvas on the device (a row of the
 runner's arena), the request's drafts, sampling generators and attention statistics are the
-runner's (``engine/runner.py``); its KV pages are the KV manager's (``cache/kv_manager.py``).
+runner's (``worker/runner.py``); its KV pages are the KV manager's (``cache/kv_manager.py``).
 After each step the engine copies the request's active block back into ``tokens`` (one
 device->host copy for the whole batch), so everything here (the committed prefix, stop ids,
 finishing) is answered on the host, without touching the device.
@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from flash_dllm.config import SamplingParams
-from flash_dllm.decoding.schedule import num_transfer_tokens
-from flash_dllm.engine.verify_step import new_counters
+from flash_dllm.core.counters import new_counters
 
 
 @dataclass
@@ -79,8 +78,7 @@ class Request:
         self.step_in_block = 0
         self.block_forwards: tuple[int, ...] = ()  # forwards each finished block took
         self.first_step = True
-        self.stale = False      # drift trigger (``engine/drift.py``): next step refreshes all
-        self.schedule = num_transfer_tokens(params.block_length, params.steps_per_block)
+        self.stale = False      # drift trigger (``decoding/drift.py``): next step refreshes all
         self.num_forwards = 0
         self.finished = False
         self.finish_reason: str | None = None
@@ -89,7 +87,7 @@ class Request:
         self.counters: dict = new_counters()       # decode="verify" and sentinels
         self.num_tokens = 0                        # committed answer prefix length
         self.reused_len = 0      # prompt tokens whose K/V came from the prefix cache (read-only)
-        # larger than the GPU pool: where its pages live (``engine/kv_overflow.OverflowPlan``)
+        # larger than the GPU pool: where its pages live (``cache/io/kv_overflow.OverflowPlan``)
         self.overflow = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -111,10 +109,6 @@ class Request:
     @property
     def block_end(self) -> int:
         return self.block_start + self.params.block_length
-
-    def transfer_count(self) -> int:
-        """Tokens ``vanilla`` commits at this step of the block."""
-        return self.schedule[min(self.step_in_block, len(self.schedule) - 1)]
 
     def apply(self, block: np.ndarray, masked: int, first_end: int, stop_in_block: bool,
               first_slot: bool) -> StepOutput:

@@ -19,9 +19,9 @@ import math
 
 import torch
 
+from flash_dllm.disagg import migrate
+from flash_dllm.disagg.messages import Announce, Failed
 from flash_dllm.distributed.transport import TransferError
-from flash_dllm.engine import migrate
-from flash_dllm.engine.pd_messages import Announce, Failed
 from flash_dllm.kernels.kv_pages import pack_pages, packed_shape
 
 

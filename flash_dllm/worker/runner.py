@@ -7,11 +7,10 @@
   its ids and commits its tokens with one launch each;
 - each running request's device state (``SeqState``: arena row, page ids on the device, sampling
   generators, Flash-Verify drafts, the KV sentinel's history, the ``flash`` mode's attention mass);
-- the CUDA graphs of both capture modes (``engine/graphs.py``, ``engine/step_graph.py``).
+- the CUDA graphs of both capture modes (``worker/graphs.py``, ``worker/step_graph.py``).
 
 NOTE (syncs): a step makes ONE device->host copy, the active blocks after the commit
-(``StepResult.blocks``): the engine derives commits, prefix and finishing from it on the host.
-Only opt-in features sync more (``verify`` counters, sentinels).
+(``StepResult.blocks``); only opt-in features sync more (``verify`` counters, sentinels).
 """
 from __future__ import annotations
 
@@ -21,25 +20,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flash_dllm.cache.io.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
+from flash_dllm.cache.io.kv_overflow import OverflowKV, OverflowMemoryError, OverflowMetadata
 from flash_dllm.cache.modes import query_range
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
-from flash_dllm.config import EngineConfig
-from flash_dllm.engine import drift, inputs
 from flash_dllm.cache.tiers import Load
-from flash_dllm.engine.compile_watch import KERNEL_COMPILES
-from flash_dllm.engine.graphs import ForwardGraphs, GraphCache
-from flash_dllm.engine.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
-from flash_dllm.engine.kv_overflow import (OverflowKV, OverflowMemoryError, OverflowMetadata,
-                                           OverflowState)
-from flash_dllm.engine.plan import StepPlan, StepResult
-from flash_dllm.engine.request import Request
-from flash_dllm.engine.sampler import sample_and_commit
-from flash_dllm.engine.step_graph import StepGraphs
-from flash_dllm.engine.verify_graph import DraftStore
-from flash_dllm.engine.verify_step import _count, kv_consistency, update_drafts
+from flash_dllm.config import EngineConfig
+from flash_dllm.core.counters import count as _count
+from flash_dllm.core.plan import StepPlan, StepResult
+from flash_dllm.core.request import Request
+from flash_dllm.decoding import drift
 from flash_dllm.layers.attention_backend import PagedAttentionBackend
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.transfer import h2d
+from flash_dllm.worker import inputs
+from flash_dllm.worker.compile_watch import KERNEL_COMPILES
+from flash_dllm.worker.graphs import ForwardGraphs, GraphCache
+from flash_dllm.worker.sampler import sample_and_commit
+from flash_dllm.worker.step_graph import StepGraphs
+from flash_dllm.worker.verify_graph import DraftStore
+from flash_dllm.worker.verify_step import kv_consistency, update_drafts
 
 
 @dataclass
@@ -59,7 +59,7 @@ class SeqState:
     kv_history: torch.Tensor | None = None   # [block_length, k] last top-k keys per slot
     # cache="flash": (the last step's mass [batch, keys], this request's row in it)
     mass_src: tuple[torch.Tensor, int] | None = None
-    drift_prev: tuple | None = None          # the drift test's last step (``engine/drift.py``)
+    drift_prev: tuple | None = None          # the drift test's last step (``decoding/drift.py``)
 
     @property
     def attn_mass(self) -> torch.Tensor | None:
@@ -91,7 +91,7 @@ class ModelRunner:
         # requests larger than the pool: a stage of two layers of the longest canvas (allocated
         # before the pool is sized, like the arena) and pinned host memory on demand
         self.overflow: OverflowKV | None = None
-        self._overflow_req: OverflowState | None = None
+        self._overflow_req = None              # its OverflowState
         if config.kv_overflow_gb:
             self.overflow = OverflowKV(cfg.num_layers, config.page_size, self.kv_heads,
                                        cfg.head_dim, self.dtype, self.device, self.table_width,
@@ -106,7 +106,7 @@ class ModelRunner:
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
             self.num_pages = self.tp.group.min_int(self.num_pages, self.device)
         self.page_size = config.page_size
-        # CUDA graphs pad a step's shape to a bucket (``engine/graphs.py``): the padding rows
+        # CUDA graphs pad a step's shape to a bucket (``worker/graphs.py``): the padding rows
         # write their K/V to one more page than the ledger hands out
         graphs = self.device.type == "cuda" and config.cuda_graphs
         layout = PagedKVLayout(cfg.num_layers, self.num_pages + graphs, self.page_size,
@@ -151,7 +151,7 @@ class ModelRunner:
                                        self.compat)
         self._last_plan: StepPlan | None = None     # the last plan and its requests' states
         self._last_states: list[SeqState] = []
-        # disaggregation (``engine/pd_worker.py``): an object with ``wants(plan)`` and
+        # disaggregation (``disagg/worker.py``): an object with ``wants(plan)`` and
         # ``__call__(plan, layer)``, called after each layer's attention of the plans it wants
         self.layer_hook = None
         # benchmarks: when True, CUDA events (or host times) bracket each step's forward

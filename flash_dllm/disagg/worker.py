@@ -4,7 +4,7 @@ Every worker holds a whole engine, so a role is only what the front end sends it
 switch needs no reload):
 
 - **prefill**: ``Add`` requests run their first forward (the whole prompt and masked canvas), then
-  leave the engine (``engine/migrate.py``): the KV is packed into ONE contiguous page-first
+  leave the engine (``disagg/migrate.py``): the KV is packed into ONE contiguous page-first
   segment and sent to the decode worker the front end chose, with one ``send`` on the KV
   transport (``distributed/transport.py``), and the request's snapshot goes to the front end,
   which forwards it to that worker. A request that finishes in its first step never moves.
@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flash_dllm.disagg import migrate
+from flash_dllm.disagg.messages import (Abort, Add, Consumed, Expect, Exported, Failed, Import,
+                                        Imported, Out, Peers, Release, Stats, Stop)
 from flash_dllm.distributed.segment_allocator import SegmentAllocator
 from flash_dllm.distributed.transport import TransferError, Transport
-from flash_dllm.engine import migrate
-from flash_dllm.engine.pd_messages import (Abort, Add, Consumed, Expect, Exported, Failed,
-                                           Import, Imported, Out, Peers, Release, Stats, Stop)
 from flash_dllm.engine.engine import Engine
 from flash_dllm.kernels.kv_pages import packed_shape
 
@@ -84,7 +84,7 @@ def _kind(e: migrate.MigrationError) -> str:
 class Worker:
     """The worker loop over an engine, a transport and a control connection (``conn``: anything
     with ``send``/``recv``/``poll``). ``layer_groups`` > 1: pipelined sends
-    (``engine/pd_pipeline.py``)."""
+    (``disagg/pipeline.py``)."""
 
     def __init__(self, engine: Engine, transport: Transport, conn, *, timeout_s: float = 30.0,
                  staging_bytes: int = 64 << 20, wire_device: torch.device | None = None,
@@ -110,7 +110,7 @@ class Worker:
         self.exports: dict[str, tuple[int, int]] = {}     # request id -> (dst, tag)
         self.pipeline = None
         if layer_groups > 1 and not ipc:
-            from flash_dllm.engine.pd_pipeline import LayerSender
+            from flash_dllm.disagg.pipeline import LayerSender
             self.pipeline = LayerSender(self, layer_groups)
             engine.runner.layer_hook = self.pipeline
         self.sends: list[_Send] = []

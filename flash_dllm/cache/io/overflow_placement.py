@@ -1,5 +1,5 @@
 """Which pages of a request larger than the GPU pool stay in the pool (``--kv-placement`` for
-``engine/kv_overflow.py``'s requests; with ``--lazy-load-budget``).
+``cache/io/kv_overflow.py``'s requests; with ``--lazy-load-budget``).
 
 Such a request keeps ``n - spill`` of its ``n`` pages in the pool and ``spill`` in pinned host
 memory. With exact attention every step reads every page, so which pages stay changes no byte

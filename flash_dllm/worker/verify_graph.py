@@ -1,5 +1,5 @@
 """The fused step for ``decode="verify"``: a whole Flash-Verify step with static shapes, so the
-``step`` capture mode (``engine/step_graph.py``) can replay it as one CUDA graph.
+``step`` capture mode (``worker/step_graph.py``) can replay it as one CUDA graph.
 
 The general path builds each request's verification block on the host side of the step
 (``verify_step.plan_verification``: a block shaped by its number of drafts), attends its rows per

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 
-from flash_dllm.engine.migrate import RequestSnapshot
+from flash_dllm.disagg.migrate import RequestSnapshot
 
 
 class Channel:

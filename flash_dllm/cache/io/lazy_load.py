@@ -1,11 +1,11 @@
 """Lazy loading for requests larger than the GPU pool (``--lazy-load-budget``, approximate):
 which host pages a step loads, and the sentinel that says when that choice went stale.
 
-``engine/kv_overflow.py`` runs it: after a block's refresh, a **measuring step** loads every
+``cache/io/kv_overflow.py`` runs it: after a block's refresh, a **measuring step** loads every
 page and measures (last layer) the attention mass the active block's rows give each page; the
 block's later **lazy steps** attend to the GPU-resident pages plus the share ``F`` of the
 other pages that ``select_pages`` ranks highest, so they load only the host pages among
-those (which pages are resident is the placement's choice, ``engine/overflow_placement.py``).
+those (which pages are resident is the placement's choice, ``cache/io/overflow_placement.py``).
 With ``--lazy-load-sentinel J`` every lazy step also measures the mass its loaded pages get;
 when the ``SENTINEL_TOP_K`` most attended of them overlap those of the measuring step by less
 than ``J`` (Jaccard), the block's attention has moved, and the next step is a measuring step
@@ -65,7 +65,7 @@ def select_pages(score: np.ndarray, budget: float, written: np.ndarray, spill: i
     score among the ``m`` pages it does not write (wherever they live), so it loads the host
     pages among those ``k`` (in chunks of ``ceil(spill / 256)`` host pages, fewer and larger
     copies: the chunks of most ranked score) and the written host pages. A placement that keeps
-    the most attended pages resident (``engine/overflow_placement.py``) therefore loads fewer.
+    the most attended pages resident (``cache/io/overflow_placement.py``) therefore loads fewer.
 
     Returns (sorted disjoint host-page ranges ``[a, b)``, ``k``, how many of the ``k`` are
     resident: the step's L0 hits).

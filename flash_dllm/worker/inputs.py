@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flash_dllm.decoding import drift
 from flash_dllm.decoding.sampling import RowGroup
-from flash_dllm.engine import drift
-from flash_dllm.engine.verify_step import VerifyPlan, plan_verification
 from flash_dllm.layers.attention_backend import Segment
 from flash_dllm.transfer import h2d
+from flash_dllm.worker.verify_step import VerifyPlan, plan_verification
 
 
 def same_batch(cached: list | None, batch: list) -> bool:

@@ -1,6 +1,6 @@
 """Counts what makes a step stall the first time something new comes: Triton kernel compiles
 (a new specialisation of a kernel; loading one from Triton's on-disk cache counts too, it is
-fast) and CUDA graph captures (``engine/graphs.py`` counts those itself).
+fast) and CUDA graph captures (``worker/graphs.py`` counts those itself).
 
 ``KERNEL_COMPILES`` is process-wide, as Triton's compile hooks are: ``install()`` chains two hooks
 onto ``triton.knobs.runtime`` (``jit_cache_hook`` before a compile, ``jit_post_compile_hook``

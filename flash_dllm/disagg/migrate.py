@@ -36,7 +36,7 @@ import torch
 
 from flash_dllm.cache.checksum import device_checksum, xxh3_64
 from flash_dllm.config import SamplingParams
-from flash_dllm.engine.request import Request
+from flash_dllm.core.request import Request
 from flash_dllm.kernels.kv_pages import pack_pages, packed_shape, unpack_pages
 
 # host request fields copied verbatim (see ``Request``)
@@ -109,7 +109,7 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     drafts = runner.drafts.to_host(st)
     dev["drafts"] = None if drafts is None else tuple(_cpu(t) for t in drafts)
     dev["attn_mass"] = _cpu(st.attn_mass)
-    if st.drift_prev is not None:     # the drift test's last step (``engine/drift.py``)
+    if st.drift_prev is not None:     # the drift test's last step (``decoding/drift.py``)
         mass, window, block = st.drift_prev
         dev["drift_prev"] = (_cpu(mass), tuple(window), block)
     for name in ("generator", "sentinel_generator"):

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flash_dllm.engine.request import Request
+from flash_dllm.core.request import Request
 
 
 @dataclass
 class OverflowPlan:
-    """Where a request larger than the GPU pool keeps its pages (``engine/kv_overflow.py``):
+    """Where a request larger than the GPU pool keeps its pages (``cache/io/kv_overflow.py``):
     its first ``spill`` logical pages in host memory, the rest in the pool pages ``resident``
     (in logical order)."""
 
@@ -41,7 +41,7 @@ class SeqPlan:
     req: Request
     window: tuple[int, int]
     pages: list[int]
-    # a request larger than the GPU pool (``engine/kv_overflow.py``): ``pages`` are then its
+    # a request larger than the GPU pool (``cache/io/kv_overflow.py``): ``pages`` are then its
     # logical page ids 0..n-1 (the stage's), this says which are in host memory and which pool
     # pages hold the rest
     overflow: OverflowPlan | None = None

@@ -25,7 +25,7 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
 Eligible steps (``eligible``): CUDA graphs on (or, on the CPU, ``EngineConfig(fused_step=True)``,
 which runs the same body eagerly for the tests), every request a cached (not first-of-block)
 ``dual`` or ``prefix`` step, all with ``decode="threshold"``, all with ``"vanilla"`` or all with
-``"verify"`` (its own body: ``engine/verify_graph.py``, within ``verify_graph.fits``), temperature 0,
+``"verify"`` (its own body: ``worker/verify_graph.py``, within ``verify_graph.fits``), temperature 0,
 no sentinel, a full block, all blocks the same length, and B x bl <= ``fused_step_max_rows``.
 Everything else (refresh steps, sampling, ``flash``, mixed policies) takes the general path.
 
@@ -42,15 +42,16 @@ import numpy as np
 import torch
 
 from flash_dllm.cache.modes import query_range
+from flash_dllm.core.counters import count as _count
+from flash_dllm.core.plan import StepResult
 from flash_dllm.decoding.policies import threshold_rows, top_k_rows
-from flash_dllm.engine import inputs, verify_graph
-from flash_dllm.engine.graphs import GraphCache, GraphKey
-from flash_dllm.engine.plan import StepResult
-from flash_dllm.engine.verify_graph import IN_STORE, dense_keys
-from flash_dllm.engine.verify_step import _count
+from flash_dllm.decoding.schedule import transfer_count
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
 from flash_dllm.transfer import h2d_into
+from flash_dllm.worker import inputs, verify_graph
+from flash_dllm.worker.graphs import GraphCache, GraphKey
+from flash_dllm.worker.verify_graph import IN_STORE, dense_keys
 
 
 @dataclass
@@ -66,7 +67,7 @@ class _Layout:
     # vanilla: requests grouped by (canvas length, k) as decoding.policies.select_top_k groups
     # them (same topk shapes, hence the same tie order): (length, k, start, end) into ``perm``
     groups: tuple | None = None
-    # verify (``engine/verify_graph.py``): draft slots per request, canvas keys its rows read
+    # verify (``worker/verify_graph.py``): draft slots per request, canvas keys its rows read
     M: int = 0
     dense_keys: int = 0
 
@@ -267,7 +268,7 @@ class StepGraphs:
         for vanilla, how many slots each commits (``select_top_k``'s k)."""
         if batch[0].params.decode != "vanilla":
             return [(r.block, 0) for r in batch]
-        return [(r.block, min(r.transfer_count(), r.num_masked)) for r in batch]
+        return [(r.block, min(transfer_count(r), r.num_masked)) for r in batch]
 
     @staticmethod
     def _host_inputs(runner, plan, signature: list[tuple[int, int]]

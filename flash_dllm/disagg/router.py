@@ -6,7 +6,7 @@ server, streaming, metrics and bad-input handling are unchanged), but it runs no
 1. ``add_request`` places the request on the least loaded live prefill worker and picks its
    decode worker (the least loaded live one) and a transfer tag;
 2. the prefill worker runs the request's first forward, sends its KV segment straight to the
-   decode worker (``engine/pd_worker.py``) and its snapshot here; ``step`` forwards the snapshot
+   decode worker (``disagg/worker.py``) and its snapshot here; ``step`` forwards the snapshot
    to the decode worker, which receives, unpacks and decodes the request to the end;
 3. ``step`` turns the workers' output events into ``StepOutput``s of host mirrors of the
    requests (``Request`` objects that only hold the committed answer), so ``output`` works as the
@@ -15,7 +15,7 @@ server, streaming, metrics and bad-input handling are unchanged), but it runs no
 Faults fail one request, never the server: a transfer that times out or fails (``Failed``), a
 worker that dies (its requests fail at once; no new request goes to it; requests already sent to
 it by a prefill worker fail when their transfer does), an abort (the workers free the request's
-pages and staging). ``RoleController`` (``engine/pd_roles.py``) may move workers between the
+pages and staging). ``RoleController`` (``disagg/roles.py``) may move workers between the
 prefill and decode roles under load.
 
 NOTE (size): one file over ~400 lines because the request life cycle (placement, the phases
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Listener, wait
 
 from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.core.request import Request, StepOutput
+from flash_dllm.disagg import messages as W
+from flash_dllm.disagg.roles import WorkerLoad
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
-from flash_dllm.engine import pd_messages as W
 from flash_dllm.engine.engine import Engine
-from flash_dllm.engine.pd_roles import WorkerLoad
-from flash_dllm.engine.request import Request, StepOutput
 
 PREFILL, DECODE = "prefill", "decode"
 TAG_STRIDE = 16          # a request's transfers use tags tag .. tag + 15 (one per layer group)

@@ -2,7 +2,7 @@
 
 ``RoleController.decide(now, workers)`` reads each worker's load (``WorkerLoad``: queue of first
 steps, running requests, recent time to first token and step time) and returns the switches to
-make, ``[(rank, new_role)]``. The front end (``engine/pd_engine.py``) drains a switching worker
+make, ``[(rank, new_role)]``. The front end (``disagg/router.py``) drains a switching worker
 first: it stops placing work of the old role there and changes the role once that work is done.
 
 Rules, with a cooldown between switches so a burst does not make roles flap:

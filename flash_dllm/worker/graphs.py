@@ -6,8 +6,8 @@ The runner has two capture modes, both keyed by ``GraphKey`` in one ``GraphCache
 - ``forward`` (``ForwardGraphs`` below): the model forward of a step, replayed with the step's
   index tensors copied into the graph's static buffers. Steps with verification rows or probes
   (their special rows are shaped per step) always run eagerly.
-- ``step`` (``engine/step_graph.py``): a whole steady greedy step (forward, LM head, proposal,
-  commit rule, commit) as one graph; verify steps too (``engine/verify_graph.py``: their drafts
+- ``step`` (``worker/step_graph.py``): a whole steady greedy step (forward, LM head, proposal,
+  commit rule, commit) as one graph; verify steps too (``worker/verify_graph.py``: their drafts
   padded to a fixed count, so their verification rows have a static shape).
 
 A shape is captured at its ``first_capture``-th sighting (default the second: a shape that never
@@ -40,9 +40,9 @@ from typing import Callable
 
 import torch
 
-from flash_dllm.engine.compile_watch import KERNEL_COMPILES
 from flash_dllm.kernels._triton import next_pow2
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
+from flash_dllm.worker.compile_watch import KERNEL_COMPILES
 
 log = logging.getLogger("flash_dllm.compile")
 

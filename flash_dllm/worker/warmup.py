@@ -3,7 +3,7 @@ serving will use, while no request waits (issue 21).
 
 The first step of a new shape costs far more than the next ones: Triton compiles (or loads from
 its on-disk cache) every new specialisation of a kernel, and the runner captures a CUDA graph for
-a shape that comes back (``engine/graphs.py``). Done under load, that is seconds of stall while
+a shape that comes back (``worker/graphs.py``). Done under load, that is seconds of stall while
 requests wait. ``warm_up`` runs synthetic batches through the engine instead: for each case
 (sampling parameters x prompt length) and each batch size of ``batch_sizes``, it queues that many
 identical requests, runs a few steps (enough for every shape of the case to be captured: a shape
@@ -21,7 +21,7 @@ Levels (``--warmup``):
 - ``none``: nothing (the CPU default: no Triton compiles, no graphs, nothing to warm).
 
 Then (``full`` and ``minimal``, one device) the forward graphs of the padded buckets serving
-reaches (``engine/graphs.py``: rows, requests and query length rounded up to powers of two) are
+reaches (``worker/graphs.py``: rows, requests and query length rounded up to powers of two) are
 captured from steps of dummy rows (``graph_grid``): the request cases above reach only some of
 them. After the warm-up nothing is captured any more (``Engine.graphs_ready``): a step outside
 every bucket runs eagerly.
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flash_dllm.config import SamplingParams
-from flash_dllm.engine.compile_watch import KERNEL_COMPILES, graph_counts
-from flash_dllm.engine.graphs import MIN_ROWS, PaddedShape
 from flash_dllm.kernels._triton import next_pow2
 from flash_dllm.kernels.paged_attention import seqlen_bound
+from flash_dllm.worker.compile_watch import KERNEL_COMPILES, graph_counts
+from flash_dllm.worker.graphs import MIN_ROWS, PaddedShape
 
 WARMUP_LEVELS = ("full", "minimal", "none")
 STEPS_PER_CASE = 6          # dual: a refresh, then decode steps (captured at their 2nd sighting)
@@ -112,7 +112,7 @@ def cases(level: str) -> list[SamplingParams]:
         return [default]
     fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold", threshold=0.9,
                           cache="dual")
-    # Flash-Verify's fused step (``engine/verify_graph.py``) at its default knobs: its graphs
+    # Flash-Verify's fused step (``worker/verify_graph.py``) at its default knobs: its graphs
     # are keyed by the batch's padded draft count (max_verify: the block length by default)
     return [default, fast, dataclasses.replace(fast, decode="verify")]
 

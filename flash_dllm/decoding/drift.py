@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_dllm.engine.verify_step import _count
+from flash_dllm.core.counters import count as _count
 
 
 def wants_mass(batch) -> bool:
