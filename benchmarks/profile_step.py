@@ -107,8 +107,8 @@ def profile_case(model, cfg, batch: int, cache: str, steps: int, fused: bool,
         count[name] += 1
     runner = engine.runner
     stats = dict(runner.forward_graphs.stats) if runner.forward_graphs is not None else {}
-    if runner.step_graphs is not None:
-        stats = {**stats, **runner.step_graphs.stats}
+    if runner.fused is not None:
+        stats = {**stats, **runner.fused.stats}
     del runner
     for r in reqs:
         engine.abort(r.request_id)

@@ -28,7 +28,7 @@ def main() -> None:
     problems = suite.test_problems(a.n + 4, seed=0)
     llm = LLM(a.model, device=a.device, max_num_seqs=1)
     eng = llm.engine
-    sg = eng.runner.step_graphs
+    sg = eng.runner.fused
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     report = {}
     for name, kw in [("threshold", dict(decode="threshold")),

@@ -7,6 +7,9 @@ import time as _time  # noqa: E402
 # torch and the model load included)
 IMPORTED_AT = _time.perf_counter()
 
+# the built-in decode policies register themselves (``SamplingParams.decode`` is checked
+# against the registry)
+import flash_dllm.decoding.policies  # noqa: E402,F401
 from flash_dllm.config import EngineConfig, SamplingParams  # noqa: E402
 from flash_dllm.core.request import RequestOutput  # noqa: E402
 from flash_dllm.entrypoints.llm import LLM  # noqa: E402

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from flash_dllm.cache.modes import CACHE_MODES
+from flash_dllm.decoding.registry import DECODE_POLICIES
 
-DECODE_POLICIES = ("vanilla", "threshold", "verify")
+# CACHE_MODES and DECODE_POLICIES are registries (``flash_dllm.registry``): iterating gives the
+# names, so a mode or policy registered after import is a valid choice from then on
 VERIFY_RULES = ("agree", "cumprod")      # flash_dllm.decoding.verify.accept_prefix
 DEFAULT_BLOCK_LENGTH = 32
 
@@ -139,9 +141,10 @@ class SamplingParams:
                              "rows' attention would enter the drift test's mass)")
         if not isinstance(self.drift_defer, bool):
             raise ValueError(f"drift_defer must be a bool, got {self.drift_defer!r}")
-        if self.drift_min is not None and self.cache not in ("dual", "prefix"):
-            raise ValueError(f"drift_min needs cache 'dual' or 'prefix' (the caches refreshed "
-                             f"at block starts), got cache={self.cache!r}")
+        if self.drift_min is not None and not CACHE_MODES[self.cache].block_refresh:
+            ok = " or ".join(repr(m) for m in CACHE_MODES if CACHE_MODES[m].block_refresh)
+            raise ValueError(f"drift_min needs cache {ok} (the caches refreshed at block "
+                             f"starts), got cache={self.cache!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -187,7 +190,7 @@ class EngineConfig:
     # 8192, a small model served at concurrency 64 ran ~half its steps eagerly, issue 21)
     cuda_graph_max_tokens: int = 16384
     # steady greedy threshold/vanilla/verify steps of dual/prefix requests as ONE graph (forward, LM
-    # head, proposal, commit; the runner's ``step`` capture mode, ``worker/step_graph.py``) while
+    # head, proposal, commit; the runner's ``step`` capture mode, ``worker/fused_step.py``) while
     # batch x block_length <= the row cap (2048: batch 64 x 32). None (default): on when CUDA
     # graphs are (H200, same machine, A/B: batch-1 eval 1.7-1.8 s vs 1.9-2.1 s on the general
     # path; serving no worse, see benchmarks/FINDINGS.md); True: also on the CPU, where the body

@@ -89,5 +89,5 @@ def use_dense_oracle(engine):
     r = engine.runner
     r.backend = DenseOracleBackend(engine.cfg, r.dtype, r.device)
     r.forward_graphs = None          # the oracle is eager only
-    r.step_graphs = None
+    r.fused = None
     return engine

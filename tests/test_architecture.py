@@ -164,3 +164,76 @@ def test_engine_step_reads_as_schedule_execute_apply():
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_exists(layer):
     assert (PKG.parent / layer.replace(".", "/")).is_dir(), f"{layer} does not exist"
+
+
+# --- the extension seams (issue 38): no feature is a branch on a mode name in the step path
+MODE_FREE = ("flash_dllm.decoding", "flash_dllm.cache", "flash_dllm.config", "flash_dllm.models",
+             "flash_dllm.bench", "flash_dllm.evals")
+STEP_PATH = ("flash_dllm.core", "flash_dllm.engine", "flash_dllm.worker")
+MODE_FIELDS = ("decode", "cache")
+
+
+def _is_string(node) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(
+        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+
+
+def _is_mode(node) -> bool:
+    """``x.decode`` / ``x.cache`` or a variable named ``decode`` / ``cache``."""
+    return ((isinstance(node, ast.Attribute) and node.attr in MODE_FIELDS)
+            or (isinstance(node, ast.Name) and node.id in MODE_FIELDS))
+
+
+def mode_comparisons() -> list[str]:
+    """Every comparison of a decode policy's or cache mode's name with a string literal
+    (``p.cache == "dual"``, ``decode not in ("vanilla", "threshold")``), outside the modules
+    that define the modes."""
+    hits = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith(MODE_FREE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                ops = [node.left, *node.comparators]
+                if any(_is_mode(o) for o in ops) and any(_is_string(o) for o in ops):
+                    hits.append(f"{name}:{node.lineno}")
+    return hits
+
+
+def test_no_mode_name_is_compared_in_the_step_path():
+    hits = mode_comparisons()
+    assert not [h for h in hits if h.startswith(STEP_PATH)], hits
+    assert len(hits) <= 3, hits
+
+
+def test_the_mode_comparison_check_sees_comparisons():
+    tree = ast.parse('if p.cache not in ("dual", "prefix") or decode == "verify": pass\n'
+                     'if t.decode == w.rank or level == "none": pass')
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)
+             and any(_is_mode(o) for o in [n.left, *n.comparators])
+             and any(_is_string(o) for o in [n.left, *n.comparators])]
+    assert len(found) == 2
+
+
+HARD_MAX_LINES = 500
+MAX_LONG_FUNCTIONS, LONG_FUNCTION = 3, 80
+
+
+def test_no_module_over_500_lines():
+    big = [f"{name}: {path.read_text(encoding='utf-8').count(chr(10))} lines"
+           for name, path in _modules().items()
+           if path.read_text(encoding="utf-8").count("\n") > HARD_MAX_LINES]
+    assert not big, big
+
+
+def test_few_long_functions():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > LONG_FUNCTION:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert len(long) <= MAX_LONG_FUNCTIONS, sorted(long)

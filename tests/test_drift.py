@@ -13,6 +13,7 @@ from test_sampler import PROMPTS, tiny
 from flash_dllm.cache.modes import query_range
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.decoding import drift
+from flash_dllm.worker.extensions.drift import DriftTrigger
 from flash_dllm.engine.engine import Engine
 
 
@@ -62,9 +63,10 @@ def test_drift_statistic_by_hand():
     assert cos < 0.9
     flags = drift.test([req], [st], [win], now, counters)
     assert flags.tolist() == [1] and counters[0]["sentinel_checks"]["drift"] == 1
-    blocks, drifted = drift.split(np.array([[7, 8, 1]]), flags, [req], counters)
-    assert blocks.tolist() == [[7, 8]] and drifted == {"r"}
-    assert counters[0]["sentinel_triggers"]["drift"] == 1
+    # the flags ride on the step's read-back; the extension reads them there
+    step = SimpleNamespace(batch=[req])
+    drifted = DriftTrigger().read_back(None, step, [0], np.array([1]), counters)
+    assert drifted == {"r"} and counters[0]["sentinel_triggers"]["drift"] == 1
     # the same mass again: similarity 1, no refresh
     assert drift.test([req], [st], [win], now, counters).tolist() == [0]
     # another window (a block's first step, a refresh) is not compared
@@ -73,7 +75,7 @@ def test_drift_statistic_by_hand():
     # no drift request in the batch: no test, no extra column
     off = _req(L, drift_min=None)
     assert drift.test([off], [st], [win], now, [None]) is None
-    assert drift.split(np.array([[7, 8]]), None, [off], [None])[1] == set()
+    assert not DriftTrigger().active(off)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

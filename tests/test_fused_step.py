@@ -9,9 +9,10 @@ from test_paged_engine import LONG
 from test_sampler import PROMPTS, run_engine, tiny
 
 from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.engine.engine import Engine
 from flash_dllm.worker.graphs import GraphCache
-from flash_dllm.worker.step_graph import StepGraphs as FusedStep
+from flash_dllm.worker.fused_step import FusedSteps as FusedStep
 
 
 def _compare(model, prompts, params, **kw):
@@ -81,11 +82,11 @@ def test_eligibility():
     reqs = [eng.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8,
                                                        cache="dual", decode="threshold",
                                                        threshold=1.0))]
-    assert not eng.runner.step_graphs.eligible(reqs)          # the block's first step: a refresh
+    assert not eng.runner.fused.eligible(reqs)          # the block's first step: a refresh
     eng.step()
-    assert eng.runner.step_graphs.eligible(reqs)
+    assert eng.runner.fused.eligible(reqs)
     eng.step()
-    assert eng.runner.step_graphs.stats["fused_steps"] == 1
+    assert eng.runner.fused.stats["fused_steps"] == 1
     for bad in [dict(cache="none"), dict(temperature=0.5), dict(kv_jaccard_min=0.5),
                 dict(decode="verify", entropy_max=1.0), dict(decode="verify", perturb_sigma=0.5)]:
         e = Engine(model, model.cfg, EngineConfig(fused_step=True))
@@ -93,24 +94,24 @@ def test_eligibility():
                                                      **{"cache": "dual", "decode": "threshold",
                                                         **bad}))
         e.step()
-        assert not e.runner.step_graphs.eligible([r]), bad
+        assert not e.runner.fused.eligible([r]), bad
     # rows cap: 3 requests x 8 > 16
     e = Engine(model, model.cfg, EngineConfig(fused_step=True, fused_step_max_rows=16))
     rs = [e.add_request(p, ok) for p in PROMPTS[:3]]
     e.step()
-    assert not e.runner.step_graphs.eligible(rs)
-    assert e.runner.step_graphs.eligible(rs[:2])
+    assert not e.runner.fused.eligible(rs)
+    assert e.runner.fused.eligible(rs[:2])
     # mixed policies: the general path
     e = Engine(model, model.cfg, EngineConfig(fused_step=True))
     rs = [e.add_request(PROMPTS[0], ok),
           e.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, cache="dual"))]
     e.step()
-    assert e.runner.step_graphs.eligible(rs[1:]) and not e.runner.step_graphs.eligible(rs)
+    assert e.runner.fused.eligible(rs[1:]) and not e.runner.fused.eligible(rs)
 
 
 def test_off_by_default_on_cpu_and_validated():
     model = tiny("llada")
-    assert Engine(model, model.cfg).runner.step_graphs is None
+    assert Engine(model, model.cfg).runner.fused is None
     with pytest.raises(ValueError, match="fused_step"):
         EngineConfig(fused_step="yes")
     with pytest.raises(ValueError, match="fused_step_max_rows"):
@@ -130,7 +131,7 @@ def test_engine_is_freed_without_gc():
                                                    decode="threshold", threshold=1.0))
         for _ in range(3):
             eng.step()
-        assert eng.runner.step_graphs.stats["fused_steps"] > 0
+        assert eng.runner.fused.stats["fused_steps"] > 0
         ref = weakref.ref(eng)
         del eng
         assert ref() is None
@@ -162,11 +163,11 @@ def test_declined_step_runs_the_general_path():
                             threshold=1.0)
     ref, _ = run_engine(model, PROMPTS, params, config=EngineConfig(fused_step=False))
     eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
-    eng.runner.step_graphs._decide = lambda *args: "general"
+    eng.runner.fused._decide = lambda *args: "general"
     reqs = [eng.add_request(p, params) for p in PROMPTS]
     while eng.has_unfinished():
         eng.step()
-    assert eng.runner.step_graphs.stats["fused_steps"] == 0
+    assert eng.runner.fused.stats["fused_steps"] == 0
     for a, b in zip(ref, reqs):
         assert torch.equal(a.canvas, b.canvas)
 
@@ -179,12 +180,12 @@ def test_released_requests_are_not_kept_by_step_caches():
     reqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
     for _ in range(3):
         eng.step()
-    assert eng.runner.step_graphs._last is not None and eng.runner._tables.cached
+    assert eng.runner.fused._last is not None and eng.runner._tables.cached
     eng.abort(reqs[0].request_id)
-    assert eng.runner.step_graphs._last is None and not eng.runner._tables.cached
+    assert eng.runner.fused._last is None and not eng.runner._tables.cached
     while eng.has_unfinished():
         eng.step()
-    assert eng.runner.step_graphs._last is None and not eng.runner._tables.cached
+    assert eng.runner.fused._last is None and not eng.runner._tables.cached
 
 
 @pytest.mark.parametrize("decode", ["threshold", "vanilla"])
@@ -249,7 +250,7 @@ def _fused_verify_steps(model, prompts, params, **kw) -> int:
         eng.add_request(p, params if isinstance(params, SamplingParams) else params[i])
     while eng.has_unfinished():
         eng.step()
-    return eng.runner.step_graphs.stats["fused_steps"]
+    return eng.runner.fused.stats["fused_steps"]
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -309,17 +310,17 @@ def test_fused_and_general_verify_steps_alternate():
         return reqs, eng
     ref, _ = run(False)
     got, eng = run(True)
-    st = eng.runner.step_graphs.stats
+    st = eng.runner.fused.stats
     assert st["fused_steps"] > 0
     for a, b in zip(ref, got):
         assert torch.equal(a.canvas, b.canvas)
         assert a.counters == b.counters
 
 
-def test_fused_verify_limits():
-    """Past ``DraftStore.WIDTH`` drafts or ``VERIFY_MAX_ELEMENTS`` the verify step stays on
-    the general path."""
-    from flash_dllm.worker.verify_graph import DraftStore
+def test_fused_verify_limits(monkeypatch):
+    """Past ``DraftStore.WIDTH`` drafts or ``VerifyPolicy.MAX_ELEMENTS`` the verify step stays
+    on the general path."""
+    from flash_dllm.decoding.policies.verify_fused import DraftStore
     model = tiny("llada")
     eng = Engine(model, model.cfg, EngineConfig(fused_step=True))
     wide = SamplingParams(max_tokens=128, block_length=128, cache="dual", decode="verify",
@@ -328,14 +329,14 @@ def test_fused_verify_limits():
                         max_verify=DraftStore.WIDTH)
     rw, ro = eng.add_request(PROMPTS[0], wide), eng.add_request(PROMPTS[1], ok)
     eng.step()
-    sg = eng.runner.step_graphs
+    sg = eng.runner.fused
     assert not sg.eligible([rw]) and sg.eligible([ro])
-    sg.VERIFY_MAX_ELEMENTS = 1000
+    monkeypatch.setattr(DECODE_POLICIES["verify"], "MAX_ELEMENTS", 1000)
     assert not sg.eligible([ro])
 
 
 def test_draft_store_round_trip():
-    from flash_dllm.worker.verify_graph import DraftStore
+    from flash_dllm.decoding.policies.verify_fused import DraftStore
     store = DraftStore(3, torch.device("cpu"))
     pos, tok = torch.tensor([9, 4, 7]), torch.tensor([50, 51, 52])
     store.put(1, (pos, tok))

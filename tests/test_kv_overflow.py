@@ -50,7 +50,7 @@ def test_overflow_request_equals_the_all_in_pool_run(family, cache, decode, page
     # loads: every step but the two block refreshes (which rewrite every spilled page)
     assert ov.stats["d2h_bytes"] > 0 and ov.stats["h2d_bytes"] > 0
     check_ledger(eng)
-    assert eng.kv_manager.num_used == 0 and eng.runner._overflow_req is None
+    assert eng.kv_manager.num_used == 0 and eng.runner.overflow_state is None
 
 
 def test_overflow_runs_alone_and_the_others_run_after_it():
@@ -81,7 +81,7 @@ def test_abort_of_an_overflow_request_frees_everything():
     eng.step()
     eng.step()
     assert eng.abort(req.request_id)
-    assert eng.kv_manager.num_used == 0 and eng.runner._overflow_req is None
+    assert eng.kv_manager.num_used == 0 and eng.runner.overflow_state is None
     got, _ = _run(eng, [SHORT], _params())           # the engine goes on
     check_ledger(eng)
 
@@ -212,7 +212,7 @@ def test_lazy_loading_moves_fewer_bytes_and_at_budget_one_changes_nothing():
     st, st_ref = lazy.runner.overflow.stats, exact.runner.overflow.stats
     assert reqs[0].finished and len(got[0]) == len(ref[0])
     assert st["skipped_pages"] > 0 and st["h2d_bytes"] < st_ref["h2d_bytes"] / 2
-    assert lazy.runner._overflow_req is None and lazy.kv_manager.num_used == 0
+    assert lazy.runner.overflow_state is None and lazy.kv_manager.num_used == 0
     with pytest.raises(ValueError, match="set kv_overflow_gb"):
         EngineConfig(lazy_load_budget=0.5)
     with pytest.raises(ValueError, match=r"lazy_load_budget must be in \(0, 1\]"):
@@ -280,5 +280,5 @@ def test_no_pinned_memory_fails_that_request_alone_and_the_engine_goes_on(monkey
     assert "out of memory" in out.error
     assert got[1] == ref[0]                            # the short request behind it ran
     check_ledger(eng)
-    assert eng.kv_manager.num_used == 0 and eng.runner._overflow_req is None
+    assert eng.kv_manager.num_used == 0 and eng.runner.overflow_state is None
     assert len(eng.runner._free_rows) == eng.config.max_num_seqs

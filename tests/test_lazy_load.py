@@ -72,7 +72,7 @@ def test_a_firing_sentinel_forces_a_measuring_step_that_loads_every_page(monkeyp
     assert st["skipped_pages"] < st0["skipped_pages"] and st["h2d_bytes"] > st0["h2d_bytes"]
     assert eng.stats["sentinel_triggers"]["lazy_load"] == st["sentinel_triggers"]
     assert reqs[0].counters["sentinel_triggers"]["lazy_load"] == st["sentinel_triggers"]
-    assert eng.runner._overflow_req is None and eng.kv_manager.num_used == 0
+    assert eng.runner.overflow_state is None and eng.kv_manager.num_used == 0
 
 
 def test_the_real_sentinel_runs_and_its_counts_add_up():
@@ -144,7 +144,7 @@ def test_a_quest_run_rechooses_its_pages_after_every_step_and_budget_one_is_exac
     assert st["skipped_pages"] > 0
     # a plan per lazy step (the mass predictor makes one per block), from positive bounds
     assert len(calls) > st["measuring_steps"] and all((c > 0).all() for c in calls)
-    assert quest.runner._overflow_req is None and quest.kv_manager.num_used == 0
+    assert quest.runner.overflow_state is None and quest.kv_manager.num_used == 0
 
 
 def test_quest_summaries_ignore_the_unwritten_slots_of_the_partial_last_page():

@@ -147,7 +147,7 @@ def test_request_with_drafts_in_the_fused_store_migrates():
     with torch.inference_mode():
         for _ in range(3):                 # a refresh, then fused steps
             a.step()
-        assert a.runner.step_graphs.stats["fused_steps"] > 0
+        assert a.runner.fused.stats["fused_steps"] > 0
         for r in list(a.running):
             snap, seg = migrate.export_request(a, r.request_id)
             moved[r.request_id] = migrate.import_request(b, snap, seg.clone())

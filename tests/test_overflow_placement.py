@@ -83,7 +83,7 @@ def test_any_resident_set_moved_at_every_refresh_changes_no_token(monkeypatch, f
                                                 **CFG))
     got, _ = _run(eng, [LONG], params)
     assert got == ref and eng.runner.overflow.stats["replacements"] == 3
-    assert eng.runner._overflow_req is None and eng.kv_manager.num_used == 0
+    assert eng.runner.overflow_state is None and eng.kv_manager.num_used == 0
 
 
 def test_the_default_placement_is_each_use_s_benchmark_winner():
@@ -175,7 +175,7 @@ def test_skipping_the_same_logical_pages_from_any_resident_set_gives_the_same_to
     holder = []
 
     def select(score, budget, written, spill):
-        order = holder[-1].runner._overflow_req.order
+        order = holder[-1].runner.overflow_state.order
         pick = np.array([int(order[j]) not in SKIP for j in range(spill)]) | written[:spill]
         return ll.runs(pick), 1, 0
     monkeypatch.setattr(ll, "select_pages", select)

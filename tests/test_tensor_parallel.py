@@ -98,7 +98,7 @@ def test_fused_verify_steps_under_tp2_equal_the_general_path(dream_folder):
     with LLM(dream_folder, device=DEVICE, dtype="float32",
              engine_config=replace(cfg, fused_step=True), tensor_parallel_size=2) as llm:
         got = run(llm)
-        assert llm.engine.runner.step_graphs.stats["fused_steps"] > 0
+        assert llm.engine.runner.fused.stats["fused_steps"] > 0
     assert got == ref
 
 

@@ -197,7 +197,7 @@ def test_mask_view_cannot_see_its_own_draft(leak, monkeypatch):
     """Prompt: six A, two B; B's logit weighs 2.5x. Drafts (p1, A), (p2, B), (p3, A). Honest M_2
     sees seven A and two B (A wins 7 : 5): B is rejected and p2 stays masked. Seeing its own draft
     it would count three B (7.5 > 7) and accept B: the mask changes the answer."""
-    import flash_dllm.worker.verify_step as vs
+    import flash_dllm.decoding.policies.verify as vs
     model = _counting_model(2.5)
     if leak:
         orig = vs.build_verify_block

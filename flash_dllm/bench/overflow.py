@@ -120,39 +120,8 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
         report["refused_without_overflow"] = str(e)
     gc.collect()
 
-    cases = {}
-    tokens = {}
-    for name, config in (
-            ("all_in_gpu", EngineConfig(page_size=page_size, num_kv_pages=n_pages,
-                                        max_num_seqs=1)),
-            ("overflow", EngineConfig(page_size=page_size, num_kv_pages=res_pages,
-                                      max_num_seqs=1,
-                                      kv_overflow_gb=1.05 * (n_pages - res_pages) * page_size
-                                      * kv_token / 2**30 + 1e-3))):
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        eng = Engine(model, cfg, config)
-        progress(f"{name}: {res_pages if name == 'overflow' else n_pages} of {n_pages} pages "
-                 f"in the pool; warm-up run")
-        _run(eng, prompt, params, dev)
-        progress(f"{name}: timed run")
-        before = dict(eng.runner.overflow.stats) if name == "overflow" else {}
-        steps, tokens[name] = _run(eng, prompt, params, dev)
-        refresh = [t for r, t in steps if r]
-        later = [t for r, t in steps if not r]
-        cases[name] = {"steps": len(steps), "refresh_s": refresh,
-                       "step_s_median": statistics.median(later) if later else None,
-                       "step_s": later,
-                       "peak_gpu_bytes": (torch.cuda.max_memory_allocated(dev)
-                                          if dev.type == "cuda" else None)}
-        if name == "overflow":
-            # the timed run's copies (the stats count from the engine's start, warm-up included)
-            cases[name]["copy_stats"] = {k: v - before.get(k, 0)
-                                         for k, v in eng.runner.overflow.stats.items()}
-            layer_bytes = eng.runner.overflow.page_layer_bytes
-        del eng
-        gc.collect()
+    cases, tokens, layer_bytes = _timed_cases(model, cfg, prompt, params, dev, page_size,
+                                              n_pages, res_pages, kv_token, progress)
     spill = n_pages - res_pages
     chunk = spill * layer_bytes // 2                       # one layer's K (or V) of the spill
     count = 2 * cfg.num_layers
@@ -187,6 +156,46 @@ def run_overflow_bench(shape: str = "demo", device: str = "cpu", dtype: str = "b
                                      a["step_s_median"], tokens["all_in_gpu"], progress)
     return report
 
+
+def _timed_cases(model, cfg, prompt, params, dev, page_size: int, n_pages: int, res_pages: int,
+                 kv_token: int, progress) -> tuple[dict, dict, int]:
+    """The request with every page in the pool, then with ``res_pages`` of them and the rest
+    streamed from host memory: a warm-up run and a timed run each. Returns the cases, each
+    case's tokens and the stage's bytes per page and layer."""
+    cases = {}
+    tokens = {}
+    for name, config in (
+            ("all_in_gpu", EngineConfig(page_size=page_size, num_kv_pages=n_pages,
+                                        max_num_seqs=1)),
+            ("overflow", EngineConfig(page_size=page_size, num_kv_pages=res_pages,
+                                      max_num_seqs=1,
+                                      kv_overflow_gb=1.05 * (n_pages - res_pages) * page_size
+                                      * kv_token / 2**30 + 1e-3))):
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        eng = Engine(model, cfg, config)
+        progress(f"{name}: {res_pages if name == 'overflow' else n_pages} of {n_pages} pages "
+                 f"in the pool; warm-up run")
+        _run(eng, prompt, params, dev)
+        progress(f"{name}: timed run")
+        before = dict(eng.runner.overflow.stats) if name == "overflow" else {}
+        steps, tokens[name] = _run(eng, prompt, params, dev)
+        refresh = [t for r, t in steps if r]
+        later = [t for r, t in steps if not r]
+        cases[name] = {"steps": len(steps), "refresh_s": refresh,
+                       "step_s_median": statistics.median(later) if later else None,
+                       "step_s": later,
+                       "peak_gpu_bytes": (torch.cuda.max_memory_allocated(dev)
+                                          if dev.type == "cuda" else None)}
+        if name == "overflow":
+            # the timed run's copies (the stats count from the engine's start, warm-up included)
+            cases[name]["copy_stats"] = {k: v - before.get(k, 0)
+                                         for k, v in eng.runner.overflow.stats.items()}
+            layer_bytes = eng.runner.overflow.page_layer_bytes
+        del eng
+        gc.collect()
+    return cases, tokens, layer_bytes
 
 def _lazy_cases(model, cfg, prompt, params, dev, page_size, res_pages, n_pages, kv_token,
                 budget, placements, predictor, all_in_gpu_step, ref_tokens, progress,

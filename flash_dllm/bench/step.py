@@ -159,8 +159,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     graphs = None
     if runner.forward_graphs is not None:
         graphs = dict(runner.forward_graphs.stats)
-        if runner.step_graphs is not None:
-            graphs.update(runner.step_graphs.stats)
+        if runner.fused is not None:
+            graphs.update(runner.fused.stats)
     del engine, reqs, runner
     gc.collect()
     if device.type == "cuda":

@@ -73,15 +73,14 @@ class StepResult:
     """What the runner hands back after a step, in ONE device->host copy: each request's active
     block as the step left it (``blocks`` [B, max block length] int64; columns past a request's
     block length are padding). Counters: per request, the verify / sentinel counts of this step
-    (``verify_step.new_counters`` layout) or None when none was counted."""
+    (``core/counters.new_counters`` layout) or None when none was counted. ``extensions``: each
+    step extension's result for the engine, by extension name (``worker/extensions``)."""
 
     blocks: np.ndarray
     counters: list[dict | None] | None = None
     ops_done: list = field(default_factory=list)   # (op, ok, seconds) of completed tier ops
-    page_mass: dict | None = None   # request id -> attention mass per canvas page (np), on
-    #                                 cache="flash" steps when the placement policy wants it
     failed: set = field(default_factory=set)       # request ids skipped: a reused page failed
     #                                                verification (``blocks`` omits their rows)
-    drifted: set = field(default_factory=set)      # request ids whose drift test failed
     errors: dict = field(default_factory=dict)     # request id -> why it failed for good
     #                                                (``blocks`` omits its row)
+    extensions: dict = field(default_factory=dict)

@@ -77,16 +77,3 @@ def test(batch, states, windows, mass: torch.Tensor | None, counters: list
         flags[i] = (sim < req.params.drift_min).long()
         _count(counters, i, "sentinel_checks", 1, "drift")
     return flags
-
-
-def split(blocks, flags, batch, counters) -> tuple:
-    """The step's host copy of the active blocks, with the drift flags as a last column when
-    ``flags`` was not None (they ride on the step's one device->host copy) -> (blocks, the ids
-    of the requests whose test failed)."""
-    if flags is None:
-        return blocks, set()
-    drifted = set()
-    for i in blocks[:, -1].nonzero()[0].tolist():
-        drifted.add(batch[i].request_id)
-        _count(counters, i, "sentinel_triggers", 1, "drift")
-    return blocks[:, :-1], drifted

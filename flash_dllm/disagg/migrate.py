@@ -106,8 +106,8 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     dev: dict = {"canvas": _cpu(st.canvas)}
     for name in _STATE_TENSORS:
         dev[name] = _cpu(getattr(st, name))
-    drafts = runner.drafts.to_host(st)
-    dev["drafts"] = None if drafts is None else tuple(_cpu(t) for t in drafts)
+    runner.state_to_host(st)       # (a fused verify step leaves its drafts on the device)
+    dev["drafts"] = None if st.drafts is None else tuple(_cpu(t) for t in st.drafts)
     dev["attn_mass"] = _cpu(st.attn_mass)
     if st.drift_prev is not None:     # the drift test's last step (``decoding/drift.py``)
         mass, window, block = st.drift_prev

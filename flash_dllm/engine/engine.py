@@ -25,6 +25,7 @@ import torch
 
 from flash_dllm.cache.io.kv_overflow import overflow_unsupported
 from flash_dllm.cache.kv_manager import KVCacheManager
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.counters import merge_counters, new_counters
 from flash_dllm.core.plan import StepPlan, StepResult
@@ -32,6 +33,7 @@ from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
+from flash_dllm.worker.extensions import EXTENSIONS, has_hook
 from flash_dllm.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -260,6 +262,9 @@ class Engine:
         committed = 0
         changed = False                # a new block, refresh state or finish: a new plan
         width = {id(s.req): s.window[1] - s.window[0] for s in plan.seqs}
+        # the step extensions' results, applied to each request (``worker/extensions``)
+        applies = [(ext, result.extensions[ext.name]) for ext in EXTENSIONS
+                   if ext.name in result.extensions and has_hook(ext, "apply")]
         for i, req in enumerate(reqs):
             req.counters["positions_computed"] += width[id(req)]   # (the window: the cache's)
             self.stats["positions_computed"] += width[id(req)]
@@ -267,14 +272,12 @@ class Engine:
             out = req.apply(blocks[i], masked[i], first_end[i], stops[i], first_slot[i])
             outputs.append(out)
             committed += out.num_committed
-            if req.request_id in result.drifted and not req.finished:
-                req.stale = True       # the drift trigger: the next step refreshes the cache
+            for ext, value in applies:
+                ext.apply(self, req, value)
             changed = changed or was_first or req.first_step or req.finished or req.stale
             if result.counters is not None and result.counters[i] is not None:
                 merge_counters(req.counters, result.counters[i])
                 merge_counters(self.stats, result.counters[i])
-            if result.page_mass is not None:
-                self._add_block_mass(req, result.page_mass.get(req.request_id))
             if req.finished:
                 self._release(req)
         if changed:
@@ -305,7 +308,7 @@ class Engine:
         refresh = sum(n for s, n in zip(plan.seqs, rows) if s.req.first_step)
         return refresh if 2 * refresh >= sum(rows) else 0
 
-    def _add_block_mass(self, req: Request, page_mass) -> None:
+    def add_block_mass(self, req: Request, page_mass) -> None:
         """Sum a request's per-page attention mass over its block; at the block's end (or the
         request's) hand it to the KV manager's placement policy: once per block."""
         rid = req.request_id
@@ -328,7 +331,7 @@ class Engine:
         self._mass_steps.pop(req.request_id, None)
         publish = None
         if (self.config.prefix_reuse and req.finish_reason not in ("abort", "error")
-                and req.params.cache != "none" and req.overflow is None):
+                and CACHE_MODES[req.params.cache].reusable and req.overflow is None):
             n = req.prompt_len + max(req.block - 1, 0) * req.params.block_length
             publish = req.tokens[:n].tolist()
         self.kv_manager.free(req.request_id, publish)

@@ -12,10 +12,10 @@ import itertools
 from collections import deque
 
 from flash_dllm.cache.kv_manager import KVCacheManager
-from flash_dllm.cache.modes import query_range
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.core.plan import OverflowPlan, SeqPlan, StepPlan
 from flash_dllm.core.request import Request
-from flash_dllm.decoding import drift
+from flash_dllm.worker import extensions
 
 
 class Scheduler:
@@ -80,7 +80,8 @@ class Scheduler:
                 admitted.append(req)
                 break
             alloc = self.kv.allocate(req.request_id, req.canvas_len, req.prompt_ids,
-                                     reuse=req.params.cache != "none", mode=req.params.cache)
+                                     reuse=CACHE_MODES[req.params.cache].reusable,
+                                     mode=req.params.cache)
             if alloc is None:
                 self.waiting.appendleft(req)
                 break
@@ -102,7 +103,7 @@ class Scheduler:
                 self.kv.cancel_prefetch(rid)
             self._prefetched -= gone
         for req in itertools.islice(self.waiting, self.PREFETCH_AHEAD):
-            if (req.finished or req.params.cache == "none"
+            if (req.finished or not CACHE_MODES[req.params.cache].reusable
                     or req.request_id in self._prefetched
                     or not self.kv.can_ever_fit(req.canvas_len)):    # (never reuses)
                 continue
@@ -143,9 +144,9 @@ class Scheduler:
         cached = self._plans.get(r.request_id)
         if cached is not None and cached[0] == key:
             return cached[1]
-        q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end,
-                             r.first_step, self.logit_shift, first_block=r.block == 0,
-                             refresh=drift.refresh_step(r))
+        q0, q1 = CACHE_MODES[r.params.cache].query_range(
+            r.canvas_len, r.block_start, r.block_end, r.first_step, self.logit_shift,
+            first_block=r.block == 0, refresh=extensions.refresh(r))
         # NOTE: reused pages are shared and read-only: nothing below reused_len is recomputed
         window = (max(q0, r.reused_len), q1)
         if r.overflow is not None:         # logical page ids: the runner's stage

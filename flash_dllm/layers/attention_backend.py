@@ -207,7 +207,7 @@ class PagedAttentionMetadata:
 
 @dataclass
 class VerifyBatchMetadata(PagedAttentionMetadata):
-    """A fused verify step's metadata (``worker/verify_graph.py``): every request has the same
+    """A fused verify step's metadata (``decoding/policies/verify_fused.py``): every request has the same
     number of verification rows, ``2 (M - 1)`` for ``M`` (padded) drafts, packed after ALL the
     canvas rows: rows ``[canvas_rows, canvas_rows + B * 2 (M - 1))``, request b's block at
     ``canvas_rows + b * 2 (M - 1)``, draft views first, then mask views (as

@@ -102,7 +102,7 @@ def graph_counts(runner) -> dict:
     if fg is not None:
         for k in out:
             out[k] += fg.stats.get(k, 0)
-    sg = getattr(runner, "step_graphs", None)
+    sg = getattr(runner, "fused", None)
     if sg is not None:
         out["graph_captures"] += sg.stats.get("fused_captures", 0)
         out["graph_replays"] += sg.stats.get("fused_replays", 0)

@@ -6,9 +6,9 @@ The runner has two capture modes, both keyed by ``GraphKey`` in one ``GraphCache
 - ``forward`` (``ForwardGraphs`` below): the model forward of a step, replayed with the step's
   index tensors copied into the graph's static buffers. Steps with verification rows or probes
   (their special rows are shaped per step) always run eagerly.
-- ``step`` (``worker/step_graph.py``): a whole steady greedy step (forward, LM head, proposal,
-  commit rule, commit) as one graph; verify steps too (``worker/verify_graph.py``: their drafts
-  padded to a fixed count, so their verification rows have a static shape).
+- ``step`` (``worker/fused_step.py``): a whole steady greedy step (forward, LM head, proposal,
+  commit rule, commit) as one graph; verify steps too (``decoding/policies/verify_fused.py``:
+  their drafts padded to a fixed count, so their verification rows have a static shape).
 
 A shape is captured at its ``first_capture``-th sighting (default the second: a shape that never
 comes back costs no capture); a ``large`` one (more rows per request than a decode step, whose

@@ -7,16 +7,17 @@ positions themselves live on the device (flash top-k, sentinel refresh, verifica
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from flash_dllm.decoding import drift
+from flash_dllm.cache.modes import CACHE_MODES
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.decoding.sampling import RowGroup
 from flash_dllm.layers.attention_backend import Segment
 from flash_dllm.transfer import h2d
-from flash_dllm.worker.verify_step import VerifyPlan, plan_verification
+from flash_dllm.worker.extensions import has_hook
 
 
 def same_batch(cached: list | None, batch: list) -> bool:
@@ -84,46 +85,13 @@ def ids_positions(arena: torch.Tensor, arena_rows: list[int], ids: list, parts: 
     return ids_t, pos_t, None, h2d(blk_host, torch.long, dev)
 
 
-def flash_extras(batch: list, states: list, windows: list[tuple[int, int]], dev: torch.device
-                 ) -> dict[int, torch.Tensor]:
-    """cache="flash": for each flash request (by batch index) with a previous step, the
-    ``flash_budget`` cached positions outside its window ``[q0, q1)`` that got the most
-    attention mass in that step, ascending. One batched topk per previous-step mass tensor
-    (normally one per step); a request's very first step recomputes its whole canvas."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for b, (r, st) in enumerate(zip(batch, states)):
-        if r.params.cache == "flash" and st.mass_src is not None:
-            q0, q1 = windows[b]
-            # reused pages [0, reused_len) are read-only: never among the recomputed positions
-            k = min(r.params.flash_budget, r.canvas_len - (q1 - q0) - r.reused_len)
-            if k > 0:      # same source and same k per topk call (ties: see select_top_k)
-                groups.setdefault((id(st.mass_src[0]), k), []).append(b)
-    out: dict[int, torch.Tensor] = {}
-    for (_, k), members in groups.items():
-        src = states[members[0]].mass_src[0]                          # [rows, keys]
-        row, q0, q1, length, reused = h2d(
-            [[states[b].mass_src[1] for b in members], [windows[b][0] for b in members],
-             [windows[b][1] for b in members], [batch[b].canvas_len for b in members],
-             [batch[b].reused_len for b in members]],
-            torch.long, dev)[:, :, None]                              # one copy: 5 x [members, 1]
-        rows = src[row[:, 0]]
-        col = torch.arange(rows.shape[1], device=dev)[None, :]
-        # NOTE: -1 for the window (mass >= 0 elsewhere), -inf past the canvas and in the reused
-        # (read-only) prefix: never chosen while k <= canvas - window - reused, the budget above
-        rows = rows.masked_fill((col >= q0) & (col < q1), -1.0)
-        rows = rows.masked_fill((col >= length) | (col < reused), float("-inf"))
-        top = torch.topk(rows, k, dim=-1).indices.sort(dim=-1).values   # [members, k]
-        for j, b in enumerate(members):
-            out[b] = top[j]
-    return out
-
-
 @dataclass
 class StepInputs:
     """The general path's packed step: forward inputs, attention metadata, and where each
     request's masked slots are (``n_slot`` slots in batch order; request b owns slots
-    ``bounds[b]``)."""
+    ``bounds[b]``). ``ext``: the step extensions' scratch (by extension name)."""
 
+    batch: list
     ids: torch.Tensor              # [T] token ids
     positions: torch.Tensor        # [T] canvas positions
     meta: object                   # the attention backend's metadata (the model's ``ctx``)
@@ -136,34 +104,57 @@ class StepInputs:
     max_bl: int
     bounds: list[tuple[int, int]]
     groups: list[RowGroup]
-    plans: list[VerifyPlan | None]
+    plans: list                    # each request's policy ``extra_rows`` (None: none)
     windows: list[tuple[int, int]]
     segments: list[Segment]
-    flash: list[int]               # batch indices of cache="flash" requests
+    ext: dict = field(default_factory=dict)
 
 
-def pack_step(runner, plan, states: list) -> StepInputs:
-    """Pack the plan's requests into one forward (no padding: each request attends to its own
-    canvas through the metadata). Consumes each state's pending sentinel refresh."""
-    batch = plan.requests
-    dev, shift = runner.device, runner.cfg.logit_shift
-    mask_id = runner.cfg.mask_token_id
-    counts = [r.num_masked for r in batch]
-    n_slot = sum(counts)
-    windows = [s.window for s in plan.seqs]
-    extras = flash_extras(batch, states, windows, dev)
-    ids, positions, segments = [], [], []
-    groups, bounds, plans, row_base = [], [], [], []
-    cu, uncached = [0], []          # per-request row boundaries; verify row ranges
+def _extra_positions(batch, states, windows, extensions, dev) -> dict[int, torch.Tensor]:
+    """Positions each request recomputes besides its window: its cache mode's (``flash``'s
+    top-k), then the active extensions' (the KV sentinel's refresh, consumed)."""
+    extras: dict[int, torch.Tensor] = {}
+    by_mode: dict[str, list[int]] = {}
+    for b, r in enumerate(batch):
+        by_mode.setdefault(r.params.cache, []).append(b)
+    for name, members in by_mode.items():
+        extras.update(CACHE_MODES[name].extra_positions(members, batch, states, windows, dev))
+    for ext, members in extensions:
+        if not has_hook(ext, "extra_positions"):
+            continue
+        for b in members:
+            r = ext.extra_positions(batch[b], states[b], windows[b])
+            if r is not None:
+                extras[b] = r if b not in extras else torch.cat([extras[b], r])
+    return extras
+
+
+@dataclass
+class _Rows:
+    """The packed rows of a step, request by request (``pack_step``'s host part)."""
+
+    ids: list = field(default_factory=list)         # (arena row, q0, q1) or device id tensors
+    positions: list = field(default_factory=list)   # (q0, q1) or device position tensors
+    segments: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+    bounds: list = field(default_factory=list)
+    plans: list = field(default_factory=list)
+    row_base: list = field(default_factory=list)
+    cu: list = field(default_factory=lambda: [0])   # per-request row boundaries
+    uncached: list = field(default_factory=list)    # extra (policy) row ranges
+
+
+def _pack_rows(batch, states, windows, extras, shift: int) -> _Rows:
+    """Each request's window (and extra positions), then its policy's extra rows."""
+    out = _Rows()
+    ids, positions, segments = out.ids, out.positions, out.segments
+    groups, bounds, plans, row_base = out.groups, out.bounds, out.plans, out.row_base
+    cu, uncached = out.cu, out.uncached
     n_tok = s0 = 0
-    for b, (req, st, cnt) in enumerate(zip(batch, states, counts)):
+    for b, (req, st) in enumerate(zip(batch, states)):
+        cnt = req.num_masked
         q0, q1 = windows[b]
         extra = extras.get(b)
-        if st.refresh is not None:     # KV-consistency sentinel: also recompute these keys
-            r = st.refresh[((st.refresh < q0) | (st.refresh >= q1))
-                           & (st.refresh >= req.reused_len)]
-            extra = r if extra is None else torch.cat([extra, r])
-            st.refresh = None
         # the window is a contiguous slice (a view: the final cat is the only copy), its
         # positions a host range; only extra positions are gathered on the device
         n = q1 - q0 + (0 if extra is None else extra.numel())
@@ -177,19 +168,34 @@ def pack_step(runner, plan, states: list) -> StepInputs:
         segments.append(seg)
         row_base.append(n_tok - shift - q0)     # packed row predicting slot p: p + base
         n_tok += n
-        vplan = plan_verification(req, st, shift, n_tok)      # last forward's drafts, folded in
-        if vplan is not None and vplan.block is not None:
-            ids.append(vplan.block.ids)
-            positions.append(vplan.block.positions)
-            seg.verify = vplan.rows
-            uncached.append((n_tok, n_tok + vplan.block.num_rows))
-            n_tok += vplan.block.num_rows
+        # the policy's rows (verify: the last forward's drafts, folded in)
+        extra_rows = DECODE_POLICIES[req.params.decode].extra_rows(req, st, shift, n_tok)
+        if extra_rows is not None and extra_rows.block is not None:
+            ids.append(extra_rows.block.ids)
+            positions.append(extra_rows.block.positions)
+            seg.verify = extra_rows.rows
+            uncached.append((n_tok, n_tok + extra_rows.block.num_rows))
+            n_tok += extra_rows.block.num_rows
         cu.append(n_tok)
-        plans.append(vplan)
+        plans.append(extra_rows)
         p = req.params
         groups.append(RowGroup(s0, s0 + cnt, p.temperature, p.top_k, p.top_p, st.generator))
         bounds.append((s0, s0 + cnt))
         s0 += cnt
+    return out
+
+
+def pack_step(runner, plan, states: list, extensions: list) -> StepInputs:
+    """Pack the plan's requests into one forward (no padding: each request attends to its own
+    canvas through the metadata). ``extensions``: the step extensions active on the plan."""
+    batch = plan.requests
+    dev, shift = runner.device, runner.cfg.logit_shift
+    mask_id = runner.cfg.mask_token_id
+    n_slot = sum(r.num_masked for r in batch)
+    windows = [s.window for s in plan.seqs]
+    extras = _extra_positions(batch, states, windows, extensions, dev)
+    rows = _pack_rows(batch, states, windows, extras, shift)
+    ids, positions, segments, row_base = rows.ids, rows.positions, rows.segments, rows.row_base
 
     # per-request vectors, one host->device copy: block starts, row bases, arena rows, lengths
     B, W = len(batch), runner.arena.shape[1]
@@ -213,15 +219,18 @@ def pack_step(runner, plan, states: list) -> StepInputs:
     where = torch.nonzero_static(masked, size=n_slot)                    # [n_slot, 2]
     slot_req, slot_off = where[:, 0], where[:, 1]
     slot_pos = per_req[0][slot_req] + slot_off                           # canvas slots
-    for req, seg, (s, e), (q0, _) in zip(batch, segments, bounds, windows):
+    for seg in segments:
         seg.slots = pos_t[seg.start:seg.end]
-        if req.params.kv_jaccard_min is not None:
-            seg.probe = slot_pos[s:e] - q0
-    flash = [i for i, r in enumerate(batch) if r.params.cache == "flash"]
-    last = runner.cfg.num_layers - 1
-    meta = runner.backend.build(runner.block_table(plan), [r.canvas_len for r in batch], pos_t,
-                                pos_host, cu, uncached, segments, probe_layer=last,
-                                mass_layer=last if flash or drift.wants_mass(batch) else None)
-    return StepInputs(ids_t, pos_t, meta, n_slot, slot_req, slot_pos,
+    step = StepInputs(batch, ids_t, pos_t, None, n_slot, slot_req, slot_pos,
                       slot_pos + per_req[1][slot_req], per_req[2][slot_req] * W + slot_pos,
-                      blk_t, max_bl, bounds, groups, plans, windows, segments, flash)
+                      blk_t, max_bl, rows.bounds, rows.groups, rows.plans, windows, segments)
+    for ext, members in extensions:
+        if has_hook(ext, "pack"):
+            ext.pack(step, members)
+    last = runner.cfg.num_layers - 1
+    mass = any(ext.wants_mass for ext, _ in extensions)
+    step.meta = runner.backend.build(runner.block_table(plan), [r.canvas_len for r in batch],
+                                     pos_t, pos_host, rows.cu, rows.uncached, segments,
+                                     probe_layer=last,
+                                     mass_layer=last if mass else None)
+    return step

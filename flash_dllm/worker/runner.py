@@ -7,7 +7,11 @@
   its ids and commits its tokens with one launch each;
 - each running request's device state (``SeqState``: arena row, page ids on the device, sampling
   generators, Flash-Verify drafts, the KV sentinel's history, the ``flash`` mode's attention mass);
-- the CUDA graphs of both capture modes (``worker/graphs.py``, ``worker/step_graph.py``).
+- the CUDA graphs of both capture modes (``worker/graphs.py``, ``worker/fused_step.py``).
+
+A step runs fused (``worker/fused_step.py``: one graph for the whole step) when its batch is
+eligible, else on the general path (``worker/general_step.py``); the step extensions active on a
+plan (``worker/extensions``) are found once per plan.
 
 NOTE (syncs): a step makes ONE device->host copy, the active blocks after the commit
 (``StepResult.blocks``); only opt-in features sync more (``verify`` counters, sentinels).
@@ -15,58 +19,26 @@ NOTE (syncs): a step makes ONE device->host copy, the active blocks after the co
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from flash_dllm.cache.io.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
 from flash_dllm.cache.io.kv_overflow import OverflowKV, OverflowMemoryError, OverflowMetadata
-from flash_dllm.cache.modes import query_range
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
-from flash_dllm.core.counters import count as _count
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request
-from flash_dllm.decoding import drift
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.layers.attention_backend import PagedAttentionBackend
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.transfer import h2d
-from flash_dllm.worker import inputs
+from flash_dllm.worker import extensions, general_step, inputs
 from flash_dllm.worker.compile_watch import KERNEL_COMPILES
 from flash_dllm.worker.graphs import ForwardGraphs, GraphCache
-from flash_dllm.worker.sampler import sample_and_commit
-from flash_dllm.worker.step_graph import StepGraphs
-from flash_dllm.worker.verify_graph import DraftStore
-from flash_dllm.worker.verify_step import kv_consistency, update_drafts
-
-
-@dataclass
-class SeqState:
-    """One running request's device state (the runner's; the request itself is host data)."""
-
-    arena_row: int
-    canvas: torch.Tensor                 # [canvas] long: a view of the arena row
-    page_row: torch.Tensor               # [pages] int32: the request's page ids
-    generator: torch.Generator | None = None
-    sentinel_generator: torch.Generator | None = None
-    # per-block state (reset when the request's block advances)
-    block: int = 0
-    # decode="verify": (slots, tokens), or IN_STORE (in the runner's DraftStore: a fused step's)
-    drafts: tuple[torch.Tensor, torch.Tensor] | str | None = None
-    refresh: torch.Tensor | None = None      # cached positions the next forward recomputes
-    kv_history: torch.Tensor | None = None   # [block_length, k] last top-k keys per slot
-    # cache="flash": (the last step's mass [batch, keys], this request's row in it)
-    mass_src: tuple[torch.Tensor, int] | None = None
-    drift_prev: tuple | None = None          # the drift test's last step (``decoding/drift.py``)
-
-    @property
-    def attn_mass(self) -> torch.Tensor | None:
-        """cache="flash": attention mass [canvas] each key got in this request's last step."""
-        if self.mass_src is None:
-            return None
-        return self.mass_src[0][self.mass_src[1], :self.canvas.shape[0]]      # (mass, row)
+from flash_dllm.worker.fused_step import FusedSteps
+from flash_dllm.worker.state import SeqState
 
 
 class ModelRunner:
@@ -82,25 +54,14 @@ class ModelRunner:
         self.arena = torch.full((config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
                                 dtype=torch.long, device=self.device)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
-        self.drafts = DraftStore(config.max_num_seqs, self.device)   # fused verify steps'
+        self._policy_stores: dict[str, object] = {}     # decode policies' device state
         # tensor parallelism: this rank's pool holds its KV heads only (the ledger is replicated)
         self.tp = getattr(model, "tp", None)
         world = 1 if self.tp is None else self.tp.world
         self.kv_heads = cfg.num_kv_heads // world
         self.table_width = -(-cfg.max_position // config.page_size)
-        # requests larger than the pool: a stage of two layers of the longest canvas (allocated
-        # before the pool is sized, like the arena) and pinned host memory on demand
-        self.overflow: OverflowKV | None = None
-        self._overflow_req = None              # its OverflowState
-        if config.kv_overflow_gb:
-            self.overflow = OverflowKV(cfg.num_layers, config.page_size, self.kv_heads,
-                                       cfg.head_dim, self.dtype, self.device, self.table_width,
-                                       int(config.kv_overflow_gb * 2**30),
-                                       lazy_budget=config.lazy_load_budget,
-                                       lazy_sentinel=config.lazy_load_sentinel,
-                                       lazy_predictor=config.lazy_load_predictor,
-                                       placement=config.kv_placement or "ema",
-                                       placement_top_k=config.kag_top_k)
+        self.overflow = self._make_overflow(cfg, config)
+        self.overflow_state = None              # the running one's OverflowState
         self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
                                           self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
@@ -113,27 +74,11 @@ class ModelRunner:
                                self.kv_heads, cfg.head_dim, self.dtype)
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
                                              cfg.head_dim, cfg.rope_theta, tp=self.tp)
-        self.graph_cache = GraphCache(config.max_cuda_graphs)
-        self.graph_cache.set_model(sum(p.numel() for p in model.parameters()))
         # set by the engine when its placement policy uses attention evidence (``kv_manager``)
         self.collect_page_mass = False
         if self.device.type == "cuda":
             KERNEL_COMPILES.install()          # count Triton compiles (server metrics, warm-up)
-        self.forward_graphs: ForwardGraphs | None = None
-        if graphs:
-            self.forward_graphs = ForwardGraphs(model, self.graph_cache,
-                                                config.cuda_graph_max_rows,
-                                                config.cuda_graph_max_tokens,
-                                                scratch_page=self.num_pages)
-        self.step_graphs: StepGraphs | None = None
-        fused = config.fused_step
-        if fused or (fused is None and self.forward_graphs is not None):
-            self.step_graphs = StepGraphs(self.graph_cache, config.fused_step_max_rows,
-                                          config.cuda_graph_max_tokens,
-                                          config.cuda_graph_max_rows)
-            self.step_graphs.dims = dict(
-                vocab=cfg.vocab_size, heads=cfg.num_heads // world, kv_heads=self.kv_heads,
-                head_dim=cfg.head_dim, page_size=config.page_size, table_width=self.table_width)
+        self._make_graphs(model, cfg, config, graphs, world)
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
         # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
@@ -149,14 +94,50 @@ class ModelRunner:
             self.offload = KVOffloader(self.kv, slots, config.kv_offload_dtype,
                                        config.kv_disk_path, int(config.kv_disk_gb * 2**30),
                                        self.compat)
-        self._last_plan: StepPlan | None = None     # the last plan and its requests' states
+        # the last plan, its requests' states and the step extensions active on it
+        self._last_plan: StepPlan | None = None
         self._last_states: list[SeqState] = []
+        self._last_extensions: list = []
         # disaggregation (``disagg/worker.py``): an object with ``wants(plan)`` and
         # ``__call__(plan, layer)``, called after each layer's attention of the plans it wants
         self.layer_hook = None
         # benchmarks: when True, CUDA events (or host times) bracket each step's forward
         self.time_forward = False
         self.forward_events: list = []
+
+    def _make_overflow(self, cfg: ModelConfig, config: EngineConfig) -> OverflowKV | None:
+        """Requests larger than the pool: a stage of two layers of the longest canvas (made
+        before the pool is sized, like the arena) and pinned host memory on demand."""
+        if not config.kv_overflow_gb:
+            return None
+        return OverflowKV(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim,
+                          self.dtype, self.device, self.table_width,
+                          int(config.kv_overflow_gb * 2**30), lazy_budget=config.lazy_load_budget,
+                          lazy_sentinel=config.lazy_load_sentinel,
+                          lazy_predictor=config.lazy_load_predictor,
+                          placement=config.kv_placement or "ema",
+                          placement_top_k=config.kag_top_k)
+
+    def _make_graphs(self, model, cfg: ModelConfig, config: EngineConfig, graphs: bool,
+                     world: int) -> None:
+        """The CUDA graph cache and both capture modes: forward graphs (CUDA only) and the fused
+        step (with CUDA graphs, or forced on by ``fused_step=True``: eager on the CPU)."""
+        self.graph_cache = GraphCache(config.max_cuda_graphs)
+        self.graph_cache.set_model(sum(p.numel() for p in model.parameters()))
+        self.forward_graphs: ForwardGraphs | None = None
+        if graphs:
+            self.forward_graphs = ForwardGraphs(model, self.graph_cache,
+                                                config.cuda_graph_max_rows,
+                                                config.cuda_graph_max_tokens,
+                                                scratch_page=self.num_pages)
+        self.fused: FusedSteps | None = None
+        fused = config.fused_step
+        if fused or (fused is None and self.forward_graphs is not None):
+            self.fused = FusedSteps(self.graph_cache, config.fused_step_max_rows,
+                                    config.cuda_graph_max_tokens, config.cuda_graph_max_rows)
+            self.fused.dims = dict(
+                vocab=cfg.vocab_size, heads=cfg.num_heads // world, kv_heads=self.kv_heads,
+                head_dim=cfg.head_dim, page_size=config.page_size, table_width=self.table_width)
 
     def _kv_budget(self) -> int | None:
         u = self.config.gpu_memory_utilization
@@ -211,24 +192,36 @@ class ModelRunner:
             st = SeqState(row, self.arena[row, :req.canvas_len], table, gen, block=req.block)
             st.canvas.copy_(tokens)
             self._states[req.request_id] = st
-        elif st.block != req.block:       # a new block: its drafts, refresh and history go
-            st.block = req.block
-            st.drafts = st.refresh = st.kv_history = None
+        elif st.block != req.block:       # a new block: its per-block state goes
+            st.new_block(req.block)
         return st
+
+    def policy_store(self, name: str, factory):
+        """A decode policy's device state on this runner (made by ``factory`` on first use)."""
+        store = self._policy_stores.get(name)
+        if store is None:
+            store = self._policy_stores[name] = factory()
+        return store
+
+    def state_to_host(self, st: SeqState) -> None:
+        """Bring what a fused step left of a request's state on the device into ``st`` (the
+        general path's form; disaggregation's export reads it)."""
+        for policy in DECODE_POLICIES.values():
+            policy.before_general(self, [st])
 
     def release(self, request_id: str) -> None:
         """Drop a finished or aborted request's device state (its arena row is reused)."""
         st = self._states.pop(request_id, None)
         if st is not None:
             self._free_rows.append(st.arena_row)
-        if self._overflow_req is not None and self._overflow_req.request_id == request_id:
-            self._overflow_req = None
-        self._last_plan, self._last_states = None, []
+        if self.overflow_state is not None and self.overflow_state.request_id == request_id:
+            self.overflow_state = None
+        self._last_plan, self._last_states, self._last_extensions = None, [], []
         self.backend.release(request_id)
         # the step caches hold the last batch's requests (identity checks): let this one go
         self._tables.forget(request_id)
-        if self.step_graphs is not None:
-            self.step_graphs.forget(request_id)
+        if self.fused is not None:
+            self.fused.forget(request_id)
 
     def block_table(self, plan: StepPlan) -> np.ndarray:
         """[B, table_width] int32 page ids of the plan's requests (cached while the batch stays)."""
@@ -268,77 +261,18 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         if plan is self._last_plan:          # the same batch in the same blocks: same states
-            states = self._last_states
+            states, exts = self._last_states, self._last_extensions
         else:
             states = [self.seq(s.req, s.pages) for s in plan.seqs]
-            self._last_plan, self._last_states = plan, states
-        if plan.seqs[0].overflow is not None:     # larger than the pool: runs alone, eagerly
-            return self._general(plan, states)
-        if self.step_graphs is not None and not (self.layer_hook is not None
-                                                 and self.layer_hook.wants(plan)) \
-                and self.step_graphs.eligible_plan(plan, states):
-            result = self.step_graphs.run(self, plan, states)
+            exts = extensions.active_on(plan.requests)
+            self._last_plan, self._last_states, self._last_extensions = plan, states, exts
+        if (self.fused is not None and not (self.layer_hook is not None
+                                            and self.layer_hook.wants(plan))
+                and self.fused.eligible_plan(plan, exts)):
+            result = self.fused.run(self, plan, states)
             if result is not None:
                 return result
-        return self._general(plan, states)
-
-    def _general(self, plan: StepPlan, states: list[SeqState]) -> StepResult:
-        batch = plan.requests
-        for st in states:
-            self.drafts.to_host(st)
-        step = inputs.pack_step(self, plan, states)
-        if plan.seqs[0].overflow is not None:
-            step.meta = self._overflow_meta(plan.seqs[0], step.meta)
-        hidden = self.forward(step.ids, step.positions, step.meta)
-        page_mass = None
-        if step.flash:      # cache="flash": where this step's attention went, for the next top-k
-            mass = step.meta.mass.clone()    # one copy (a graph's output is overwritten on replay)
-            for i in step.flash:
-                states[i].mass_src = (mass, i)
-            if self.collect_page_mass:       # and, per page, for the placement policy
-                page_mass = mass.view(mass.shape[0], -1, self.page_size).sum(-1)
-        lazy_mass = None
-        if isinstance(step.meta, OverflowMetadata) and step.meta.mass is not None:
-            # lazy loading: where the step attended, per page of its block table (a measuring
-            # step: every page, for the block's next steps; a lazy step: the loaded ones, for
-            # the sentinel); reduced on the device here, read after the step's one sync below
-            n = step.meta.mass_pages
-            lazy_mass = step.meta.mass[0, :n * self.page_size].view(n, -1).sum(-1).float()
-        tokens, conf, keep, counters = sample_and_commit(
-            self.model, self.arena, self.cfg.mask_token_id, step, batch, states, hidden)
-        flags = drift.test(batch, states, step.windows, step.meta.mass, counters)
-        blocks = self.arena.view(-1)[step.blk_idx].view(len(batch), step.max_bl)
-        if flags is not None:
-            blocks = torch.cat([blocks, flags[:, None]], 1)
-        blocks, drifted = drift.split(blocks.cpu().numpy(), flags, batch, counters)  # one copy
-        if isinstance(step.meta, OverflowMetadata) and step.meta.quest_score is not None:
-            self.overflow.observe_score(self._overflow_req, step.meta.quest_score.cpu().numpy())
-        if lazy_mass is not None:
-            checked, trig = self.overflow.observe(self._overflow_req, step.meta.lazy,
-                                                  lazy_mass.cpu().numpy())
-            if checked:
-                _count(counters, 0, "sentinel_checks", 1, "lazy_load")
-                _count(counters, 0, "sentinel_triggers", int(trig), "lazy_load")
-        if page_mass is not None:          # (ema / kag placement: after it, never mid-step)
-            per_page = page_mass.cpu().numpy()
-            page_mass = {batch[i].request_id: per_page[i] for i in step.flash}
-        for i, (req, st, seg, (s, e)) in enumerate(zip(batch, states, step.segments,
-                                                       step.bounds)):
-            if req.params.decode == "verify":
-                update_drafts(req, st, tokens[s:e], conf[s:e], step.slot_pos[s:e], keep[s:e])
-            if seg.probe is not None:
-                kv_consistency(req, st, seg.probe_weights, step.slot_pos[s:e], counters, i)
-        return StepResult(blocks, counters, page_mass=page_mass, drifted=drifted)
-
-    def _overflow_meta(self, seq, meta) -> OverflowMetadata:
-        """An overflow request's step metadata (host buffer and resident page index made at its
-        first step; the window of the block's later steps is kept resident)."""
-        r, st = seq.req, self._overflow_req
-        if st is None or st.request_id != r.request_id:
-            st = self._overflow_req = self.overflow.new_state(r.request_id, seq.overflow)
-        return self.overflow.step(meta, seq.overflow, st, seq.window, r.canvas_len, query_range(
-            r.params.cache, r.canvas_len, r.block_start, r.block_end, False,
-            self.cfg.logit_shift, first_block=False, refresh=False))
+        return general_step.run(self, plan, states, exts)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""

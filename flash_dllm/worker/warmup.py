@@ -112,7 +112,7 @@ def cases(level: str) -> list[SamplingParams]:
         return [default]
     fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold", threshold=0.9,
                           cache="dual")
-    # Flash-Verify's fused step (``worker/verify_graph.py``) at its default knobs: its graphs
+    # Flash-Verify's fused step (``decoding/policies/verify_fused.py``) at its default knobs: its graphs
     # are keyed by the batch's padded draft count (max_verify: the block length by default)
     return [default, fast, dataclasses.replace(fast, decode="verify")]
 

@@ -34,7 +34,7 @@ def _run(dtype, cache, decode, first_capture=None, dense=False, **cfg):
     if first_capture is not None:
         # the demo model finishes a block in ~2 forwards and the batch changes all the time, so
         # a fused shape rarely comes back: capture at the first sighting to exercise the graphs
-        llm.engine.runner.step_graphs.first_capture = first_capture
+        llm.engine.runner.fused.first_capture = first_capture
     params = SamplingParams(max_tokens=64, block_length=32, cache=cache, decode=decode)
     outs = llm.generate([p.prompt for p in PROBLEMS], params)
     return llm, [o.text for o in outs]
@@ -72,7 +72,7 @@ def test_fused_step_matches_general_path(dtype, cache, decode):
     only, so cuBLAS may round differently: near-ties may flip (same bound as paged vs dense)."""
     llm_f, fused = _run(dtype, cache, decode, first_capture=1, max_num_seqs=8, fused_step=True)
     _, general = _run(dtype, cache, decode, max_num_seqs=8, fused_step=False)
-    assert llm_f.engine.runner.step_graphs.stats["fused_steps"] > 0
+    assert llm_f.engine.runner.fused.stats["fused_steps"] > 0
     agree = sum(a == b for a, b in zip(fused, general)) / len(fused)
     acc = [SUITE.accuracy(PROBLEMS, texts) for texts in (fused, general)]
     print(f"fused vs general ({dtype}, {cache}, {decode}): {agree:.3f} identical answers, accuracy {acc}")
@@ -101,13 +101,13 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
     for fused in (True, False):
         eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=4, fused_step=fused))
         if fused:
-            eng.runner.step_graphs.first_capture = 1   # few shapes repeat here (see test above)
+            eng.runner.fused.first_capture = 1   # few shapes repeat here (see test above)
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         while eng.has_unfinished():
             eng.step()
         canvases.append([r.canvas for r in reqs])
         if fused:
-            st = eng.runner.step_graphs.stats
+            st = eng.runner.fused.stats
             assert st["fused_steps"] > (2 if steps else 50), st
     for a, b in zip(*canvases):
         assert torch.equal(a, b)
@@ -133,13 +133,13 @@ def test_fused_verify_graphs_random_model(cache):
     for fused in (True, False):
         eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=4, fused_step=fused))
         if fused:
-            eng.runner.step_graphs.first_capture = 1
+            eng.runner.fused.first_capture = 1
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         while eng.has_unfinished():
             eng.step()
         runs.append(reqs)
         if fused:
-            st = eng.runner.step_graphs.stats
+            st = eng.runner.fused.stats
             assert st["fused_replays"] > 20, st
     assert sum(r.counters["verify_accepted"] for r in runs[0]) > 0
     same = sum(torch.equal(a.canvas, b.canvas) for a, b in zip(*runs))
@@ -249,7 +249,7 @@ def test_warmed_server_replays_fused_verify_steps():
     eng = llm.engine
     rep = warm_up(eng, "full", llm.tokenizer.encode("warm up text, 12 + 30 = 42."))
     assert not rep.skipped, rep.skipped
-    sg = eng.runner.step_graphs
+    sg = eng.runner.fused
     before = dict(sg.stats)
     params = SamplingParams(max_tokens=64, block_length=32, cache="dual", decode="verify",
                             threshold=0.9)

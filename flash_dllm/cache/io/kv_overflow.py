@@ -40,28 +40,28 @@ import torch
 from flash_dllm.cache.io.lazy_load import LAZY_PREDICTORS, LazyPlan, plan_lazy, sentinel_overlap
 from flash_dllm.cache.io.overflow_placement import OVERFLOW_PLACEMENTS, ResidentSet
 from flash_dllm.cache.io.overflow_stage import OverflowMetadata, _StepCopies
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.core.plan import OverflowPlan
+from flash_dllm.decoding.registry import DECODE_POLICIES
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata
 from flash_dllm.transfer import h2d
 
 __all__ = ["OverflowKV", "OverflowMemoryError", "OverflowMetadata", "OverflowState",
            "overflow_unsupported"]
 
-# what an overflow request may use: its prompt K/V must stay cached between steps (a cache mode
-# that recomputes the whole canvas every step would write every page every step), and the
-# features that read the pool directly (verification rows, sentinel probes, flash's per-key
-# mass) are not wired to the stage
-OVERFLOW_CACHE_MODES = ("dual", "prefix")
-
-
 def overflow_unsupported(params) -> str | None:
     """Why a request with these sampling params cannot run as an overflow request (None: it
-    can)."""
-    if params.cache not in OVERFLOW_CACHE_MODES:
+    can). What it may use: a cache mode whose prompt K/V stay cached between steps
+    (``CacheMode.streams_overflow``: one that recomputes the whole canvas every step would write
+    every page every step); the features that read the pool directly (a policy's extra rows,
+    sentinel probes, flash's per-key mass) are not wired to the stage."""
+    if not CACHE_MODES[params.cache].streams_overflow:
+        ok = [name for name in CACHE_MODES if CACHE_MODES[name].streams_overflow]
         return (f"cache={params.cache!r} (requests larger than the GPU KV pool run with cache "
-                f"{' or '.join(OVERFLOW_CACHE_MODES)})")
-    if params.decode == "verify":
-        return "decode='verify' (requests larger than the GPU KV pool do not verify drafts)"
+                f"{' or '.join(ok)})")
+    if DECODE_POLICIES[params.decode].adds_rows:
+        return (f"decode={params.decode!r} (requests larger than the GPU KV pool run no extra "
+                "verification rows)")
     if params.kv_jaccard_min is not None:
         return "kv_jaccard_min (the KV sentinel does not run on requests larger than the pool)"
     if params.drift_min is not None:
@@ -199,35 +199,46 @@ class OverflowKV:
         wmask[state.slot_of[p0:p1]] = True                  # stage order
         host = state.order[:s]
         full = rewrites_host(window, host, ps, canvas_len)
-        lazy, layers = None, state.layers
-        if full:
-            ranges = []
-            # a new block: measured again (and its refresh does not hold the old key summaries)
-            state.page_mass = state.lazy = state.layers = state.summary = state.score = None
-        elif self.lazy_budget is None or state.page_mass is None:
-            ranges = [(0, s)]
-        else:
-            lazy = state.lazy
-            if state.score is not None:              # quest: per layer, after every step
-                if layers is None or layers[0].written != written or state.score_new:
-                    layers = state.layers = [
-                        self._lazy_step(state, state.score[i], wmask, plan, canvas_len,
-                                        meta.block_table, written)
-                        for i in range(self.num_layers)]
-                    state.score_new = False
-                lazy = layers[-1]                    # the last layer's: the sentinel's
-                ranges = [p.ranges for p in layers]
-            else:
-                if lazy is None or lazy.written != written:  # once per block (and window)
-                    lazy = state.lazy = self._lazy_step(state, state.page_mass, wmask, plan,
-                                                        canvas_len, meta.block_table, written)
-                ranges = lazy.ranges
+        lazy, ranges = self._loads(meta, plan, state, canvas_len, wmask, written, full)
         out = OverflowMetadata.wrap(meta, _StepCopies(self, plan, state.host, state.resident_idx,
                                                       ranges, wmask))
         if state.table_dev is not None:              # logical pages -> stage slots
             sl = meta.slots.long()
             out.block_table = state.table_dev
             out.slots = (state.slot_dev[sl // ps] * ps + sl % ps).to(meta.slots.dtype)
+        self._measure(out, state, lazy, full, n, canvas_len)
+        return out
+
+    def _loads(self, meta, plan: OverflowPlan, state: OverflowState, canvas_len: int,
+               wmask: np.ndarray, written: tuple[int, int], full: bool) -> tuple:
+        """Which host pages the step loads: (its lazy plan or None, the host page ranges to
+        copy: one list for every layer, or one per layer under quest)."""
+        s = plan.spill
+        lazy, layers = None, state.layers
+        if full:
+            # a new block: measured again (and its refresh does not hold the old key summaries)
+            state.page_mass = state.lazy = state.layers = state.summary = state.score = None
+            return None, []
+        if self.lazy_budget is None or state.page_mass is None:
+            return None, [(0, s)]
+        lazy = state.lazy
+        if state.score is not None:              # quest: per layer, after every step
+            if layers is None or layers[0].written != written or state.score_new:
+                layers = state.layers = [
+                    self._lazy_step(state, state.score[i], wmask, plan, canvas_len,
+                                    meta.block_table, written)
+                    for i in range(self.num_layers)]
+                state.score_new = False
+            return layers[-1], [p.ranges for p in layers]   # the last layer's: the sentinel's
+        if lazy is None or lazy.written != written:  # once per block (and window)
+            lazy = state.lazy = self._lazy_step(state, state.page_mass, wmask, plan,
+                                                canvas_len, meta.block_table, written)
+        return lazy, lazy.ranges
+
+    def _measure(self, out: "OverflowMetadata", state: OverflowState, lazy, full: bool, n: int,
+                 canvas_len: int) -> None:
+        """What the step measures (the attention per page of a measuring step, quest's key
+        summaries, the sentinel's loaded pages) and the lazy step's reduced block table."""
         if self.lazy_budget is not None and not full and state.page_mass is None:
             out.mass_layer = self.num_layers - 1   # every page here: where the block attends
             out.mass_pages = n
@@ -235,6 +246,7 @@ class OverflowKV:
             if self.lazy_predictor == "quest":
                 state.summary = state.score = state.layers = None
                 out.quest, out.quest_measure = state, True
+                ps = self.page_shape[0]
                 if canvas_len % ps:
                     out.quest_tail = (int(state.slot_of[n - 1]), canvas_len % ps)
         elif state.summary is not None and not full:
@@ -255,7 +267,6 @@ class OverflowKV:
             if self.lazy_sentinel is not None and lazy.watched is not None:
                 out.mass_layer = self.num_layers - 1     # the loaded pages: for the sentinel
                 out.mass_pages, out.lazy = len(lazy.keep), lazy
-        return out
 
     def _place(self, state: OverflowState, spill: int, active: tuple[int, int],
                like: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """The fused step for ``decode="verify"``: a whole Flash-Verify step with static shapes, so the
-``step`` capture mode (``worker/step_graph.py``) can replay it as one CUDA graph.
+fused step (``worker/fused_step.py``) can replay it as one CUDA graph (``VerifyPolicy.fused_body``).
 
 The general path builds each request's verification block on the host side of the step
-(``verify_step.plan_verification``: a block shaped by its number of drafts), attends its rows per
+(``VerifyPolicy.extra_rows``: a block shaped by its number of drafts), attends its rows per
 request and per layer, and accepts drafts with boolean indexing and device->host reads. On the
 H200 that made a verify step of the Dream proxy cost 18-23 ms against 0.7 ms for a replayed
 threshold step (``benchmarks/FINDINGS.md``). Here every request of the batch gets the same
@@ -108,7 +108,7 @@ def fits(batch, dims: dict | None, cap: int) -> bool:
     each of its largest tensors within ``cap`` elements (a graph's pool keeps them for good; a
     larger step runs on the general path): the LM-head logits (block rows + mask views), the
     canvas K (or V) gathered for the verification rows, and their attention scores over those
-    keys and the draft keys. ``dims``: the model's and pool's (``StepGraphs.dims``)."""
+    keys and the draft keys. ``dims``: the model's and pool's (``FusedSteps.dims``)."""
     M = max(r.params.max_verify for r in batch)
     if M > DraftStore.WIDTH or dims is None:
         return False
@@ -119,12 +119,14 @@ def fits(batch, dims: dict | None, cap: int) -> bool:
             and B * dims["heads"] * 2 * (M - 1) * (Lb + M - 1) <= cap)
 
 
-def body(runner, inp: torch.Tensor, lay, sl: dict) -> torch.Tensor:
-    """The fused verify step from the index vector ``inp`` (``step_graph._Layout`` ``lay`` with
-    ``lay.M`` draft slots); returns [B, bl + 2]. Only static shapes, no host syncs."""
+def body(runner, store: DraftStore, inp: torch.Tensor, lay) -> torch.Tensor:
+    """The fused verify step from the index vector ``inp`` (``worker/fused_step.Layout`` ``lay``;
+    its policy key is (M draft slots, dense keys)); returns [B, bl + 2]. Only static shapes, no
+    host syncs."""
     model, cfg = runner.model, runner.cfg
     mask_id, shift = cfg.mask_token_id, cfg.logit_shift
-    B, bl, M, Lb, T = lay.B, lay.bl, lay.M, lay.dense_keys, lay.T
+    (M, Lb), sl = lay.key, lay.slices
+    B, bl, T = lay.B, lay.bl, lay.T
     dev = inp.device
     flat = runner.arena.view(-1)
     W = runner.arena.shape[1]
@@ -132,30 +134,16 @@ def body(runner, inp: torch.Tensor, lay, sl: dict) -> torch.Tensor:
     arow = inp[sl["arow"]]                          # [B] arena rows (= draft store rows)
     bstart = inp[sl["bstart"]]
     seq_lens = inp[sl["seq_lens"]]
-    cpos, ctok, valid, count = runner.drafts.read(arow, M, bstart, mask_id)      # [B, M]
+    cpos, ctok, valid, count = store.read(arow, M, bstart, mask_id)      # [B, M]
     j = torch.arange(M, device=dev)
     ids, positions = flat[inp[sl["ids_idx"]]], inp[sl["positions"]]
     R = 2 * (M - 1)
-    allow = None
     keys = torch.arange(Lb, device=dev)
+    allow = None
     if M > 1:
-        r = j[:M - 1]                               # row pair r: D_{r+1} and M_{r+2}
-        mv_pos = (cpos[:, 1:] - shift).clamp(min=0)                     # [B, M-1]
-        mv_ids = flat[arow[:, None] * W + mv_pos]
-        if shift:       # a mask view's row may be an earlier draft's slot: it holds the draft
-            hit = ((mv_pos[:, :, None] == cpos[:, None, :]) & (j[None, None, :] <= r[None, :, None])
-                   & valid[:, None, :])                                 # [B, M-1, M]
-            mv_ids = torch.where(hit.any(-1), ctok.gather(1, hit.long().argmax(-1)), mv_ids)
-        ids = torch.cat([ids, torch.cat([ctok[:, :M - 1], mv_ids], 1).view(-1)])
-        positions = torch.cat([positions, torch.cat([cpos[:, :M - 1], mv_pos], 1).view(-1)])
-        # which canvas keys pair r hides: the MASK keys of drafts 1 .. r+1 (rank <= r)
-        rank = torch.full((B, Lb + 1), M, dtype=torch.long, device=dev)
-        rank.scatter_(1, torch.where(valid, cpos, Lb), j.expand(B, M))
-        canvas_ok = ((keys[None, None, :] < seq_lens[:, None, None])
-                     & (rank[:, None, :Lb] > r[None, :, None]))         # [B, M-1, Lb]
-        extra_ok = (r[None, :] <= r[:, None]).expand(B, -1, -1)          # draft view j <= r
-        pair = torch.cat([canvas_ok, extra_ok], dim=-1)
-        allow = torch.cat([pair, pair], dim=1)                          # [B, R, Lb + M-1]
+        vids, vpos, allow = _verification_rows(flat, W, arow, seq_lens, cpos, ctok, valid, keys,
+                                               shift)
+        ids, positions = torch.cat([ids, vids]), torch.cat([positions, vpos])
     meta = VerifyBatchMetadata(runner.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
                                seq_lens.to(i32), inp[sl["table"]].to(i32).view(B, -1),
                                lay.max_q, runner.backend.inv_freq, lay.max_k,
@@ -184,18 +172,9 @@ def body(runner, inp: torch.Tensor, lay, sl: dict) -> torch.Tensor:
     gap = vl.gather(1, ctok.view(-1, 1)) - vl.gather(1, view_tok.view(-1, 1))
     prob = (view_conf.view(-1, 1) * gap.exp()).view(B, M)
 
-    # 1. the longest passing prefix of drafts; a padding slot never passes (no agreement, and
-    # probability 0 for cumprod), so it ends its request's prefix
-    acc = accept_prefix(ctok.view(-1), torch.where(valid, view_tok, -1).view(-1),
-                        torch.where(valid, prob, 0.0).view(-1),
-                        torch.arange(B, device=dev).repeat_interleave(M), B,
-                        inp[sl["gamma"]].view(torch.float64), inp[sl["cumprod"]] != 0).view(B, M)
-    n_acc = acc.sum(1)
-    dump = torch.where(acc, slot, bl)                                   # column bl: discarded
-    acc_slot = torch.zeros(B, bl + 1, dtype=torch.bool, device=dev).scatter_(1, dump, acc)
-    acc_slot = acc_slot[:, :bl]
-    drafted = torch.zeros(B, bl + 1, dtype=tok.dtype, device=dev).scatter_(1, dump, ctok)
-    tok = torch.where(acc_slot, drafted[:, :bl], tok)
+    # 1. the longest passing prefix of drafts (their tokens into ``tok``)
+    acc_slot, n_acc, tok = _accept(ctok, view_tok, prob, valid, slot, tok, inp[sl["gamma"]],
+                                   inp[sl["cumprod"]])
 
     # 2. the threshold rule on the slots left masked (no sentinel: they are not eligible)
     tau = inp[sl["tau"]].view(torch.float64).to(conf.dtype)
@@ -212,5 +191,49 @@ def body(runner, inp: torch.Tensor, lay, sl: dict) -> torch.Tensor:
     score = torch.where(remain, conf, float("-inf"))
     order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :M]
     nxt = torch.minimum(remain.sum(1), inp[sl["max_verify"]])
-    runner.drafts.write(arow, nxt, bstart[:, None] + order, tok.gather(1, order))
+    store.write(arow, nxt, bstart[:, None] + order, tok.gather(1, order))
     return torch.cat([new, count[:, None], n_acc[:, None]], dim=1)
+
+
+def _verification_rows(flat, W: int, arow, seq_lens, cpos, ctok, valid, keys, shift: int):
+    """The verification rows of M > 1 draft slots per request (``decoding.verify.VerifyBlock``'s
+    layout, static shapes): their ids and positions [B * 2 (M - 1)] and which keys each row may
+    see, ``allow`` [B, 2 (M - 1), Lb + M - 1] (the canvas keys, then the draft views)."""
+    B, M = cpos.shape
+    Lb, dev = keys.shape[0], cpos.device
+    j = torch.arange(M, device=dev)
+    r = j[:M - 1]                               # row pair r: D_{r+1} and M_{r+2}
+    mv_pos = (cpos[:, 1:] - shift).clamp(min=0)                     # [B, M-1]
+    mv_ids = flat[arow[:, None] * W + mv_pos]
+    if shift:       # a mask view's row may be an earlier draft's slot: it holds the draft
+        hit = ((mv_pos[:, :, None] == cpos[:, None, :]) & (j[None, None, :] <= r[None, :, None])
+               & valid[:, None, :])                                 # [B, M-1, M]
+        mv_ids = torch.where(hit.any(-1), ctok.gather(1, hit.long().argmax(-1)), mv_ids)
+    ids = torch.cat([ctok[:, :M - 1], mv_ids], 1).view(-1)
+    positions = torch.cat([cpos[:, :M - 1], mv_pos], 1).view(-1)
+    # which canvas keys pair r hides: the MASK keys of drafts 1 .. r+1 (rank <= r)
+    rank = torch.full((B, Lb + 1), M, dtype=torch.long, device=dev)
+    rank.scatter_(1, torch.where(valid, cpos, Lb), j.expand(B, M))
+    canvas_ok = ((keys[None, None, :] < seq_lens[:, None, None])
+                 & (rank[:, None, :Lb] > r[None, :, None]))         # [B, M-1, Lb]
+    extra_ok = (r[None, :] <= r[:, None]).expand(B, -1, -1)          # draft view j <= r
+    pair = torch.cat([canvas_ok, extra_ok], dim=-1)
+    return ids, positions, torch.cat([pair, pair], dim=1)           # [B, R, Lb + M-1]
+
+
+def _accept(ctok, view_tok, prob, valid, slot, tok, gamma, cumprod):
+    """The longest passing prefix of each request's drafts [B, M]; a padding slot never passes
+    (no agreement, and probability 0 for cumprod), so it ends its request's prefix. Returns the
+    accepted block slots [B, bl] bool, their count [B] and ``tok`` [B, bl] with the accepted
+    drafts in."""
+    B, M = ctok.shape
+    bl, dev = tok.shape[1], tok.device
+    acc = accept_prefix(ctok.view(-1), torch.where(valid, view_tok, -1).view(-1),
+                        torch.where(valid, prob, 0.0).view(-1),
+                        torch.arange(B, device=dev).repeat_interleave(M), B,
+                        gamma.view(torch.float64), cumprod != 0).view(B, M)
+    dump = torch.where(acc, slot, bl)                                   # column bl: discarded
+    acc_slot = torch.zeros(B, bl + 1, dtype=torch.bool, device=dev).scatter_(1, dump, acc)
+    drafted = torch.zeros(B, bl + 1, dtype=tok.dtype, device=dev).scatter_(1, dump, ctok)
+    acc_slot = acc_slot[:, :bl]
+    return acc_slot, acc.sum(1), torch.where(acc_slot, drafted[:, :bl], tok)

@@ -1,4 +1,4 @@
-"""The ``step`` capture mode: a whole steady-state denoising step as one CUDA graph.
+"""The fused step (the ``step`` capture mode): a whole steady-state denoising step as one CUDA graph.
 
 At small batch a step is bound by the host, not the GPU: the demo model's forward replays in
 0.27 ms but the ~100 launches around it (gather the canvas, LM head, proposal, commit rule, commit,
@@ -17,17 +17,18 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
    2048 rows, ~2.7 ms on the H200 for all of them), so the masked slots are compacted on the
    device into ``lm_rows`` rows, the host's masked count rounded up to a bucket of R/8 rows (the
    bucket is part of the graph key, so a block replays at most 8 graphs);
-4. the commit rule per request on its still-masked slots, with the graph-safe twins of
-   ``decoding/policies.py``: ``threshold_rows`` or ``top_k_rows`` (vanilla: the same topk calls
-   on the same shapes as ``select_top_k``, so the same ties);
+4. the commit rule per request on its still-masked slots: the decode policy's graph-safe form
+   (``DecodePolicy.fused_keep``: threshold's ``threshold_rows``, vanilla's ``top_k_rows`` with the
+   same topk calls on the same shapes as ``select_top_k``, so the same ties);
 5. the commit, one scatter into the arena; the output is the active blocks after it.
 
 Eligible steps (``eligible``): CUDA graphs on (or, on the CPU, ``EngineConfig(fused_step=True)``,
-which runs the same body eagerly for the tests), every request a cached (not first-of-block)
-``dual`` or ``prefix`` step, all with ``decode="threshold"``, all with ``"vanilla"`` or all with
-``"verify"`` (its own body: ``worker/verify_graph.py``, within ``verify_graph.fits``), temperature 0,
-no sentinel, a full block, all blocks the same length, and B x bl <= ``fused_step_max_rows``.
-Everything else (refresh steps, sampling, ``flash``, mixed policies) takes the general path.
+which runs the same body eagerly for the tests); every request on a steady (not first-of-block)
+step of a ``fusable`` cache mode, of one ``fusable`` decode policy (within its ``fused_fits``),
+greedy (temperature 0), with no step extension active (sentinels, drift trigger, overflow), all
+blocks full and of one length, and B x bl <= ``fused_step_max_rows``. A policy may bring a body
+of its own (``fused_body``: verify's, ``decoding/policies/verify_fused.py``) instead of the commit
+rule of step 4. Everything else takes the general path (``worker/general_step.py``).
 
 NOTE: the logits come from a GEMM over more rows than the general path's (which has the masked
 rows only); cuBLAS may round the two differently in the last bit, so the two paths agree token
@@ -41,22 +42,22 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from flash_dllm.cache.modes import query_range
-from flash_dllm.core.counters import count as _count
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.core.plan import StepResult
-from flash_dllm.decoding.policies import threshold_rows, top_k_rows
-from flash_dllm.decoding.schedule import transfer_count
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
 from flash_dllm.transfer import h2d_into
-from flash_dllm.worker import inputs, verify_graph
+from flash_dllm.worker.extensions import active_on
 from flash_dllm.worker.graphs import GraphCache, GraphKey
-from flash_dllm.worker.verify_graph import IN_STORE, dense_keys
+from flash_dllm.worker.inputs import range_positions, same_batch
 
 
 @dataclass
-class _Layout:
-    """Offsets of the step's index vector (one int64 tensor; tau is stored as float64 bits)."""
+class Layout:
+    """Offsets of the step's index vector (one int64 tensor; float knobs are stored as float64
+    bits): the parts every fused step has, then its policy's ``fields``. ``key``: what the
+    policy's graph is specialised to (``DecodePolicy.fused_fields``)."""
 
     B: int
     T: int
@@ -64,12 +65,9 @@ class _Layout:
     width: int
     max_q: int
     max_k: int               # paged_attention.seqlen_bound of the longest canvas (split-KV)
-    # vanilla: requests grouped by (canvas length, k) as decoding.policies.select_top_k groups
-    # them (same topk shapes, hence the same tie order): (length, k, start, end) into ``perm``
-    groups: tuple | None = None
-    # verify (``worker/verify_graph.py``): draft slots per request, canvas keys its rows read
-    M: int = 0
-    dense_keys: int = 0
+    policy: str
+    key: tuple
+    fields: tuple            # the policy's (name, length) parts
 
     @property
     def R(self) -> int:
@@ -79,10 +77,8 @@ class _Layout:
     def slices(self) -> dict[str, slice]:
         T, R, B = self.T, self.R, self.B
         sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
-                 ("cu_q", B + 1), ("seq_lens", B), ("tau", B), ("perm", B), ("bstart", B),
-                 ("table", B * self.width)]
-        if self.M:
-            sizes += [("arow", B), ("gamma", B), ("cumprod", B), ("max_verify", B)]
+                 ("cu_q", B + 1), ("seq_lens", B), ("bstart", B), ("table", B * self.width),
+                 *self.fields]
         # every part starts on a 16-byte boundary (an even int64 offset): Triton compiles a
         # kernel variant per alignment of its pointer arguments (see attention_backend)
         out, a = {}, 0
@@ -100,21 +96,17 @@ class _Layout:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inp: torch.Tensor        # [layout.size] int64, the graph's static input
-    out: torch.Tensor        # [B, bl] int64: the active blocks after the commit (verify:
-    #                          [B, bl + 2], then the drafts verified and accepted)
+    out: torch.Tensor        # [B, bl (+ the policy's extra columns)] int64: the active blocks
+    #                          after the commit
     loaded: np.ndarray | None = None     # the host vector ``inp`` holds now
 
 
-class StepGraphs:
+class FusedSteps:
     """Owned by a ``ModelRunner``, which it gets as an argument (no back-reference: a runner and
     its GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
 
     # up to this many block rows the LM head runs at every block slot (bound by its weight read)
     LM_ALL_ROWS = 256
-    # a fused verify step's largest tensor (logits, gathered canvas K or V, attention scores;
-    # ``verify_graph.fits``), in elements: 2**27 is 256 MiB of bf16 logits, LLaDA-8B's
-    # vocabulary at batch 16 with 32 + 32 rows per request
-    VERIFY_MAX_ELEMENTS = 2 ** 27
 
     def __init__(self, cache: GraphCache, max_rows: int, max_tokens: int,
                  capture_rows: int = 128) -> None:
@@ -123,11 +115,11 @@ class StepGraphs:
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
         self.capture_rows = capture_rows  # longer per-request queries: captured one later
         self.stats = {"fused_steps": 0, "fused_captures": 0, "fused_replays": 0}
-        # the verify limits' model and pool dimensions (per rank; set by the runner): vocab,
+        # the policies' limits' model and pool dimensions (per rank; set by the runner): vocab,
         # heads, kv_heads, head_dim, page_size, table_width
         self.dims: dict | None = None
-        # the last step's (requests, their blocks, host vector, layout): within a block the
-        # index vector does not change (the tokens come from the arena), so it is reused
+        # the last step's (requests, their signature, host vector, layout, plan): within a
+        # block the index vector does not change (the tokens come from the arena): reused
         self._last: tuple | None = None
         self._eligible: tuple | None = None       # (plan, eligible?) of the last plan seen
 
@@ -148,81 +140,79 @@ class StepGraphs:
         self._eligible = None
 
     # ------------------------------------------------------------------------------ eligibility
-    def eligible_plan(self, plan, states) -> bool:
-        """``eligible`` for a step plan (cached while the scheduler reuses the plan)."""
+    def eligible_plan(self, plan, extensions: list) -> bool:
+        """``eligible`` for a step plan (cached while the scheduler reuses the plan);
+        ``extensions``: the step extensions active on it."""
         if self._eligible is None or self._eligible[0] is not plan:
-            self._eligible = (plan, self.eligible(plan.requests, states))
+            self._eligible = (plan, self.eligible(plan.requests, extensions))
         return self._eligible[1]
 
-    def eligible(self, batch, states=None) -> bool:
-        """``batch``: the step's requests; ``states``: their runner states (pending sentinel
-        refreshes make a step ineligible)."""
+    def eligible(self, batch, extensions: list | None = None) -> bool:
+        """Can ``batch`` (the step's requests) run as a fused step (the module docstring)?
+        ``extensions``: those active on it (None: found here)."""
+        if extensions is None:
+            extensions = active_on(batch)
         bl = batch[0].params.block_length
-        decode = batch[0].params.decode
-        if len(batch) * bl > self.max_rows or decode not in ("threshold", "vanilla", "verify"):
+        if len(batch) * bl > self.max_rows or len({r.params.decode for r in batch}) > 1:
+            return False
+        policy = DECODE_POLICIES[batch[0].params.decode]
+        if not policy.fusable or any(not ext.fusable for ext, _ in extensions):
             return False
         for r in batch:
             p = r.params
-            if (r.first_step or p.cache not in ("dual", "prefix") or p.decode != decode
-                    or p.temperature > 0 or p.block_length != bl or p.entropy_max is not None
-                    or p.perturb_sigma is not None or p.kv_jaccard_min is not None
-                    or p.drift_min is not None):
+            if (r.first_step or not CACHE_MODES[p.cache].fusable or p.temperature > 0
+                    or p.block_length != bl):
                 return False
-        if decode == "verify" and not verify_graph.fits(batch, self.dims,
-                                                        self.VERIFY_MAX_ELEMENTS):
-            return False
-        return states is None or all(st.refresh is None for st in states)
+        return policy.fused_fits(batch, self.dims)
 
     # ------------------------------------------------------------------------------------- run
     def run(self, runner, plan, states) -> StepResult | None:
         """Run one step of ``plan`` on ``runner`` (``states``: its requests' runner states);
-        returns its result (the active blocks after it, and for verify its counters), or None
+        returns its result (the active blocks after it, and the policy's counters), or None
         when the general path should run this step instead (on CUDA: the step's shape has no
         graph yet and is seen for the first time, or it is too large to capture)."""
-        out = self._run(runner, plan, states)
-        bl = plan.requests[0].params.block_length
-        if out is None or out.shape[1] == bl:
-            return None if out is None else StepResult(out)
-        counters: list = [None] * out.shape[0]        # verify: [B, bl + 2]
-        for i in range(out.shape[0]):
-            _count(counters, i, "verify_candidates", int(out[i, bl]))
-            _count(counters, i, "verify_accepted", int(out[i, bl + 1]))
-        return StepResult(out[:, :bl], counters)
+        policy = DECODE_POLICIES[plan.requests[0].params.decode]
+        out = self._run(runner, plan, states, policy)
+        if out is None:
+            return None
+        blocks, counters = policy.fused_result(out, plan.requests[0].params.block_length)
+        return StepResult(blocks, counters)
 
-    def _run(self, runner, plan, states) -> np.ndarray | None:
+    def _run(self, runner, plan, states, policy) -> np.ndarray | None:
         batch = plan.requests
         last = self._last
-        if last is not None and last[4] is plan and batch[0].params.decode != "vanilla":
+        if last is not None and last[4] is plan and policy.fused_static_per_block:
             host, lay = last[2], last[3]      # the same plan: same requests in the same blocks
         else:
-            blocks = self._signature(batch)
-            if last is not None and last[1] == blocks and inputs.same_batch(last[0], batch):
+            sig = [(r.block, policy.fused_signature(r)) for r in batch]
+            if last is not None and last[1] == sig and same_batch(last[0], batch):
                 host, lay = last[2], last[3]
             else:
-                host, lay = self._host_inputs(runner, plan, blocks)
+                host, lay = self._host_inputs(runner, plan, policy, [s[1] for s in sig])
             # NOTE: holds the request objects, so their ids cannot be reused while compared
-            self._last = (list(batch), blocks, host, lay, plan)
-        lm_rows = lay.R if lay.R <= self.LM_ALL_ROWS or lay.M else self.lm_head_rows(
+            self._last = (list(batch), sig, host, lay, plan)
+        own_body = policy.fused_body is not None
+        lm_rows = lay.R if lay.R <= self.LM_ALL_ROWS or own_body else self.lm_head_rows(
             lay.R, sum(r.num_masked for r in batch))
         key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
-                                lay.groups, lm_rows, lay.M, lay.dense_keys))
+                                lay.policy, lay.key, lm_rows))
         dev = runner.device
-        rows = lay.T + lay.B * 2 * max(0, lay.M - 1)     # with the verification rows
+        rows = lay.T + policy.fused_extra_rows(lay)
         action = self._decide(key, rows, runner.forward_graphs is not None, lay.max_q)
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
-        if lay.M:            # the general path left its drafts in the states: into the store
-            for st in states:
-                if st.drafts is not IN_STORE:
-                    runner.drafts.put(st.arena_row, st.drafts)
-                    st.drafts = IN_STORE
+        policy.before_fused(runner, states)
+
+        def body(inp: torch.Tensor) -> torch.Tensor:
+            if own_body:
+                return policy.fused_body(runner, inp, lay)
+            return self._body(runner, policy, inp, lay, lm_rows)
         if action == "eager":
-            inp = torch.from_numpy(host).to(dev)
-            return self._body(runner, inp, lay, lm_rows).cpu().numpy()
+            return body(torch.from_numpy(host).to(dev)).cpu().numpy()
         if action == "capture":
             inp = h2d_into(torch.empty(lay.size, dtype=torch.long, device=dev), host)
-            first, graph, out = self.cache.capture(lambda: self._body(runner, inp, lay, lm_rows))
+            first, graph, out = self.cache.capture(lambda: body(inp))
             self.cache.add(key, _Graph(graph, inp, out, loaded=host))
             self.stats["fused_captures"] += 1
             return first.cpu().numpy()
@@ -238,11 +228,11 @@ class StepGraphs:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
         general path), ``capture`` or ``replay``. Capture follows ``GraphCache``'s policy
         (default: at the second sighting); earlier sightings run on the general path, whose
-        forward graphs are keyed on fewer things (a step key also holds vanilla's (canvas
-        length, k) groups). A step whose requests query more than ``capture_rows`` rows each
-        (prefix mode: the key changes with every block) counts as large (captured one sighting
-        later), and steps of more than ``max_tokens`` query rows are never captured (the pool
-        would keep their activations for good)."""
+        forward graphs are keyed on fewer things (a step key also holds the policy's key, e.g.
+        vanilla's (canvas length, k) groups). A step whose requests query more than
+        ``capture_rows`` rows each (prefix mode: the key changes with every block) counts as
+        large (captured one sighting later), and steps of more than ``max_tokens`` query rows
+        are never captured (the pool would keep their activations for good)."""
         if not graphs:
             return "eager"
         if key in self.cache.graphs:
@@ -262,49 +252,26 @@ class StepGraphs:
         g = max(cls.LM_ALL_ROWS // 2, R // 8, 1)
         return min(R, max(1, -(-masked // g)) * g)
 
-    @staticmethod
-    def _signature(batch) -> list[tuple[int, int]]:
-        """What the index vector depends on besides the requests themselves: their blocks and,
-        for vanilla, how many slots each commits (``select_top_k``'s k)."""
-        if batch[0].params.decode != "vanilla":
-            return [(r.block, 0) for r in batch]
-        return [(r.block, min(transfer_count(r), r.num_masked)) for r in batch]
-
-    @staticmethod
-    def _host_inputs(runner, plan, signature: list[tuple[int, int]]
-                     ) -> tuple[np.ndarray, _Layout]:
+    def _host_inputs(self, runner, plan, policy, signature: list) -> tuple[np.ndarray, Layout]:
         batch = plan.requests
         ps, W = runner.page_size, runner.arena.shape[1]
         shift = runner.cfg.logit_shift
         width = runner.table_width
         bl = batch[0].params.block_length
-        verify = batch[0].params.decode == "verify"
-        windows = [query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, False,
-                               shift) for r in batch]
+        windows = [CACHE_MODES[r.params.cache].query_range(
+            r.canvas_len, r.block_start, r.block_end, False, shift) for r in batch]
         counts = [q1 - q0 for q0, q1 in windows]
         B, T = len(batch), sum(counts)
-        groups, perm = None, list(range(B))
-        if batch[0].params.decode == "vanilla":
-            by: dict[tuple[int, int], list[int]] = {}
-            for b, (r, (_, k)) in enumerate(zip(batch, signature)):
-                by.setdefault((r.canvas_len, k), []).append(b)
-            groups, perm, a = [], [], 0
-            for (length, k), members in by.items():
-                groups.append((length, k, a, a + len(members)))
-                perm += members
-                a += len(members)
-            groups = tuple(groups)
-        longest = max(r.canvas_len for r in batch)
-        M = max(r.params.max_verify for r in batch) if verify else 0
-        lay = _Layout(B, T, bl, width, max(counts), seqlen_bound(longest), groups, M,
-                      dense_keys(longest, ps, width) if verify else 0)
+        key, fields = policy.fused_fields(batch, signature, self.dims)
+        lay = Layout(B, T, bl, width, max(counts), seqlen_bound(max(r.canvas_len for r in batch)),
+                     policy.name, key, tuple(fields))
         sl = lay.slices
         host = np.zeros(lay.size, dtype=np.int64)
         table = runner.block_table(plan)                 # the general path's cached table
         host[sl["table"]] = table.ravel()
         cu = np.zeros(B + 1, dtype=np.int64)
         cu[1:] = np.cumsum(counts)
-        pos, n = inputs.range_positions(windows)
+        pos, n = range_positions(windows)
         req = np.repeat(np.arange(B), n)
         arena_row = np.array(runner.arena_rows(batch), dtype=np.int64)
         host[sl["ids_idx"]] = arena_row[req] * W + pos
@@ -317,28 +284,18 @@ class StepGraphs:
         host[sl["blk_idx"]] = (arena_row[:, None] * W + blk).ravel()
         host[sl["cu_q"]] = cu
         host[sl["seq_lens"]] = [r.canvas_len for r in batch]
-        host[sl["tau"]] = np.array([r.params.threshold for r in batch],
-                                   dtype=np.float64).view(np.int64)
-        host[sl["perm"]] = perm
         host[sl["bstart"]] = bstart
-        if verify:
-            host[sl["arow"]] = arena_row
-            host[sl["gamma"]] = np.array([r.params.gamma for r in batch],
-                                         dtype=np.float64).view(np.int64)
-            host[sl["cumprod"]] = [r.params.verify_rule == "cumprod" for r in batch]
-            host[sl["max_verify"]] = [r.params.max_verify for r in batch]
+        policy.fill_fused(host, sl, batch, signature, arena_row)
         return host, lay
 
     # ------------------------------------------------------------------------------------ body
     @staticmethod
-    def _body(runner, inp: torch.Tensor, lay: _Layout, lm_rows: int) -> torch.Tensor:
+    def _body(runner, policy, inp: torch.Tensor, lay: Layout, lm_rows: int) -> torch.Tensor:
         """The step on the device, from the index vector ``inp``; returns the active blocks after
         the commit [B, bl]. Only static-shape ops, no host syncs: this is what the graph
         captures."""
         model, mask_id = runner.model, runner.cfg.mask_token_id
         sl = lay.slices
-        if lay.M:
-            return verify_graph.body(runner, inp, lay, sl)
         B, bl = lay.B, lay.bl
         i32 = torch.int32
         meta = PagedAttentionMetadata(runner.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
@@ -354,13 +311,9 @@ class StepGraphs:
         if lm_rows >= lay.R:
             tok, conf = model.greedy(hidden[rows], mask_id)
         else:
-            tok, conf = StepGraphs._masked_proposal(model, hidden, rows, masked.view(-1),
+            tok, conf = FusedSteps._masked_proposal(model, hidden, rows, masked.view(-1),
                                                     lm_rows, mask_id)
-        if lay.groups is None:
-            keep = threshold_rows(conf.view(B, bl), masked, inp[sl["tau"]].view(torch.float64))
-        else:
-            keep = top_k_rows(conf.view(B, bl), masked, inp[sl["perm"]], inp[sl["bstart"]],
-                              lay.groups)
+        keep = policy.fused_keep(conf.view(B, bl), masked, inp, sl, lay.key)
         new = torch.where(keep, tok.view(B, bl), blocks)
         flat[blk_idx] = new.view(-1)
         return new

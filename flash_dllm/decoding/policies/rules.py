@@ -88,7 +88,7 @@ def select_threshold(confidence: torch.Tensor, group_ids: torch.Tensor, num_grou
 
 # ------------------------------------------------------------------ graph-safe (static shapes)
 # The same rules on a [B, block] layout with static shapes and no host work inside the call, so a
-# whole step can be captured in a CUDA graph (``worker/step_graph.py``). Each agrees exactly with
+# whole step can be captured in a CUDA graph (``worker/fused_step.py``). Each agrees exactly with
 # its general twin above on the same inputs (tests/test_fused_step.py).
 
 def threshold_rows(conf: torch.Tensor, masked: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
