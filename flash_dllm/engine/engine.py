@@ -48,6 +48,9 @@ class Engine:
                  config: EngineConfig | None = None) -> None:
         if cfg.mask_token_id is None:
             raise ValueError("the model config has no mask_token_id")
+        why = cfg.paged_unsupported()       # before the runner sizes and allocates its KV pool
+        if why is not None:
+            raise ValueError(why)
         self.model = model
         self.cfg = cfg
         self.config = config or EngineConfig()

@@ -1,11 +1,12 @@
-"""Bidirectional self-attention: the module holds the projections, the step's context does the rest.
+"""Self-attention: the module holds the projections, the step's context does the rest.
 
 ``Attention.forward`` calls ``ctx.attention(module, layer, x, positions)`` and applies the output
 projection. What "the rest" is (projection + RoPE + where K/V are written + which keys each query
 sees) is the context's job, so every context takes the normed input ``x``:
 
 - ``DenseContext`` (here): a padded batch ``[B, L]`` attends to itself (training, parity tests,
-  the exact reference). An optional key mask hides padding.
+  the exact reference), under the module's ``AttentionPattern``. An optional key mask hides
+  padding.
 - ``PagedAttentionMetadata`` (``layers/attention_backend.py``): the engine's attention backend
   for one step over the shared KV page pool.
 
@@ -14,26 +15,104 @@ rows, sentinel probes); the paged backend and the tests' dense oracle both use t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_dllm.layers.norm import RMSNorm
 from flash_dllm.layers.rotary import Rotary
+
+ATTENTION_KINDS = ("bidirectional", "block_causal")
+
+
+@dataclass(frozen=True)
+class AttentionPattern:
+    """Which keys a query sees: ``bidirectional`` (every key of its sequence: LLaDA, Dream,
+    LLaDA-MoE) or ``block_causal`` (its own block of ``block_size`` positions and every earlier
+    block: LLaDA2.x block 32, SDAR block 4).
+
+    NOTE: blocks are counted from position 0 of the sequence: block(p) = p // block_size, so
+    the prompt is cut into blocks too and the first generated tokens share a block with the
+    prompt's tail whenever the prompt length is not a multiple of the block size. This is what
+    LLaDA2's reference ``generate`` (modeling_llada2_moe.py) does: its mask is
+    ``tril(ones(n_blocks, n_blocks))`` repeated ``block_length`` times along both axes over the
+    whole canvas, prompt included, with position ids ``arange(total)``. It also makes a
+    committed block's K/V depend on the tokens alone, never on where the prompt ended, so the
+    exact block cache can share whole blocks between requests with equal prefixes.
+    """
+
+    kind: str = "bidirectional"
+    block_size: int = 0            # block_causal only: positions per block
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"AttentionPattern.kind must be one of {ATTENTION_KINDS}, "
+                             f"got {self.kind!r}")
+        if self.kind == "block_causal" and self.block_size < 1:
+            raise ValueError(f"AttentionPattern.block_size must be >= 1 for block_causal "
+                             f"attention, got {self.block_size}")
+        if self.kind == "bidirectional" and self.block_size != 0:
+            raise ValueError(f"AttentionPattern.block_size must be 0 for bidirectional "
+                             f"attention, got {self.block_size}")
+
+    @property
+    def block_causal(self) -> bool:
+        return self.kind == "block_causal"
+
+    def __str__(self) -> str:
+        return f"block_causal({self.block_size})" if self.block_causal else self.kind
+
+    def allow(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """Which keys each query sees, from positions: q_pos [..., Lq], k_pos [..., Lk] ->
+        [..., Lq, Lk] bool (True: attends); None when bidirectional (every key)."""
+        if not self.block_causal:
+            return None
+        n = self.block_size
+        return (k_pos // n).unsqueeze(-2) <= (q_pos // n).unsqueeze(-1)
+
+
+BIDIRECTIONAL = AttentionPattern()
+
+
+def block_causal(block_size: int) -> AttentionPattern:
+    return AttentionPattern("block_causal", block_size)
 
 
 class DenseContext:
-    """Every query of a row attends to every (unmasked) key of the same row."""
+    """Every query of a row attends to every (unmasked) key of the same row that the module's
+    attention pattern lets it see."""
 
     def __init__(self, key_mask: torch.Tensor | None = None) -> None:
         self.key_mask = key_mask  # [B, L] bool, True = real token
+        self._mask: tuple | None = None     # (positions, pattern, mask): one per forward
+
+    def mask(self, pattern: AttentionPattern, positions: torch.Tensor) -> torch.Tensor | None:
+        """SDPA's boolean mask, broadcastable to [B, 1, L, L] (None: every key), built once per
+        forward."""
+        if self._mask is not None and self._mask[0] is positions and self._mask[1] == pattern:
+            return self._mask[2]
+        keys = None if self.key_mask is None else self.key_mask[:, None, None, :]  # [B, 1, 1, L]
+        mask = pattern.allow(positions, positions)            # [L, L] or [B, L, L]
+        if mask is None:
+            mask = keys
+        else:
+            mask = mask.unsqueeze(-3)                         # [1, L, L] or [B, 1, L, L]
+            if keys is not None:
+                # NOTE: a row always sees its own key: a padding row whose block holds only
+                # padding keys would otherwise be all -inf (NaN), and its NaN K/V would poison
+                # the next layer's real rows through 0 x NaN, although they mask it out
+                eye = torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device)
+                mask = (mask & keys) | eye
+        self._mask = (positions, pattern, mask)
+        return mask
 
     def attention(self, attn: Attention, layer: int, x: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
         q, k, v = attn.project(x)                              # q: [B, L, H, D], k/v: [B, L, Hkv, D]
         q, k = attn.rotary(q, positions), attn.rotary(k, positions)
-        mask = None
-        if self.key_mask is not None:
-            mask = self.key_mask[:, None, None, :]            # [B, 1, 1, L]
+        mask = self.mask(attn.pattern, positions)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             enable_gqa=q.shape[2] != k.shape[2])               # [B, H, L, D]
@@ -86,8 +165,14 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """q/k/v and output projections, the rotary embedding (``rotary``: one shared by every
+    layer; partial when its ``rotary_dim`` < ``head_dim``) and which keys a query sees
+    (``pattern``). ``qk_norm_eps``: per-head RMSNorm of q and k (weights ``[head_dim]``) before
+    RoPE, with this epsilon (LLaDA2, Qwen3 / SDAR); None: none (LLaDA, Dream)."""
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 rotary: Rotary) -> None:
+                 rotary: Rotary, pattern: AttentionPattern = BIDIRECTIONAL,
+                 qk_norm_eps: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
@@ -95,6 +180,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.rotary = rotary
+        self.pattern = pattern
+        # NOTE: registered only when used, so LLaDA / Dream keep exactly their parameters (the
+        # loader is strict, and seeded ``init_weights`` draws in parameter order)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
         self.qkv_proj: nn.Linear | None = None      # set by fuse(): q, k, v in one GEMM
 
@@ -117,14 +209,18 @@ class Attention(nn.Module):
         self.qkv_proj = fused
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., d] -> q [..., H, D], k [..., Hkv, D], v [..., Hkv, D] (un-rotated)."""
+        """x [..., d] -> q [..., H, D], k [..., Hkv, D], v [..., Hkv, D] (q/k normed when the
+        module has a q/k norm, un-rotated)."""
         lead = x.shape[:-1]                                   # [B, L] or [T]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-            return q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
-        return (self.q_proj(x).view(*lead, H, D), self.k_proj(x).view(*lead, Hkv, D),
-                self.v_proj(x).view(*lead, Hkv, D))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)             # per head, over head_dim
+        return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
         return self.o_proj(ctx.attention(self, layer, x, positions))

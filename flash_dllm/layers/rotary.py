@@ -6,16 +6,27 @@ from torch import nn
 
 
 class Rotary(nn.Module):
-    """Applies RoPE to q/k given explicit integer positions (tokens need not be contiguous)."""
+    """Applies RoPE to q/k given explicit integer positions (tokens need not be contiguous).
 
-    def __init__(self, head_dim: int, theta: float, apply_in_fp32: bool) -> None:
+    ``rotary_dim`` (default ``head_dim``): only the first ``rotary_dim`` values of each head
+    rotate (rotate-half pairing inside that slice, frequencies ``1 / theta^(2i / rotary_dim)``);
+    the rest pass through unchanged. LLaDA2 rotates half of each head (``partial_rotary_factor``
+    0.5), as transformers' partial-rotary models (GPT-NeoX, Phi, GLM) do."""
+
+    def __init__(self, head_dim: int, theta: float, apply_in_fp32: bool,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], "
+                             f"got {rotary_dim}")
         self.apply_in_fp32 = apply_in_fp32
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
         # NOTE: a plain attribute, not a buffer: `model.to(bfloat16)` would round a buffer, and the
         # frequencies must stay float32 (both reference implementations compute them so).
         self._inv_freq = {
-            "cpu": 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
-                                   / head_dim))}
+            "cpu": 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
+                                                 device="cpu") / rotary_dim))}
 
     def _freqs(self, device: torch.device) -> torch.Tensor:
         key = str(device)
@@ -34,16 +45,23 @@ class Rotary(nn.Module):
         cached = getattr(self, "_last", None)
         if cached is not None and cached[0] is positions:
             return cached[1], cached[2]
-        freqs = positions.float().unsqueeze(-1) * self._freqs(positions.device)  # [..., D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                  # [..., D]
+        freqs = positions.float().unsqueeze(-1) * self._freqs(positions.device)  # [..., R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                        # [..., R] (rotary_dim)
         cos, sin = emb.cos(), emb.sin()
         self._last = (positions, cos, sin)
         return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., tokens, heads, head_dim]; positions: [..., tokens] (broadcastable)."""
+        if self.rotary_dim < x.shape[-1]:
+            r = self.rotary_dim
+            return torch.cat([self._rotate(x[..., :r], positions), x[..., r:]], dim=-1)
+        return self._rotate(x, positions)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE over all of ``x``'s last dimension (``rotary_dim`` values)."""
         cos, sin = self.cos_sin(positions)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)       # [..., tokens, 1, head_dim]
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)       # [..., tokens, 1, rotary_dim]
         if self.apply_in_fp32:
             xf = x.float()
             return (xf * cos + self._rotate_half(xf) * sin).to(x.dtype)

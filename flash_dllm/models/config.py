@@ -5,13 +5,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flash_dllm.layers.attention import BIDIRECTIONAL, AttentionPattern
+
+# the MLP kinds a layer can have (``models/transformer.build_mlp`` builds each): a dense SwiGLU
+# today; the mixture-of-experts layer adds "moe"
+MLP_KINDS = ("dense",)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture facts of a bidirectional (diffusion) transformer.
+    """Architecture facts of a diffusion transformer.
 
-    Checkpoint-specific parsers (``llada.parse_config``, ``dream.parse_config``) build this from the
-    folder's ``config.json``; nothing downstream reads the raw JSON.
+    Each family's parser (``models/<family>.py``) builds this from the folder's ``config.json``;
+    nothing downstream reads the raw JSON, and nothing below ``models/`` needs the family: what
+    layers and kernels must know (attention pattern, MLP kind, q/k norm, partial rotary) is here.
     """
 
     arch: str                      # registry key, e.g. "llada", "dream"
@@ -37,6 +44,18 @@ class ModelConfig:
     # LLaDA (OLMo code) applies RoPE in float32 and casts back; Qwen2/Dream applies it in the
     # activation dtype. Identical in float32, different rounding in bf16.
     rope_fp32: bool = True
+    # which keys a query sees: bidirectional (LLaDA, Dream, LLaDA-MoE) or block-causal with its
+    # block size (LLaDA2.x: 32, SDAR: 4); the dense path masks by it, the paged engine refuses
+    # block-causal models until its kernels have the mode (``paged_unsupported``)
+    attention: AttentionPattern = BIDIRECTIONAL
+    # the MLP of every layer except ``dense_layers``, which keep a dense SwiGLU of
+    # ``intermediate_size`` (LLaDA2: MoE everywhere but its first layer)
+    mlp_kind: str = "dense"
+    dense_layers: tuple[int, ...] = ()
+    # per-head RMSNorm of q and k (epsilon ``rms_norm_eps``) before RoPE: LLaDA2, Qwen3 / SDAR
+    qk_norm: bool = False
+    # how many values of each head RoPE rotates (None: all ``head_dim``); LLaDA2 rotates half
+    rotary_dim: int | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +73,39 @@ class ModelConfig:
                              f"[0, {self.vocab_size})")
         if self.logit_shift not in (0, 1):
             raise ValueError(f"logit_shift must be 0 or 1, got {self.logit_shift}")
+        if not isinstance(self.attention, AttentionPattern):
+            raise ValueError(f"ModelConfig.attention must be an AttentionPattern "
+                             f"(layers.attention), got {self.attention!r}")
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(f"ModelConfig.mlp_kind must be one of {MLP_KINDS}, "
+                             f"got {self.mlp_kind!r}")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"ModelConfig.dense_layers must be layer indices in "
+                             f"[0, {self.num_layers}), got {bad}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise ValueError(f"ModelConfig.rotary_dim must be even and in (0, head_dim="
+                             f"{self.head_dim}], got {self.rotary_dim}")
+
+    def layer_mlp_kind(self, layer: int) -> str:
+        """The MLP kind of layer ``layer``."""
+        return "dense" if layer in self.dense_layers else self.mlp_kind
+
+    def paged_unsupported(self) -> str | None:
+        """Why the paged engine cannot run this model yet (None: it can). Its kernels project,
+        rotate (whole heads) and attend (bidirectionally) on their own, so a model that needs
+        anything else would be computed wrong, not slowly."""
+        if self.attention.block_causal:
+            return (f"block-causal attention is not supported by the paged engine yet (this "
+                    f"{self.arch} model attends {self.attention}); the model's dense forward, "
+                    "model(ids), computes it")
+        if self.qk_norm:
+            return "per-head q/k norm is not supported by the paged engine yet"
+        if self.rotary_dim is not None and self.rotary_dim < self.head_dim:
+            return (f"partial rotary embeddings (rotary_dim {self.rotary_dim} of head_dim "
+                    f"{self.head_dim}) are not supported by the paged engine yet")
+        return None
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of K and V one cached token needs across all layers, in ``dtype``."""
@@ -65,6 +117,8 @@ class ModelConfig:
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
         mlp = 3 * d * self.intermediate_size
         per_layer = attn + mlp + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d

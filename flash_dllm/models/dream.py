@@ -1,8 +1,10 @@
 """Dream (Dream-v0-Base/Instruct-7B): Qwen2 names and config keys, GQA, q/k/v biases, shifted logits."""
 from __future__ import annotations
 
+from flash_dllm.layers.attention import BIDIRECTIONAL
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, as_id_tuple, require
+from flash_dllm.models.transformer import DiffusionTransformer
 
 
 def parse_config(raw: dict) -> ModelConfig:
@@ -35,6 +37,8 @@ def parse_config(raw: dict) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         logit_shift=1,
         rope_fp32=False,
+        attention=BIDIRECTIONAL,
+        mlp_kind="dense",
     )
 
 
@@ -59,6 +63,9 @@ FAMILY = Family(
     model_types=("dream",),
     parse_config=parse_config,
     to_hf_config=to_hf_config,
+    model=DiffusionTransformer,
+    attention=BIDIRECTIONAL,
+    mlp="dense",
     weight_map=(
         ("model.embed_tokens", "embed"),
         ("model.layers.{i}.input_layernorm", "layers.{i}.attn_norm"),

@@ -1,16 +1,37 @@
-"""What a model family declares: how to read its config.json and how its tensors are named."""
+"""What a model family declares: how to read its config.json, how its tensors are named, which
+model class it builds, and how that model attends and what its MLP is.
+
+A family is one module ``models/<family>.py`` exposing ``FAMILY`` and one line in
+``models/registry.py`` (``registry.register`` for one defined elsewhere, e.g. a test)."""
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from flash_dllm.models.config import ModelConfig
+import torch
+from torch import nn
+
+from flash_dllm.layers.attention import BIDIRECTIONAL, AttentionPattern
+from flash_dllm.models.config import MLP_KINDS, ModelConfig
 
 
 @dataclass(frozen=True)
 class Family:
     """One checkpoint family.
+
+    ``parse_config`` turns a raw ``config.json`` into a ``ModelConfig`` (with ``arch`` = ``name``,
+    and the attention pattern and MLP kind the family declares below); ``to_hf_config`` is its
+    inverse (for writing checkpoints). ``model`` is the model class the family builds from a
+    ``ModelConfig`` (``DiffusionTransformer`` for LLaDA and Dream). What the rest of the package
+    calls on it: ``cfg``, ``hidden`` / ``logits`` / ``greedy`` (the engine), ``forward`` (the
+    dense path), ``fuse_projections``, ``init_weights``, and the module names that
+    ``distributed/tp.py`` shards (``layers.{i}.attn.q_proj`` ...).
+
+    ``attention``: how the family's models attend (the kind is fixed; a parser may read the block
+    size from config.json). ``mlp``: the kind of its MLP layers ("dense"; a mixture-of-experts
+    family may keep some layers dense, ``ModelConfig.dense_layers``).
 
     ``weight_map`` pairs checkpoint module paths with engine module paths, segment by segment;
     ``{i}`` stands for a layer index. A tensor name is its module path plus ``weight``/``bias``.
@@ -24,6 +45,40 @@ class Family:
     parse_config: Callable[[dict], ModelConfig]
     to_hf_config: Callable[[ModelConfig], dict]
     weight_map: tuple[tuple[str, str], ...]
+    model: Callable[[ModelConfig], nn.Module]
+    attention: AttentionPattern = BIDIRECTIONAL
+    mlp: str = "dense"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention, AttentionPattern):
+            raise ValueError(f"Family {self.name!r}: attention must be an AttentionPattern "
+                             f"(layers.attention), got {self.attention!r}")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"Family {self.name!r}: mlp must be one of {MLP_KINDS}, "
+                             f"got {self.mlp!r}")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise unless ``cfg`` is a config of this family, as it declares itself."""
+        if cfg.arch != self.name:
+            raise ValueError(f"a ModelConfig of arch {cfg.arch!r} is not a {self.name!r} config")
+        if cfg.attention.kind != self.attention.kind:
+            raise ValueError(f"the {self.name} family declares {self.attention.kind} attention, "
+                             f"but its config says {cfg.attention}")
+        if cfg.mlp_kind != self.mlp:
+            raise ValueError(f"the {self.name} family declares {self.mlp!r} MLPs, but its "
+                             f"config says mlp_kind={cfg.mlp_kind!r}")
+
+    def build(self, cfg: ModelConfig, device: str | torch.device = "meta",
+              dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The family's model of ``cfg``, parameters of ``dtype`` on ``device`` with uninitialised
+        values (the loader fills them, ``init_weights`` draws them). On ``meta`` nothing is
+        allocated: the loader builds there, shards for tensor parallelism, then allocates."""
+        self.check(cfg)
+        with default_dtype(dtype), torch.device("meta"):
+            model = self.model(cfg)
+        if torch.device(device).type == "meta":
+            return model
+        return model.to_empty(device=device)
 
     @staticmethod
     def _match(template: str, path: str) -> str | None:
@@ -67,3 +122,14 @@ def as_id_tuple(*values) -> tuple[int, ...]:
             if x is not None and int(x) not in out:
                 out.append(int(x))
     return tuple(out)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """``torch.set_default_dtype(dtype)`` for the block (floating parameters are made in it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,11 +1,11 @@
 """LLaDA (LLaDA-8B-Base/Instruct, LLaDA-1.5): OLMo-style config and tensor names."""
 from __future__ import annotations
 
+from flash_dllm.layers.attention import BIDIRECTIONAL
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, as_id_tuple, require
+from flash_dllm.models.transformer import DiffusionTransformer
 
-# Config switches of the OLMo code that change the math; we implement the LLaDA setting only and
-# refuse the others rather than silently compute something else.
 # Config switches of the OLMo code that change the math: the values LLaDA uses (absent or null is
 # fine). Anything else is refused rather than silently computed differently.
 _SUPPORTED_VALUES = {"clip_qkv": (None,), "attention_layer_norm": (False,), "scale_logits": (False,),
@@ -53,6 +53,8 @@ def parse_config(raw: dict) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
         logit_shift=0,
         rope_fp32=bool(raw.get("rope_full_precision", True)),
+        attention=BIDIRECTIONAL,
+        mlp_kind="dense",
     )
 
 
@@ -80,6 +82,9 @@ FAMILY = Family(
     model_types=("llada",),
     parse_config=parse_config,
     to_hf_config=to_hf_config,
+    model=DiffusionTransformer,
+    attention=BIDIRECTIONAL,
+    mlp="dense",
     weight_map=(
         ("model.transformer.wte", "embed"),
         ("model.transformer.blocks.{i}.attn_norm", "layers.{i}.attn_norm"),

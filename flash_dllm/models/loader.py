@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from flash_dllm.models import registry
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, as_id_tuple
-from flash_dllm.models.transformer import DiffusionTransformer
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -117,26 +117,19 @@ def _open_weights(path: Path):
                               "corrupt? Download it again") from None
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = torch.float32, init: bool = True,
-                seed: int | None = None, tp=None) -> DiffusionTransformer:
-    """A model of this config; random weights when ``init`` (else uninitialised memory).
-    ``tp`` (``distributed.tp.TPGroup``): only this rank's shard is ever allocated."""
+                seed: int | None = None, tp=None) -> nn.Module:
+    """The family's model of this config (a ``config.json`` dict, or a ``ModelConfig`` whose
+    ``arch`` names a registered family); random weights when ``init`` (else uninitialised
+    memory). ``tp`` (``distributed.tp.TPGroup``): only this rank's shard is ever allocated."""
     if isinstance(cfg, dict):
-        cfg = registry.resolve(cfg).parse_config(cfg)
+        family = registry.resolve(cfg)
+        cfg = family.parse_config(cfg)
+    else:
+        family = registry.by_name(cfg.arch)
     dtype = parse_dtype(dtype, device)
-    with _default_dtype(dtype), torch.device("meta"):
-        model = DiffusionTransformer(cfg)
+    model = family.build(cfg, "meta", dtype)
     if tp is not None and tp.world > 1:
         from flash_dllm.distributed.tp import shard_model
         shard_model(model, tp)
@@ -148,7 +141,7 @@ def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
 
 def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: str | torch.dtype = torch.float32,
-               tp=None) -> tuple[DiffusionTransformer, ModelConfig]:
+               tp=None) -> tuple[nn.Module, ModelConfig]:
     """Load a checkpoint folder strictly: every tensor must map, fit and be present. ``tp``
     (``distributed.tp.TPGroup``): read only this rank's slice of each sharded tensor."""
     folder = Path(folder)
@@ -191,7 +184,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     return model.eval(), cfg
 
 
-def save_checkpoint(model: DiffusionTransformer, folder: str | os.PathLike,
+def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
                     hf_config: dict | None = None, dtype: str | torch.dtype = torch.bfloat16,
                     max_shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and weights (one file, or shards + index) in the family's names."""

@@ -1,10 +1,50 @@
-"""Maps a checkpoint's ``architectures`` / ``model_type`` to its model family."""
+"""The model families the loader knows, and how a checkpoint's ``architectures`` / ``model_type``
+picks one. A family is one module ``models/<family>.py`` exposing ``FAMILY`` plus its line in
+``FAMILIES`` below; ``register`` (or ``registered``, for a test) adds one defined elsewhere."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from flash_dllm.models import dream, llada
 from flash_dllm.models.family import Family
 
-FAMILIES: tuple[Family, ...] = (llada.FAMILY, dream.FAMILY)
+# NOTE: no two families share a name, an architecture or a model type (``register`` refuses
+# one already taken), so which family a checkpoint resolves to never depends on the order here.
+# A family whose model_type another already uses (LLaDA-MoE's is "llada") resolves by its
+# architectures alone (model_types=()).
+FAMILIES: list[Family] = []
+
+
+def register(family: Family) -> Family:
+    """Add ``family``; its name, architectures and model types must all be new."""
+    for fam in FAMILIES:
+        clash = ({family.name} & {fam.name}
+                 or set(family.architectures) & set(fam.architectures)
+                 or {t.lower() for t in family.model_types} & {t.lower() for t in fam.model_types})
+        if clash:
+            raise ValueError(f"family {family.name!r} clashes with the registered family "
+                             f"{fam.name!r} on {sorted(clash)}")
+    FAMILIES.append(family)
+    return family
+
+
+def unregister(family: Family) -> None:
+    """Remove ``family`` (by name)."""
+    FAMILIES[:] = [f for f in FAMILIES if f.name != family.name]
+
+
+@contextmanager
+def registered(family: Family):
+    """``family`` registered for the block only (tests)."""
+    register(family)
+    try:
+        yield family
+    finally:
+        unregister(family)
+
+
+register(llada.FAMILY)
+register(dream.FAMILY)
 
 
 def resolve(raw_config: dict) -> Family:
@@ -14,7 +54,7 @@ def resolve(raw_config: dict) -> Family:
             return fam
     mtype = str(raw_config.get("model_type", "")).lower()
     for fam in FAMILIES:
-        if mtype in fam.model_types:
+        if mtype in (t.lower() for t in fam.model_types):
             return fam
     known = sorted({a for f in FAMILIES for a in f.architectures})
     raise ValueError(f"unknown architecture: architectures={archs!r}, model_type="

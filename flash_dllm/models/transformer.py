@@ -1,4 +1,6 @@
-"""The bidirectional decoder stack shared by LLaDA and Dream (they differ in names, not math)."""
+"""The pre-norm decoder stack LLaDA and Dream share (they differ in names, not math); its
+attention pattern, q/k norm, partial rotary and per-layer MLP kind come from ``ModelConfig``, so
+the next families can build it too."""
 from __future__ import annotations
 
 import torch
@@ -9,24 +11,34 @@ from flash_dllm.layers.attention import Attention, DenseContext
 from flash_dllm.layers.mlp import SwiGLU
 from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
-from flash_dllm.models.config import ModelConfig
+from flash_dllm.models.config import MLP_KINDS, ModelConfig
+
+
+def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP, of its kind (``ModelConfig.layer_mlp_kind``)."""
+    kind = cfg.layer_mlp_kind(layer)
+    if kind == "dense":
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+    raise ValueError(f"no MLP of kind {kind!r} (layer {layer}); known: {MLP_KINDS}")
 
 
 class Block(nn.Module):
     """One layer's modules: ``h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h))``, run by
     ``DiffusionTransformer.hidden`` with each residual add fused into the following norm."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                              cfg.qkv_bias, rotary)
+                              cfg.qkv_bias, rotary, pattern=cfg.attention,
+                              qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = build_mlp(cfg, layer)
 
 
 class DiffusionTransformer(nn.Module):
-    """Token ids -> hidden states -> logits, with no causal mask.
+    """Token ids -> hidden states -> logits, attending as ``cfg.attention`` says (no causal mask:
+    bidirectional, or block-causal for the block-diffusion families).
 
     ``forward(ids)`` on a ``[B, L]`` batch returns logits ``[B, L, V]`` *as the checkpoint defines
     them* (Dream's are not yet shifted). The engine instead calls ``hidden`` on packed tokens with
@@ -38,8 +50,8 @@ class DiffusionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_fp32)
-        self.layers = nn.ModuleList(Block(cfg, rotary) for _ in range(cfg.num_layers))
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_fp32, cfg.rotary_dim)
+        self.layers = nn.ModuleList(Block(cfg, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -93,7 +105,8 @@ class DiffusionTransformer(nn.Module):
         return self.tp.vocab.greedy(local, forbid)
 
     def forward(self, ids: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense full-attention forward: ids [B, L] -> logits [B, L, V] (training, tests)."""
+        """Dense forward: ids [B, L] -> logits [B, L, V] (training, tests), each row attending
+        as ``cfg.attention`` says (``DenseContext``)."""
         positions = torch.arange(ids.shape[-1], device=ids.device)
         return self.logits(self.hidden(ids, positions, DenseContext(key_mask)))
 
