@@ -4,7 +4,8 @@
 #
 #   benchmarks/run_gpu.sh [OUTDIR [GROUP ...]]
 #
-# OUTDIR  where reports go (default: benchmarks/results, i.e. replace the committed reports);
+# OUTDIR  where reports go, in one subfolder per topic as under benchmarks/results (default:
+#         benchmarks/results, i.e. replace the committed reports);
 #         command logs and a summary go to OUTDIR/logs/ (git ignores benchmarks/results/logs/).
 # GROUP   any of the groups below (default: all of them, ~35 min). Each group fits in 10 minutes
 #         on an H200, so a machine that limits a command to 10 minutes runs one or two at a time:
@@ -50,6 +51,7 @@ done
 
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)            # absolute: the commands run from the repository root
+mkdir -p "$OUT"/{step,serving,accuracy,cache-modes,verify,disagg}   # one folder per topic
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 cd "$ROOT"
@@ -91,85 +93,86 @@ group_tests() {
 }
 
 group_step() {
-  run step_h200 420 "$OUT/step_h200.json" \
-    "${FD[@]}" bench step --cache prefix dual flash --json "$OUT/step_h200.json"
-  run step_demo_h200 120 "$OUT/step_demo_h200.json" \
+  run step_h200 420 "$OUT/step/step_h200.json" \
+    "${FD[@]}" bench step --cache prefix dual flash --json "$OUT/step/step_h200.json"
+  run step_demo_h200 120 "$OUT/step/step_demo_h200.json" \
     "${FD[@]}" bench step --model-shape demo --prompt-len 256 --gen-len 256 --batch 1 8 64 \
-    --cache dual --json "$OUT/step_demo_h200.json"
+    --cache dual --json "$OUT/step/step_demo_h200.json"
 }
 
 group_profile() {
-  run profile_step_h200 240 "$OUT/profile_step_h200.json" \
-    python3 benchmarks/profile_step.py --batch 1 64 --out "$OUT/profile_step_h200.json"
+  run profile_step_h200 240 "$OUT/step/profile_step_h200.json" \
+    python3 benchmarks/step/profile_step.py --batch 1 64 --out "$OUT/step/profile_step_h200.json"
 }
 
 group_sweep() {
-  run sweep_qkv_rope_h200 240 "$OUT/sweep_qkv_rope_h200.json" \
-    python3 benchmarks/sweep_qkv_rope.py --shape llada-8b --out "$OUT/sweep_qkv_rope_h200.json"
+  run sweep_qkv_rope_h200 240 "$OUT/step/sweep_qkv_rope_h200.json" \
+    python3 benchmarks/step/sweep_qkv_rope.py --shape llada-8b \
+    --out "$OUT/step/sweep_qkv_rope_h200.json"
 }
 
 group_kernels() {
-  run kernels_h200 240 "$OUT/kernels_h200.json" \
-    python3 benchmarks/bench_kernels.py --quick --out "$OUT/kernels_h200.json"
+  run kernels_h200 240 "$OUT/step/kernels_h200.json" \
+    python3 benchmarks/step/bench_kernels.py --quick --out "$OUT/step/kernels_h200.json"
 }
 
 group_gemm() {
-  run gemm_h200 420 "$OUT/gemm_h200.json" \
-    python3 benchmarks/bench_gemm.py --out "$OUT/gemm_h200.json"
+  run gemm_h200 420 "$OUT/step/gemm_h200.json" \
+    python3 benchmarks/step/bench_gemm.py --out "$OUT/step/gemm_h200.json"
 }
 
 group_serve() {
   # one server (warmed up before ready) serves every concurrency in turn (issue 21)
-  run serve_warmup_h200 300 "$OUT/serve_warmup_h200.json" \
+  run serve_warmup_h200 300 "$OUT/serving/serve_warmup_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
-    --concurrency 1 8 32 64 --requests 512 --json "$OUT/serve_warmup_h200.json"
+    --concurrency 1 8 32 64 --requests 512 --json "$OUT/serving/serve_warmup_h200.json"
   # the first 64 requests after ready against the next 64 (a fresh server each)
-  run serve_first64_h200 200 "$OUT/serve_first64_h200.json" \
+  run serve_first64_h200 200 "$OUT/serving/serve_first64_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
-    --concurrency 32 32 --requests 64 --json "$OUT/serve_first64_h200.json"
-  run serve_steady_llada8b_h200 360 "$OUT/serve_steady_llada8b_h200.json" \
+    --concurrency 32 32 --requests 64 --json "$OUT/serving/serve_first64_h200.json"
+  run serve_steady_llada8b_h200 360 "$OUT/serving/serve_steady_llada8b_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --model-shape llada-8b --max-tokens 64 --concurrency 1 32 64 --requests 32 256 512 \
-    --json "$OUT/serve_steady_llada8b_h200.json"
-  run serve_first64_llada8b_h200 300 "$OUT/serve_first64_llada8b_h200.json" \
+    --json "$OUT/serving/serve_steady_llada8b_h200.json"
+  run serve_first64_llada8b_h200 300 "$OUT/serving/serve_first64_llada8b_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
     --model-shape llada-8b --max-tokens 64 --concurrency 32 32 --requests 64 \
-    --json "$OUT/serve_first64_llada8b_h200.json"
+    --json "$OUT/serving/serve_first64_llada8b_h200.json"
 }
 
 group_pd() {
   # prefill and decode workers sharing the GPU (CUDA IPC) must equal colocated serving
   run pd_gpu_tests 300 - env FLASH_DLLM_PD_DEVICE=cuda python3 -m pytest tests/test_disagg.py \
     -q -p no:cacheprovider -k "colocated or abort_in_every"
-  run kv_pages_h200 240 "$OUT/kv_pages_h200.json" \
-    python3 benchmarks/bench_kv_pages.py --json "$OUT/kv_pages_h200.json"
-  run pd_h200 420 "$OUT/pd_h200.json" \
+  run kv_pages_h200 240 "$OUT/disagg/kv_pages_h200.json" \
+    python3 benchmarks/disagg/bench_kv_pages.py --json "$OUT/disagg/kv_pages_h200.json"
+  run pd_h200 420 "$OUT/disagg/pd_h200.json" \
     "${FD[@]}" bench pd --parts serve --device cuda --dtype bfloat16 --model-shape llada-8b \
     --kv-cache-gb 24 --pd-staging-gb 8 --long-prompt 3072 --short-prompt 64 --long-frac 0.25 \
-    --requests 48 --rate 6 --max-tokens 64 --block-length 32 --json "$OUT/pd_h200.json"
+    --requests 48 --rate 6 --max-tokens 64 --block-length 32 --json "$OUT/disagg/pd_h200.json"
 }
 
 group_eval() {
   local s d
-  run eval_matrix_arith_h200 240 "$OUT/eval_matrix_arith_h200.json" \
+  run eval_matrix_arith_h200 240 "$OUT/cache-modes/eval_matrix_arith_h200.json" \
     "${FD[@]}" eval --suite arith --n 200 --device cuda --dtype bfloat16 --matrix --no-progress \
-    --json "$OUT/eval_matrix_arith_h200.json"
+    --json "$OUT/cache-modes/eval_matrix_arith_h200.json"
   for s in arith code; do
-    run "eval_exact_${s}_h200" 120 "$OUT/eval_exact_${s}_h200.json" \
+    run "eval_exact_${s}_h200" 120 "$OUT/accuracy/eval_exact_${s}_h200.json" \
       "${FD[@]}" eval --suite "$s" --n 500 --device cuda --max-num-seqs 512 --no-progress \
-      --json "$OUT/eval_exact_${s}_h200.json"
+      --json "$OUT/accuracy/eval_exact_${s}_h200.json"
   done
   for s in arith code; do
     for d in threshold verify; do
-      run "eval_${s}_${d}_dual_b1_h200" 60 "$OUT/eval_${s}_${d}_dual_b1_h200.json" \
+      run "eval_${s}_${d}_dual_b1_h200" 60 "$OUT/verify/eval_${s}_${d}_dual_b1_h200.json" \
         "${FD[@]}" eval --suite "$s" --n 100 --device cuda --max-num-seqs 1 --decode "$d" \
-        --cache dual --no-progress --json "$OUT/eval_${s}_${d}_dual_b1_h200.json"
+        --cache dual --no-progress --json "$OUT/verify/eval_${s}_${d}_dual_b1_h200.json"
     done
   done
 }
 
 group_ab() {
-  local ab=$OUT/fused_step_ab_h200 name flag
+  local ab=$OUT/step/fused_step_ab_h200 name flag
   mkdir -p "$ab"
   # batch-1 eval: general path first and last (the first process also fills Triton's cache)
   for name in general_1 fused general_2; do

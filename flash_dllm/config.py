@@ -235,7 +235,7 @@ class EngineConfig:
     # with a disk tier: read the disk copies of waiting requests' reusable prefixes into host
     # memory while they wait (queue-ahead prefetch, ``KVCacheManager.prefetch``); off until a
     # GPU benchmark shows it pays (on the CPU it helped one host-tier size and hurt another:
-    # benchmarks/results/prefetch_multiturn_cpu.json)
+    # benchmarks/results/kv-tiers/prefetch_multiturn_cpu.json)
     kv_prefetch: bool = False
     # ema / kag (cache/access_graph.py): neighbours kept per page, and when a request's
     # attention evidence is handed over: "every-block" or "every-N-steps" (N >= 1)

@@ -13,7 +13,8 @@ pytest.importorskip("matplotlib")
 from flash_dllm.bench.plots import memory_figure, multiturn_figure, plot_report
 from flash_dllm.cli import main
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = (Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+           / "kv-tiers")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

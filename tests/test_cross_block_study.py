@@ -1,6 +1,7 @@
-"""benchmarks/cross_block_study.py's decoding loop: without lookahead it is the engine's threshold
-decoding (cache none) token for token, and forward for forward; with lookahead it commits early
-only slots of the block after the one just completed (and, on these prompts, takes no more forwards)."""
+"""benchmarks/verify/cross_block_study.py's decoding loop: without lookahead it is the engine's
+threshold decoding (cache none) token for token, and forward for forward; with lookahead it commits
+early only slots of the block after the one just completed (and, on these prompts, takes no more
+forwards)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,7 @@ import pytest
 from flash_dllm.config import SamplingParams
 from flash_dllm.entrypoints.llm import LLM
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cross_block_study.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "verify" / "cross_block_study.py"
 _spec = importlib.util.spec_from_file_location("cross_block_study", _PATH)
 cb = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("cross_block_study", cb)

@@ -1,6 +1,6 @@
-"""benchmarks/cross_block_verify_study.py's loop, written without engine code, equals the engine:
-in-block verification alone is ``decode="verify", cache="none"`` token for token and forward for
-forward (both model families), no verification is threshold decoding; cross-block drafts are
+"""benchmarks/verify/cross_block_verify_study.py's loop, written without engine code, equals the
+engine: in-block verification alone is ``decode="verify", cache="none"`` token for token and forward
+for forward (both model families), no verification is threshold decoding; cross-block drafts are
 only ever the next block's slots."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from test_sampler import PROMPTS, run_engine, tiny
 
 from flash_dllm.config import SamplingParams
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cross_block_verify_study.py"
+_PATH = (Path(__file__).resolve().parents[1] / "benchmarks" / "verify"
+         / "cross_block_verify_study.py")
 _spec = importlib.util.spec_from_file_location("cross_block_verify_study", _PATH)
 cbv = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("cross_block_verify_study", cbv)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "flash-dllm.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
-CHECK = ROOT / "benchmarks" / "results" / "dashboard_check_cpu.json"
+CHECK = ROOT / "benchmarks" / "results" / "serving" / "dashboard_check_cpu.json"
 PROMTOOL = shutil.which("promtool")
 NAME = re.compile(r"\bflash_dllm_[a-zA-Z0-9_]+")
 

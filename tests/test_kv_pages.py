@@ -470,7 +470,8 @@ def test_packed_shape_and_bytes():
 
 
 def test_bench_smoke_runs_on_cpu(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kv_pages.py"
+    path = (Path(__file__).resolve().parents[1] / "benchmarks" / "disagg"
+            / "bench_kv_pages.py")
     spec = importlib.util.spec_from_file_location("bench_kv_pages", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,7 +1,8 @@
-"""benchmarks/placement_trace.py: its simulation of a request larger than the pool, replayed from
-the trace a real run left, loads the same host pages and counts the same L0 hits as the engine
-did (every placement, lazy or exact, dual and prefix, LLaDA and Dream's shifted window); and its
-scaling keeps the trace's shape (steps, the prompt's share of the mass, the answer's pages)."""
+"""benchmarks/placement/placement_trace.py: its simulation of a request larger than the pool,
+replayed from the trace a real run left, loads the same host pages and counts the same L0 hits as
+the engine did (every placement, lazy or exact, dual and prefix, LLaDA and Dream's shifted window);
+and its scaling keeps the trace's shape (steps, the prompt's share of the mass, the answer's
+pages)."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,8 @@ from flash_dllm.engine.engine import Engine
 from test_kv_overflow import LONG, PS, _params, _run
 from test_sampler import tiny
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "placement_trace.py"
+_PATH = (Path(__file__).resolve().parents[1] / "benchmarks" / "placement"
+         / "placement_trace.py")
 _spec = importlib.util.spec_from_file_location("placement_trace", _PATH)
 pt = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("placement_trace", pt)

@@ -1,7 +1,7 @@
 """The README's examples that ask the default (demo) model a question, run as a user would, must
 give a sensible answer (issue 17): the quick start's generate, the Python API block that uses the
-demo, every curl example against a real server (over the real ``curl``), and the proxy example of
-checkpoints/README.md.
+demo, every curl example of the README and of docs/serving.md against a real server (over the real
+``curl``), and the proxy example of checkpoints/README.md.
 
 The examples are read from the READMEs at test time, so an edited example is the one tested. Each
 question must have a check below (a new one fails until it gets one). Examples that need a
@@ -109,9 +109,9 @@ def demo_server():
         yield srv
 
 
-def _curl_commands() -> list[str]:
+def _curl_commands(path: Path) -> list[str]:
     cmds = []
-    for block in _blocks(ROOT / "README.md", "bash"):
+    for block in _blocks(path, "bash"):
         if "curl -s" not in block or "localhost:8000" not in block:
             continue
         parts = re.split(r"\n(?=curl )", block.strip())
@@ -122,7 +122,10 @@ def _curl_commands() -> list[str]:
 def test_every_curl_example_answers_sensibly(demo_server):
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
-    cmds = _curl_commands()
+    readme = _curl_commands(ROOT / "README.md")
+    assert readme, "the README shows the server answering a question (a curl example)"
+    # the README's own first, then the serving page's (an example on both pages runs once)
+    cmds = list(dict.fromkeys(readme + _curl_commands(ROOT / "docs" / "serving.md")))
     assert len(cmds) >= 5, cmds
     port = demo_server.url.rsplit(":", 1)[1]
     seen = set()
@@ -153,5 +156,5 @@ def test_every_curl_example_answers_sensibly(demo_server):
             else:
                 text = resp["choices"][0]["text"]
         _check(question, text)
-        seen.add(cmd.split()[2].rsplit("/", 1)[-1])
-    assert {"completions", "generate", "metrics"} <= seen, seen
+        seen.add(cmd.split()[2].split(":8000", 1)[1])           # the endpoint's path
+    assert {"/v1/completions", "/v1/chat/completions", "/generate", "metrics"} <= seen, seen

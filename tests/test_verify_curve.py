@@ -1,11 +1,13 @@
-"""benchmarks/verify_curve.py's frontier figures (issue 17's done-when ratios), on made-up runs."""
+"""benchmarks/verify/verify_curve.py's frontier figures (issue 17's done-when ratios), on made-up
+runs."""
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_curve.py"
+_PATH = (Path(__file__).resolve().parents[1] / "benchmarks" / "verify"
+         / "verify_curve.py")
 _spec = importlib.util.spec_from_file_location("verify_curve", _PATH)
 vc = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("verify_curve", vc)

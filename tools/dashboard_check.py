@@ -12,8 +12,8 @@ prove is how Grafana renders it.
 Needs ``prometheus`` on PATH (Debian: ``apt-get install prometheus``; ``--prometheus`` for
 another binary) and matplotlib (``pip install -e ".[plot]"``). About three minutes on two cores:
 
-    python tools/dashboard_check.py --json benchmarks/results/dashboard_check_cpu.json \\
-        --png benchmarks/results/dashboard_check_cpu.png
+    python tools/dashboard_check.py --json benchmarks/results/serving/dashboard_check_cpu.json \\
+        --png benchmarks/results/serving/dashboard_check_cpu.png
 
 The load, all at once against one demo-model server with a small L0, an L1 and a disk tier,
 ``--kv-placement kag`` and ``--kv-prefetch``: multi-turn chat sessions (prefix reuse,

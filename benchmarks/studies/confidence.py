@@ -1,10 +1,10 @@
 """Masked confidence: LM head + (argmax, max-prob, entropy) over the vocab in one pass.
 
-STUDY, not used by the engine (moved out of ``flash_dllm/kernels``). ``benchmarks/bench_kernels.py``
-(``benchmarks/results/kernels_h200.json``): 85 % of the copy rate at 32 rows, but only 376 TFLOP/s
-at a batch-64 step's 2,048 rows, where the LM head is compute-bound and cuBLAS runs near the
-~790 TFLOP/s matmul rate; the engine keeps the LM head in cuBLAS and proposes with
-``flash_dllm/kernels/argmax_confidence.py``.
+STUDY, not used by the engine (moved out of ``flash_dllm/kernels``).
+``benchmarks/step/bench_kernels.py`` (``benchmarks/results/step/kernels_h200.json``): 85 % of the
+copy rate at 32 rows, but only 376 TFLOP/s at a batch-64 step's 2,048 rows, where the LM head is
+compute-bound and cuBLAS runs near the ~790 TFLOP/s matmul rate; the engine keeps the LM head
+in cuBLAS and proposes with ``flash_dllm/kernels/argmax_confidence.py``.
 Tests: ``python3 -m pytest benchmarks/studies -q``.
 
 Given final-normed hidden rows ``h [N, d]`` (the masked slots only) and the LM head ``W [V, d]``,

@@ -1,8 +1,9 @@
 """Skinny GEMM: ``y = x @ W^T`` for few rows (a batch-1 dLLM step has 32), bound by reading W.
 
-STUDY, not used by the engine (moved out of ``flash_dllm/kernels``): ``benchmarks/bench_gemm.py``
-measured it against cuBLAS on LLaDA-8B shapes (``benchmarks/results/gemm_h200.json``) and cuBLAS
-was as fast; see ``benchmarks/FINDINGS.md``. Tests: ``python3 -m pytest benchmarks/studies -q``.
+STUDY, not used by the engine (moved out of ``flash_dllm/kernels``):
+``benchmarks/step/bench_gemm.py`` measured it against cuBLAS on LLaDA-8B shapes
+(``benchmarks/results/step/gemm_h200.json``) and cuBLAS was as fast; see
+``benchmarks/findings/step.md``. Tests: ``python3 -m pytest benchmarks/studies -q``.
 
 With 32 rows a linear layer does 64 FLOPs per weight byte read at most, so its time is the time to
 stream W from HBM. cuBLAS tiles for compute (large M tiles, few CTAs over N) and streams an 8B

@@ -204,7 +204,7 @@ def _lazy_cases(model, cfg, prompt, params, dev, page_size, res_pages, n_pages, 
     steps of the blocks after the first (whose refresh moved the resident set) are timed.
     Random weights: which pages the attention picks means nothing, so the step time against
     the bytes it streamed is the figure here (median over the lazy steps of ``reps - 1`` runs
-    after an untimed one) (``benchmarks/placement_overflow.py`` measures
+    after an untimed one) (``benchmarks/placement/placement_overflow.py`` measures
     hits and accuracy on trained checkpoints)."""
     out = {"budget": budget, "predictor": predictor, "cases": {}}
     for placement in placements or ("ema",):

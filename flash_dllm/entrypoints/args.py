@@ -276,7 +276,7 @@ def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
 # ---------------------------------------------------------------------------------- threads
 # NOTE: why the CPU default is not one thread per core (issue 18). Measured on the 2-core CI-like
 # VM, demo model, the README's generate (answer time as printed, 3 runs each;
-# benchmarks/threads_cpu.py -> threads_cpu.json): with another process keeping one core busy,
+# benchmarks/step/threads_cpu.py -> threads_cpu.json): with another process keeping one core busy,
 # 2 threads took 3.4-5.3 s and 1 thread 1.3-1.6 s; on an idle machine 2 threads took 1.0 s and
 # 1 thread 1.05-1.5 s. torch's OpenMP workers spin-wait at
 # the end of every parallel region: when a neighbour holds a core, every matmul waits for the

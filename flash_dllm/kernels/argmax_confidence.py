@@ -12,7 +12,7 @@ up to summation order; ties go to the lowest index, as ``torch.argmax``'s do.
 
 The LM head GEMM stays in cuBLAS: at N = 2,048 it is compute-bound and cuBLAS is faster than the
 fused LM-head kernel (``benchmarks/studies/confidence.py``, measured in
-``benchmarks/results/kernels_h200.json``).
+``benchmarks/results/step/kernels_h200.json``).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b *
 Split-KV (flash-decoding) for small batches: with few requests the grid has few programs (batch 1
 of LLaDA-8B: 32 heads x 1 query tile = 32 programs on 132 SMs), each streaming its request's whole
 canvas of keys, so attention ran at ~10 % of the copy bandwidth (1.25 ms of a 6.2 ms step,
-``benchmarks/results/profile_step_h200.json``). Given a host bound ``max_seqlen_k`` on the key
+``benchmarks/results/step/profile_step_h200.json``). Given a host bound ``max_seqlen_k`` on the key
 counts, ``paged_attention_triton`` then splits each request's keys into ``num_splits`` chunks of
 ``chunk`` keys; program ``(m, h, b * num_splits + s)`` writes chunk s's normalised partial output
 and its log2-sum-exp (fp32) to a workspace, and a second kernel merges the chunks per (row,

@@ -174,7 +174,8 @@ def default_config(T: int, N: int, K: int, head_dim: int = 128, num_sms: int = 1
     while block_c > 16 and row_tiles * (N // head_dim) * (half // block_c) < 2 * num_sms:
         block_c //= 2
     # BLOCK_K 256, 3 stages: best of 24 tiles for LLaDA-8B at 32 rows on the H200, inside a CUDA
-    # graph (``benchmarks/sweep_qkv_rope.py``, results/sweep_qkv_rope_h200.json): 1.015 ms for
+    # graph (``benchmarks/step/sweep_qkv_rope.py``, results/step/sweep_qkv_rope_h200.json): 1.015 ms
+    # for
     # 32 layers, as fast as cuBLAS + rope_cache (1.010); BLOCK_K 128 / 4 stages took 1.056
     return dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=256, num_warps=4, num_stages=3)
 
