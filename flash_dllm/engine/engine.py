@@ -14,7 +14,8 @@ One ``step()`` is three calls across the engine's seams:
 
 Requests at different blocks, steps, cache modes and policies share the same forward. ``Engine``
 implements ``EngineCore`` (``engine/core.py``), as the tensor-parallel engine and the
-disaggregated router do.
+disaggregated router do; ``detach`` / ``attach`` move a running request between engines
+(``disagg/migrate.py``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
-from flash_dllm.worker.runner import ModelRunner
+from flash_dllm.worker.runner import ModelRunner, SeqState
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,41 @@ class Engine:
 
     def close(self) -> None:
         """Nothing beyond memory to release (``EngineCore``)."""
+
+    # -------------------------------------------------------------------------------- migration
+    def device_state(self, request_id: str) -> SeqState | None:
+        """The runner's device state of a request that ran a step, else None."""
+        # (read as it is: ``ModelRunner.seq`` would reset a finished block's state)
+        return self.runner._states.get(request_id)
+
+    def detach(self, request_id: str) -> Request | None:
+        """Take a running request out without finishing it (prefill/decode migration): its
+        pages and device state are freed, never published, its placement evidence dropped.
+        Read what must travel (``device_state``, its pages) first. None: unknown id."""
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        self._block_mass.pop(request_id, None)
+        self._mass_steps.pop(request_id, None)
+        self.kv_manager.free(request_id, None)
+        self.runner.release(request_id)
+        return req
+
+    def attach(self, req: Request, pages: list[int], restore=None) -> None:
+        """Put ``req``, a request moved here between steps with its ``pages`` reserved and
+        filled, in the running batch; ``restore(state)`` first fills its new device state
+        (``SeqState``; if it raises, the state is dropped and ``req`` stays out). The caller
+        checks that a running slot is free."""
+        st = self.runner.seq(req, pages)
+        if restore is not None:
+            try:
+                restore(st)
+            except BaseException:
+                self.runner.release(req.request_id)
+                raise
+        self.scheduler.running.append(req)
+        self.scheduler.invalidate()
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
