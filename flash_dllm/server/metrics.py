@@ -28,6 +28,7 @@ PREFIX = "flash_dllm_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TIERS = ("l0", "l1", "l2")
 TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
 
 
@@ -95,15 +96,15 @@ class _SnapshotCollector:
     """Everything rendered from the engine's stats snapshot: ONE snapshot per scrape (read
     once), so the families of a scrape agree with each other."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, aeng: AsyncEngine) -> None:
+        self.aeng = aeng
         self._evictions = (0, time.monotonic(), 0.0)     # (count, time, rate) for the EMA
 
     def describe(self):
         return []
 
     def collect(self):
-        snap: EngineStats = self.engine.stats
+        snap: EngineStats = self.aeng.stats
         g = GaugeMetricFamily(PREFIX + "kv_pages_used",
                               "KV pages reserved by admitted requests (cached pages excluded).")
         g.add_metric([], snap.pages_used)
@@ -130,7 +131,7 @@ class _SnapshotCollector:
                            snap.overflow.steps)
         if snap.disagg is not None:
             yield from _disagg(snap.disagg)
-        yield from _runtime(self.engine, snap)
+        yield from _runtime(self.aeng, snap)
 
     def _tiers(self, t: TierStats):
         """Memory tiers and prefix reuse (the KV manager's and the offloader's counters)."""
@@ -210,8 +211,6 @@ class _SnapshotCollector:
                                  f"Seconds per page {name}ed between GPU and host memory.", h)
 
 
-TIERS = ("l0", "l1", "l2")
-
 
 def _sentinels(snap: EngineStats):
     """``flash_dllm_sentinel_triggers_total{sentinel}`` and ``..._checks_total{sentinel}`` (their
@@ -270,7 +269,7 @@ def _disagg(d: DisaggStats):
         yield g
 
 
-def _runtime(engine: AsyncEngine, snap: EngineStats):
+def _runtime(aeng: AsyncEngine, snap: EngineStats):
     """Start-up and stalls (issue 21): time to ready, the warm-up, and the kernel compiles and
     CUDA graph captures that happened after ready (at steady state these stay at 0)."""
     import flash_dllm
@@ -289,7 +288,7 @@ def _runtime(engine: AsyncEngine, snap: EngineStats):
     yield _counter("graph_captures", "CUDA graphs captured.", rt.graph_captures)
     yield _counter("graph_replays", "Steps replayed from a CUDA graph.", rt.graph_replays)
     yield _counter("eager_forwards", "Forwards run without a CUDA graph.", rt.eager_forwards)
-    at = engine.at_ready
+    at = aeng.at_ready
     for name, doc in (("kernel_compiles", "Kernel compiles after the server became ready."),
                       ("graph_captures", "CUDA graph captures after the server became "
                                          "ready.")):
@@ -298,10 +297,10 @@ def _runtime(engine: AsyncEngine, snap: EngineStats):
     ready = GaugeMetricFamily(PREFIX + "time_to_ready_seconds",
                               "From the package's import to ready (model load and warm-up "
                               "included); NaN until ready.")
-    ready.add_metric([], float("nan") if engine.ready_at is None
-                     else engine.ready_at - flash_dllm.IMPORTED_AT)
+    ready.add_metric([], float("nan") if aeng.ready_at is None
+                     else aeng.ready_at - flash_dllm.IMPORTED_AT)
     yield ready
-    rep = engine.warmup_report
+    rep = aeng.warmup_report
     warm = GaugeMetricFamily(PREFIX + "warmup_seconds", "Seconds the warm-up took (0: none).")
     warm.add_metric([], 0.0 if rep is None else rep.seconds)
     yield warm
