@@ -259,7 +259,7 @@ class _Pair:
 
     def held(self) -> list:
         return [(w.engine.kv_manager.num_used, len(w.alloc.allocated()), len(w.sends),
-                 len(w.recvs) + len(w.landed), len(w.queued)) for w in self.w]
+                 len(w.rx.recvs) + len(w.rx.landed), len(w.rx.queued)) for w in self.w]
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -320,7 +320,7 @@ def test_corrupted_segment_is_never_served(groups):
         if "bad" in p.failed and "good" in p.finished:
             break
     assert "checksum mismatch" in p.failed["bad"] and "not served" in p.failed["bad"]
-    assert p.w[1].checksum_failures == 1
+    assert p.w[1].rx.checksum_failures == 1
     assert "good" in p.finished and "good" not in p.failed
     assert p.w[1].engine.scheduler.find("bad") is None            # never ran on the decode side
     for _ in range(5):
@@ -332,7 +332,7 @@ def test_corrupted_segment_is_never_served(groups):
 def test_abort_in_transit_still_drains_the_segment(groups):
     p = _Pair(polls=50, groups=groups)
     p.add("x", 3)
-    while not p.w[1].queued and not p.w[1].recvs:
+    while not p.w[1].rx.queued and not p.w[1].rx.recvs:
         p.tick()
     p.to[0].append(W.Abort("x"))
     p.to[1].append(W.Abort("x"))

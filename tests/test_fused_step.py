@@ -1,4 +1,4 @@
-"""The fused step (the runner's ``step`` capture mode, ``worker/step_graph.py``: a whole steady
+"""The fused step (the runner's ``step`` capture mode, ``worker/fused_step.py``: a whole steady
 greedy step as one CUDA graph) run eagerly on the CPU against the general step path, and its
 eligibility rules. tests/gpu checks the captured graphs."""
 from __future__ import annotations
@@ -257,7 +257,7 @@ def _fused_verify_steps(model, prompts, params, **kw) -> int:
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("rule,max_verify", [("agree", None), ("cumprod", 3), ("agree", 1)])
 def test_fused_verify_equals_general_path(family, cache, rule, max_verify):
-    """The fused verify step (``worker/verify_graph.py``: drafts padded to the batch's
+    """The fused verify step (``decoding/policies/verify_fused.py``: drafts padded to the batch's
     max_verify, verification rows attended in one batched call, acceptance without host reads)
     commits exactly what the general path commits, with the same forwards and verify
     counters, over requests of different canvas lengths (Dream: the shifted mask views)."""

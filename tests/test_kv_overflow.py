@@ -235,14 +235,17 @@ def test_a_lazy_step_that_keeps_every_page_equals_the_exact_step(monkeypatch):
 
 
 def test_a_disaggregated_engine_refuses_a_request_larger_than_the_pool_with_a_400():
-    """``PDEngine.validate`` runs ``Engine.validate`` on an engine without a runner: a prompt
-    larger than the pool is a ValueError (HTTP 400) that says why, not an AttributeError."""
-    from types import SimpleNamespace
+    """``PDEngine.validate`` checks a request against its smallest worker pool, which cannot
+    stream an overflow: a prompt larger than the pool is a ValueError (HTTP 400) that says why,
+    not an AttributeError; a single engine without --kv-overflow-gb refuses it too."""
+    from flash_dllm.disagg.router import PREFILL, PDEngine, WorkerHandle
     model = tiny("llada", seed=8)
-    eng = Engine(model, model.cfg, EngineConfig(page_size=PS, num_kv_pages=6))
-    pd_like = SimpleNamespace(cfg=eng.cfg, kv_manager=eng.kv_manager)
+    config = EngineConfig(page_size=PS, num_kv_pages=6)
+    eng = Engine(model, model.cfg, config)
+    worker = WorkerHandle(0, PREFILL, proc=None, ready=True, num_pages=6, page_size=PS)
+    pd = PDEngine(eng.cfg, config, [worker], listener=None, timeout_s=1.0)
     with pytest.raises(ValueError, match="not supported with --disaggregate"):
-        Engine.validate(pd_like, LONG, _params())
+        pd.validate(LONG, _params())
     with pytest.raises(ValueError, match="send a shorter request"):
         eng.add_request(LONG, _params(cache="none"))
 

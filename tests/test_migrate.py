@@ -133,7 +133,7 @@ def test_import_waits_when_pages_do_not_fit():
 
 def test_request_with_drafts_in_the_fused_store_migrates():
     """A verify request whose drafts a fused step left in the runner's draft store
-    (``worker/verify_graph.py``) moves with them: it finishes as if it had stayed."""
+    (``decoding/policies/verify_fused.py``) moves with them: it finishes as if it had stayed."""
     from dataclasses import replace
     model = tiny("dream", seed=4)
     fused = replace(CFG, fused_step=True)

@@ -128,6 +128,10 @@ def test_the_server_engine_keeps_serving_after_a_failed_step():
     assert err1 is not None and "injected fault" in str(err1)
     assert err2 is None and outs2[-1].finished and outs2[-1].finish_reason in ("stop", "length")
     assert aeng.error is None
+    # the failed step is counted, and exported from the published stats snapshot
+    from flash_dllm.server.metrics import ServerMetrics
+    assert aeng.stats.failed_steps == eng.stats["failed_steps"] == 1
+    assert "flash_dllm_failed_steps_total 1.0" in ServerMetrics(aeng).render().decode()
 
 
 def test_a_tensor_parallel_rank_never_isolates():

@@ -80,7 +80,7 @@ def test_tp2_equals_tp1_token_for_token(which, request):
 
 
 def test_fused_verify_steps_under_tp2_equal_the_general_path(dream_folder):
-    """Fused verify steps (worker/verify_graph.py) with heads and vocabulary sharded over two
+    """Fused verify steps (decoding/policies/verify_fused.py) with heads and vocabulary sharded over two
     ranks: the same tokens, forwards and accepted drafts as one process on the general path."""
     from dataclasses import replace
     ps = [SamplingParams(max_tokens=32, block_length=16, cache=c, decode="verify", gamma=g,

@@ -99,7 +99,7 @@ def snapshot(engine, request_id: str) -> RequestSnapshot:
     if req is None or req not in engine.running:
         raise MigrationError(f"request {request_id!r} is not running in this engine")
     runner = engine.runner
-    st = runner._states.get(request_id)
+    st = engine.device_state(request_id)
     if st is None:
         raise MigrationError(f"request {request_id!r} has not run a step yet: nothing to move")
     pages = engine.kv_manager.pages(request_id)
@@ -134,16 +134,9 @@ def pack_request(engine, request_id: str, out: torch.Tensor | None = None) -> to
 
 
 def detach(engine, request_id: str) -> None:
-    """Take a running request out of ``engine`` without finishing it: its pages and device state
-    are freed (never published), its placement evidence dropped."""
-    req = engine.scheduler.find(request_id)
-    if req is None:
-        return
-    engine.scheduler.remove(req)
-    engine._block_mass.pop(request_id, None)
-    engine._mass_steps.pop(request_id, None)
-    engine.kv_manager.free(request_id, None)
-    engine.runner.release(request_id)
+    """Take a running request out of ``engine`` without finishing it (``Engine.detach``: its
+    pages and device state are freed, never published)."""
+    engine.detach(request_id)
 
 
 def export_request(engine, request_id: str, out: torch.Tensor | None = None
@@ -231,8 +224,12 @@ def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
     for f, v in snap.fields.items():
         setattr(req, f, v)
     req.counters = copy.deepcopy(snap.counters)
-    st = engine.runner.seq(req, pages)
-    ds = snap.device_state
+    engine.attach(req, pages, lambda st: _restore(st, snap.device_state, dev))
+    return req
+
+
+def _restore(st, ds: dict, dev: torch.device) -> None:
+    """Put a snapshot's device state ``ds`` into the receiver's new ``SeqState``."""
     for name in _STATE_TENSORS:
         t = ds.get(name)
         setattr(st, name, None if t is None else t.to(dev))
@@ -252,10 +249,8 @@ def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
             g = torch.Generator(device=dev)
             setattr(st, name, g)
         g.set_state(state)
-    engine.scheduler.running.append(req)
-    engine.scheduler.invalidate()
-    return req
 
 
 def can_import(engine) -> bool:
-    return len(engine.scheduler.running) < engine.config.max_num_seqs
+    running, _ = engine.counts()
+    return running < engine.config.max_num_seqs

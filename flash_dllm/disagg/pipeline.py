@@ -56,7 +56,7 @@ class LayerSender:
             try:
                 sends.append(w.transport.send(dst, buf, tag + g))
             except (TransferError, ValueError, RuntimeError) as e:
-                w._emit(Failed(rid, f"sending its KV to worker {dst} failed: {e}"))
+                w.emit(Failed(rid, f"sending its KV to worker {dst} failed: {e}"))
                 self.active[rid] = (dst, tag, ids, parts, None, None)
                 continue
             w.track_send(sends[-1], buf, rid)
@@ -84,7 +84,7 @@ class LayerSender:
             parts = migrate.group_views(buf, shape, kv.dtype, self.groups)
             ids = torch.tensor(pages, dtype=torch.int32, device=eng.device)
             self.active[rid] = (dst, tag, ids, parts, [], buf)
-            w._emit(Announce(rid, dst, tag, r.canvas_len, len(self.groups)))
+            w.emit(Announce(rid, dst, tag, r.canvas_len, len(self.groups)))
 
     def forget(self, rid: str) -> None:
         self.pending.pop(rid, None)

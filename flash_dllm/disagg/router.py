@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation: the front end (router) over prefill and decode worker processes.
 
-``PDEngine`` stands where an ``Engine`` stands (the ``AsyncEngine`` drives it, so the OpenAI
-server, streaming, metrics and bad-input handling are unchanged), but it runs no model itself:
+``PDEngine`` is an ``EngineCore`` (``engine/core.py``): the ``AsyncEngine`` drives it as it drives
+an ``Engine``, so the OpenAI server, streaming, metrics and bad-input handling are unchanged,
+but it runs no model itself:
 
 1. ``add_request`` places the request on the least loaded live prefill worker and picks its
    decode worker (the least loaded live one) and a transfer tag;
@@ -10,7 +11,10 @@ server, streaming, metrics and bad-input handling are unchanged), but it runs no
    to the decode worker, which receives, unpacks and decodes the request to the end;
 3. ``step`` turns the workers' output events into ``StepOutput``s of host mirrors of the
    requests (``Request`` objects that only hold the committed answer), so ``output`` works as the
-   engine's does.
+   engine's does (``engine.core.request_output``);
+4. ``stats_snapshot`` is built from the workers' ``Stats`` reports and the router's counters;
+   ``validate`` checks a request against the smallest live worker pool (``limits``, swapped
+   whole when a worker says hello or is lost).
 
 Faults fail one request, never the server: a transfer that times out or fails (``Failed``), a
 worker that dies (its requests fail at once; no new request goes to it; requests already sent to
@@ -20,7 +24,7 @@ prefill and decode roles under load.
 
 NOTE (size): one file over ~400 lines because the request life cycle (placement, the phases
 prefill -> transit -> decode, and its end by output, abort, failure or a lost worker) is one
-state machine, and the engine-shaped API the async engine drives is a thin layer over it.
+state machine, and the ``EngineCore`` API the async engine drives is a thin layer over it.
 """
 from __future__ import annotations
 
@@ -32,11 +36,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Listener, wait
 
 from flash_dllm.config import EngineConfig, SamplingParams
-from flash_dllm.core.request import Request, StepOutput
+from flash_dllm.core.request import Request, RequestOutput, StepOutput
+from flash_dllm.core.stats import DisaggStats, EngineStats, WorkerStats
 from flash_dllm.disagg import messages as W
 from flash_dllm.disagg.roles import WorkerLoad
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
-from flash_dllm.engine.engine import Engine
+from flash_dllm.engine.core import RequestLimits, check_request, request_output
+from flash_dllm.engine.stats import runtime_stats
 
 PREFILL, DECODE = "prefill", "decode"
 TAG_STRIDE = 16          # a request's transfers use tags tag .. tag + 15 (one per layer group)
@@ -79,52 +85,6 @@ class _Track:
     announced: bool = False           # pipelined: the decode worker expects its layer groups
 
 
-class _PoolView:
-    """What the server reads of an engine's page pool: every live worker's, summed."""
-
-    def __init__(self, owner: "PDEngine") -> None:
-        self._o = owner
-
-    @property
-    def num_pages(self) -> int:
-        return sum(w.num_pages for w in self._o.workers if w.alive)
-
-    @property
-    def page_size(self) -> int:
-        return self._o.base_config.page_size
-
-    @property
-    def num_used(self) -> int:
-        return sum(w.stats.pages_used for w in self._o.workers if w.alive and w.stats)
-
-
-class _KVView(_PoolView):
-    """What admission checks read (``Engine.validate``): one request lives in ONE worker's pool,
-    so the smallest live pool bounds it."""
-
-    @property
-    def num_pages(self) -> int:
-        pools = [w.num_pages for w in self._o.workers if w.alive and w.ready]
-        return min(pools) if pools else 0
-
-    def pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
-
-    def can_ever_fit(self, n_tokens: int) -> bool:
-        n = self.num_pages
-        return n == 0 or self.pages_for(n_tokens) <= n
-
-
-class _WaitingView:
-    def __init__(self, owner: "PDEngine") -> None:
-        self._o = owner
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(w.stats.waiting + w.stats.recvs for w in self._o.workers
-                   if w.alive and w.stats)
-
-
 class PDEngine:
     """The front end of ``P`` prefill and ``D`` decode workers (see the module docstring).
     Start one with ``entrypoints.pd_launch.launch``; call ``wait_ready`` before use (the server
@@ -142,12 +102,7 @@ class PDEngine:
         n_dec = max(1, sum(w.role == DECODE for w in workers))
         # the async engine's accounting: every decode worker's running slots
         self.config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * n_dec)
-        self.pool = _PoolView(self)
-        self.kv_manager = _KVView(self)
         self._late: list[StepOutput] = []      # failures found outside the event loop
-        self.scheduler = _WaitingView(self)
-        self.runner = None
-        self.device = None
         self.tracks: dict[str, _Track] = {}
         self._tags = itertools.count(1)
         self._ids = itertools.count()
@@ -160,6 +115,7 @@ class PDEngine:
                    "worker_deaths": 0,
                    "role_switches": 0}
         self.steps_run = 0
+        self.limits = self._limits()
 
     def start_accepting(self) -> None:
         """Accept the workers' control connections in the background (``wait_ready`` reads
@@ -213,15 +169,20 @@ class PDEngine:
         w.ipc_handle = handle
         w.conn, w.pid, w.ready = W.Channel(conn), pid, True
         w.num_pages, w.page_size, w.max_num_seqs = num_pages, page_size, max_num_seqs
+        self.limits = self._limits()
 
-    # -------------------------------------------------------------------------------- engine API
-    @property
-    def running(self) -> list[Request]:
-        return [t.req for t in self.tracks.values()]
+    def _limits(self) -> RequestLimits:
+        """What ``validate`` checks: one request lives in ONE worker's pool, so the smallest
+        live pool bounds it (0 pages before any worker said hello: not checked)."""
+        pools = [w.num_pages for w in self.workers if w.alive and w.ready]
+        return RequestLimits(self.cfg.max_position, self.cfg.vocab_size,
+                             self.base_config.page_size, min(pools) if pools else 0)
 
+    # ------------------------------------------------------------------------------- EngineCore
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """As ``Engine.validate``, against the smallest worker pool."""
-        Engine.validate(self, prompt_ids, params)
+        """Raise ``ValueError`` naming the problem if the request can never run on the smallest
+        live worker (reads only ``limits``, swapped whole: any thread may call it)."""
+        check_request(prompt_ids, params, self.limits, _no_overflow)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None) -> Request:
@@ -266,8 +227,28 @@ class PDEngine:
                                                  or w.stats.sends or w.stats.recvs)
             for w in self.workers)
 
-    def output(self, req: Request):
-        return Engine.output(self, req)
+    def output(self, req: Request) -> RequestOutput:
+        return request_output(req)
+
+    def counts(self) -> tuple[int, int]:
+        """(requests in flight, requests the workers queue: for pages, or for their KV)."""
+        return len(self.tracks), sum(w.stats.waiting + w.stats.recvs for w in self.workers
+                                     if w.alive and w.stats is not None)
+
+    def stats_snapshot(self) -> EngineStats:
+        """Pages of every live worker (their latest reports), the router's counters and each
+        worker's state."""
+        live = [w for w in self.workers if w.alive]
+        running, waiting = self.counts()
+        st = self.stats
+        return EngineStats(
+            running=running, waiting=waiting,
+            pages_used=sum(w.stats.pages_used for w in live if w.stats is not None),
+            pages_total=sum(w.num_pages for w in live), page_size=self.base_config.page_size,
+            forwards=st["forwards"], tokens_committed=st["tokens_committed"],
+            step_seconds=st["step_seconds"], last_batch_size=st["last_batch_size"],
+            disagg=DisaggStats(**self.pd, workers=tuple(_worker_stats(w) for w in self.workers)),
+            runtime=runtime_stats(None))
 
     def step(self) -> list[StepOutput]:
         """Outputs that arrived from the workers (waits up to 20 ms for one)."""
@@ -437,6 +418,7 @@ class PDEngine:
         if not w.alive:
             return
         w.alive = False
+        self.limits = self._limits()
         self.pd["worker_deaths"] += 1
         self.error = f"worker {w.rank} ({w.role}) lost: {why}"
         outs = self._late
@@ -464,9 +446,22 @@ class PDEngine:
                 w.draining_to = to
 
     def pd_snapshot(self) -> dict:
-        """Counters and per-worker state for metrics and benchmarks."""
+        """Counters and per-worker state as a dict (benchmarks, tests; ``/metrics`` renders
+        ``stats_snapshot``, published by the async engine)."""
         return {**self.pd, "workers": [
             {"rank": w.rank, "role": w.role, "alive": w.alive, "prefilling": w.prefilling,
              "decoding": w.decoding,
              **({} if w.stats is None else dataclasses.asdict(w.stats))}
             for w in self.workers]}
+
+
+def _no_overflow(total: int, params: SamplingParams) -> str:
+    """Why a request larger than a worker's pool cannot run: no overflow streaming here."""
+    return "requests larger than the pool are not supported with --disaggregate"
+
+
+def _worker_stats(w: WorkerHandle) -> WorkerStats:
+    report = {} if w.stats is None else dataclasses.asdict(w.stats)
+    report.pop("rank", None)
+    return WorkerStats(rank=w.rank, role=w.role, alive=w.alive, prefilling=w.prefilling,
+                       decoding=w.decoding, reported=w.stats is not None, **report)

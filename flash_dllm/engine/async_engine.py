@@ -1,4 +1,4 @@
-"""AsyncEngine: an ``Engine`` stepping in its own thread, with one async output stream per request.
+"""AsyncEngine: an engine stepping in its own thread, with one async output stream per request.
 
 Continuous batching happens at step granularity: requests join (``submit``) and leave (finish,
 abort) *between* denoising steps, and every step is one packed forward over all running requests,
@@ -6,12 +6,25 @@ whatever their length, block, step or sampling knobs. Admission is by KV pages (
 a request whose canvas does not fit waits in the engine's queue; when that queue holds
 ``EngineConfig.max_waiting`` requests, ``submit`` refuses new ones with ``QueueFullError``.
 
-NOTE: only the engine thread touches the ``Engine``. The event loop talks to it through a command
+The engine is any ``EngineCore`` (``engine/core.py``: an ``Engine``, the tensor-parallel engine's
+rank 0, the disaggregated router), used through that contract only. The event loop's side of a
+request (its ``RequestStream``, the errors it raises, the hand-over of outputs) is
+``engine/streams.py``.
+
+NOTE: only the engine thread touches the engine. The event loop talks to it through a command
 inbox of typed messages (``AddRequest``, ``AbortRequest``) applied between steps, and the engine
-thread hands outputs back with ``loop.call_soon_threadsafe``. ``Engine.validate`` is the one call
-made from the loop: it reads only immutable configuration. Outputs are host data built from the
-step's ``StepOutput``s (no device access on publish) and carry token ids only: detokenising is the
+thread hands outputs back with ``loop.call_soon_threadsafe``. ``validate`` is the one engine call
+made from the loop: it reads only immutable data. Outputs are host data built from the step's
+``StepOutput``s (no device access on publish) and carry token ids only: detokenising is the
 consumer's job, on its own thread (the server does it incrementally on the event loop).
+
+NOTE (stats): what other threads read of the engine's state is ``stats``, an immutable
+``EngineStats`` the engine thread swaps in whole (``/metrics`` renders only it): after a step or
+inbox commands, at most every ``STATS_INTERVAL_S`` while the engine is busy (a snapshot scans
+the page ledger), and always at the first step after an idle one and when it goes idle, before
+the outputs of that round are posted (a client that got its last output reads final values).
+``num_running`` / ``num_waiting`` are counted after every step (admission control needs them
+exact).
 """
 from __future__ import annotations
 
@@ -20,49 +33,21 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from dataclasses import dataclass
+from typing import AsyncIterator
 
-from flash_dllm.config import SamplingParams
+from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
-from flash_dllm.engine.engine import Engine
-from flash_dllm.worker.compile_watch import KERNEL_COMPILES, runtime_counts
+from flash_dllm.core.stats import EngineStats, RuntimeStats
+from flash_dllm.engine.core import EngineCore
+# (the stream side's names are re-exported: the server imports them from here)
+from flash_dllm.engine.streams import (EngineUnavailableError, QueueFullError,  # noqa: F401
+                                       RequestFailedError, RequestStream, StepObserver, Stream,
+                                       post, post_many)
+from flash_dllm.worker.compile_watch import KERNEL_COMPILES
 
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting for pages; retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine is draining (shutting down) or its step thread died."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed (e.g. its KV transfer between workers timed out); others go on."""
-
-
-class StepObserver(Protocol):
-    """Receives engine events (on the engine thread); the server's metrics implement it."""
-
-    def on_step(self, seconds: float, batch_size: int) -> None: ...
-    def on_tokens(self, n: int) -> None: ...
-    def on_first_token(self, seconds: float) -> None: ...
-    def on_finish(self, output: RequestOutput, seconds: float) -> None: ...
-
-
-@dataclass
-class _Stream:
-    """Loop-side end of one request: outputs arrive in ``queue``; ``None`` in it ends the stream."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    finished: bool = False
+# while the engine is busy, a new stats snapshot at most this often (seconds)
+STATS_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -73,7 +58,7 @@ class AddRequest:
     params: SamplingParams
     request_id: str
     prompt: str | None
-    stream: _Stream
+    stream: Stream
 
 
 @dataclass(frozen=True)
@@ -88,51 +73,12 @@ class _Live:
     """Engine-thread view of one request."""
 
     req: Request
-    stream: _Stream
+    stream: Stream
     emitted: int = 0                 # committed-prefix length last published
 
 
-class RequestStream:
-    """Async iterator over one request's outputs: a new ``RequestOutput`` whenever its committed
-    prefix grew, and a final one (``finished=True``). Closing it early aborts the request."""
-
-    def __init__(self, owner: "AsyncEngine", stream: _Stream) -> None:
-        self._owner = owner
-        self._s = stream
-
-    @property
-    def request_id(self) -> str:
-        return self._s.request_id
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._s.finished:
-            raise StopAsyncIteration
-        item = await self._s.queue.get()
-        if isinstance(item, RequestFailedError):
-            self._s.finished = True
-            raise EngineUnavailableError(f"request failed: {item}") from item
-        if isinstance(item, BaseException):
-            self._s.finished = True
-            raise EngineUnavailableError(f"engine step failed: {item!r}") from item
-        if item.finished:
-            self._s.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Abort the request unless it already finished (idempotent)."""
-        if not self._s.finished:
-            self._s.finished = True
-            self._owner.abort(self._s.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
-
-
 class AsyncEngine:
-    def __init__(self, engine: Engine, observer: StepObserver | None = None,
+    def __init__(self, engine: EngineCore, observer: StepObserver | None = None,
                  warmup=None) -> None:
         """``warmup``: a callable ``warmup(engine) -> report`` (``worker/warmup.py``) the step
         thread runs before anything else; until it returns the engine is not ready (requests
@@ -142,15 +88,20 @@ class AsyncEngine:
         self._warmup = warmup
         self.warming = warmup is not None
         self.warmup_report = None
-        self.at_ready: dict | None = None      # runtime_counts when the engine became ready
+        self.at_ready: RuntimeStats | None = None    # the snapshot's when the engine got ready
         self.ready_at: float | None = None if warmup is not None else time.perf_counter()
         self._cv = threading.Condition()
         self._inbox: deque[AddRequest | AbortRequest] = deque()
         self._live: dict[str, _Live] = {}            # engine thread only
         self._ids: set[str] = set()                  # ids submitted and not yet finished
         self._pending_adds = 0                       # adds in the inbox (guarded by _cv)
-        self._engine_waiting = 0                     # snapshot after each step
+        self._engine_waiting = 0                     # engine.counts() after each step
         self._engine_running = 0
+        # NOTE: built here before the engine thread starts; later only by the engine thread
+        self.stats: EngineStats = engine.stats_snapshot()
+        self._stats_at = time.monotonic()
+        self._stats_stale = False                    # the engine changed since ``stats``
+        self._stats_idle = True                      # ``stats`` is of an idle engine
         self._thread: threading.Thread | None = None
         self._stop = False
         self.draining = False
@@ -172,6 +123,16 @@ class AsyncEngine:
                 self._thread = threading.Thread(target=self._run, name="flash-dllm-engine",
                                                 daemon=True)
                 self._thread.start()
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration (immutable)."""
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's maximum canvas length (prompt + max_tokens)."""
+        return self.engine.cfg.max_position
 
     @property
     def alive(self) -> bool:
@@ -204,9 +165,8 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5.0)
-        close = getattr(self.engine, "close", None)
-        if close is not None and (self._thread is None or not self._thread.is_alive()):
-            await asyncio.to_thread(close)
+        if self._thread is None or not self._thread.is_alive():
+            await asyncio.to_thread(self.engine.close)
 
     # --------------------------------------------------------------------------------- requests
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -223,7 +183,7 @@ class AsyncEngine:
                 else f"the engine failed: {self.error!r}")
         self.engine.validate(prompt_ids, params)
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        stream = _Stream(rid, asyncio.get_running_loop())
+        stream = Stream(rid, asyncio.get_running_loop())
         with self._cv:
             if rid in self._ids:
                 raise ValueError(f"request id {rid!r} is already in flight")
@@ -278,7 +238,9 @@ class AsyncEngine:
                 self.warmup_report = self._warmup(self.engine)   # a failure: not alive
                 self.ready_at = time.perf_counter()
                 self.warming = False
-            self.at_ready = runtime_counts(self.engine)
+            self._stats_stale = True               # (the warm-up stepped, then reset counters)
+            self._refresh_stats()
+            self.at_ready = self.stats.runtime
             if self._warmup is not None:
                 KERNEL_COMPILES.ready = True       # later compiles are stalls: log them
             while True:
@@ -289,19 +251,26 @@ class AsyncEngine:
                         return
                     cmds = list(self._inbox)
                     self._inbox.clear()
+                aborted: list[tuple[_Live, RequestOutput]] = []
                 for cmd in cmds:
                     if isinstance(cmd, AddRequest):
                         self._add_now(cmd)
                     else:
-                        self._abort_now(cmd.request_id)
+                        self._abort_now(cmd.request_id, aborted)
                 adds = sum(1 for c in cmds if isinstance(c, AddRequest))
+                running, waiting = self.engine.counts()
                 with self._cv:   # moved from the inbox to the engine's queue: count them there
-                    self._engine_waiting = self.engine.scheduler.num_waiting
+                    self._engine_running, self._engine_waiting = running, waiting
                     self._pending_adds -= adds
+                self._stats_stale = self._stats_stale or bool(cmds)
+                if aborted:      # NOTE: the snapshot first (if idle now), then their outputs
+                    self._refresh_stats()
+                    self._finish_aborted(aborted)
                 outs: list[StepOutput] = []
                 if self.engine.has_unfinished():
                     t0 = time.perf_counter()
                     outs = self.engine.step()
+                    self._stats_stale = True
                     dt = time.perf_counter() - t0
                     if self.observer is not None and outs:
                         self.observer.on_step(dt, len(outs))
@@ -315,7 +284,7 @@ class AsyncEngine:
                 self._inbox.clear()
                 self._pending_adds = 0
                 self._ids.clear()
-            self._post_many([(stream, e) for stream in streams])
+            post_many([(stream, e) for stream in streams])
             raise
 
     def _add_now(self, cmd: AddRequest) -> None:
@@ -323,29 +292,46 @@ class AsyncEngine:
             req = self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id,
                                           prompt=cmd.prompt)
         except Exception as e:  # noqa: BLE001 - validated already; be safe
-            self._post(cmd.stream, e)
+            post(cmd.stream, e)
             with self._cv:
                 self._ids.discard(cmd.request_id)
             return
         self._live[cmd.request_id] = _Live(req, cmd.stream)
 
-    def _abort_now(self, rid: str) -> None:
+    def _abort_now(self, rid: str, aborted: list[tuple[_Live, RequestOutput]]) -> None:
+        """Abort ``rid`` in the engine (its pages are freed now); its output goes to
+        ``aborted`` for ``_finish_aborted``."""
         live = self._live.pop(rid, None)
         if live is None:
             return
-        self.engine.abort(rid)           # frees its pages now
-        out = self.engine.output(live.req)
-        self._done(live, out)
-        self._post(live.stream, out)
+        self.engine.abort(rid)
+        aborted.append((live, self.engine.output(live.req)))
+
+    def _finish_aborted(self, aborted: list[tuple[_Live, RequestOutput]]) -> None:
+        for live, out in aborted:
+            self._done(live, out)
+        post_many([(live.stream, out) for live, out in aborted])
+
+    def _refresh_stats(self) -> None:
+        """Swap in a new ``stats`` snapshot if the engine changed since the last one and it is
+        idle now, or was idle at the last one, or ``STATS_INTERVAL_S`` passed (see the module's
+        NOTE)."""
+        if not self._stats_stale:
+            return
+        now, idle = time.monotonic(), not self.engine.has_unfinished()
+        if idle or self._stats_idle or now - self._stats_at >= STATS_INTERVAL_S:
+            self.stats = self.engine.stats_snapshot()
+            self._stats_at, self._stats_stale, self._stats_idle = now, False, idle
 
     def _publish(self, outs: list[StepOutput]) -> None:
         """Post an output for every request of the step whose committed prefix grew or that
         finished (host data only: no device access)."""
         now = time.monotonic()
-        # NOTE: counts first: a client that got its final output must already see it gone from
-        # requests_running (the step has removed finished requests from the running list)
-        self._engine_running = len(self.engine.running)
-        self._engine_waiting = self.engine.scheduler.num_waiting
+        # NOTE: counts and stats first: a client that got its final output must already see it
+        # gone from requests_running (the step has removed finished requests from the running
+        # list), and its pages freed in the snapshot once the engine is idle
+        self._engine_running, self._engine_waiting = self.engine.counts()
+        self._refresh_stats()
         posts, tokens = [], 0
         try:
             for so in outs:
@@ -367,32 +353,10 @@ class AsyncEngine:
         finally:
             # (a failure above must not lose what was built: a finished request has already
             # left ``_live``, so the error handler would not reach its stream)
-            self._post_many(posts)
+            post_many(posts)
 
     def _done(self, live: _Live, out: RequestOutput) -> None:
         with self._cv:
             self._ids.discard(live.stream.request_id)
         if self.observer is not None:
             self.observer.on_finish(out, time.monotonic() - live.stream.arrival)
-
-    @staticmethod
-    def _post(stream: _Stream, item) -> None:
-        AsyncEngine._post_many([(stream, item)])
-
-    @staticmethod
-    def _post_many(posts: list[tuple[_Stream, object]]) -> None:
-        """Hand items to their streams' event loops: ONE thread-safe call per loop per step, not
-        one per request (each call writes to the loop's wake-up pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, item in posts:
-            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:         # the client's event loop is gone
-                pass
-
-
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)

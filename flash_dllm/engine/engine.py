@@ -12,7 +12,10 @@ One ``step()`` is three calls across the engine's seams:
 3. ``Engine._apply``: requests advance blocks and finish on the host; finished requests free their
    pages. The caller gets ``StepOutput``s (host data).
 
-Requests at different blocks, steps, cache modes and policies share the same forward.
+Requests at different blocks, steps, cache modes and policies share the same forward. ``Engine``
+implements ``EngineCore`` (``engine/core.py``), as the tensor-parallel engine and the
+disaggregated router do; ``detach`` / ``attach`` move a running request between engines
+(``disagg/migrate.py``).
 """
 from __future__ import annotations
 
@@ -30,11 +33,15 @@ from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.counters import merge_counters, new_counters
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
+from flash_dllm.core.stats import EngineStats
+from flash_dllm.engine.core import RequestLimits, check_request, request_output
 from flash_dllm.engine.scheduler import Scheduler
+from flash_dllm.engine.stats import engine_stats
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
 from flash_dllm.worker.extensions import EXTENSIONS, has_hook
 from flash_dllm.worker.runner import ModelRunner
+from flash_dllm.worker.state import SeqState
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,8 @@ MAX_FAILED_STEPS = 3
 
 
 class Engine:
+    """The single-device ``EngineCore`` (``engine/core.py``)."""
+
     def __init__(self, model: DiffusionTransformer, cfg: ModelConfig,
                  config: EngineConfig | None = None) -> None:
         if cfg.mask_token_id is None:
@@ -66,6 +75,9 @@ class Engine:
             page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift,
                                    prefetch=self.config.kv_prefetch)
+        # what ``validate`` checks a request against (immutable: any thread may read it)
+        self.limits = RequestLimits(cfg.max_position, cfg.vocab_size, self.kv_manager.page_size,
+                                    self.kv_manager.num_pages)
         # placement by attention (kv_placement ema / kag): the runner reports each flash step's
         # mass per page; it is summed over a request's block and handed over when the block ends
         self.runner.collect_page_mass = self.kv_manager.wants_mass
@@ -105,33 +117,12 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request can never run. Reads only
         immutable configuration (the async engine calls it from the event loop)."""
-        if not prompt_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.cfg.max_position:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"= {total} exceeds the model's maximum length {self.cfg.max_position}")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
-                             f"{bad[:5]}")
-        # serving: a request bigger than the whole (empty) page pool would wait forever, unless
-        # it may stream its overflow from host memory (``cache/io/kv_overflow.py``)
-        if not self.kv_manager.can_ever_fit(total):
-            why = Engine._overflow_refusal(self, total, params)
-            if why is not None:
-                raise ValueError(f"prompt + max_tokens = {total} tokens needs "
-                                 f"{self.kv_manager.pages_for(total)} KV pages of "
-                                 f"{self.kv_manager.page_size} tokens, but the pool has only "
-                                 f"{self.kv_manager.num_pages}; {why}")
+        check_request(prompt_ids, params, self.limits, self._overflow_refusal)
 
     def _overflow_refusal(self, total: int, params: SamplingParams) -> str | None:
         """Why a request larger than the pool cannot stream its overflow (None: it can)."""
-        runner = getattr(self, "runner", None)       # (a PDEngine validates through here too)
-        if runner is None:
-            return "requests larger than the pool are not supported with --disaggregate"
         why = overflow_unsupported(params)
-        ov = runner.overflow
+        ov = self.runner.overflow
         if ov is None:
             return ("--kv-overflow-gb > 0 would stream the rest from host memory"
                     if why is None else "send a shorter request")
@@ -169,6 +160,52 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.scheduler.running), self.scheduler.num_waiting
+
+    def stats_snapshot(self) -> EngineStats:
+        """The engine's counters and gauges now, immutable (``engine/stats.py``)."""
+        return engine_stats(self)
+
+    def close(self) -> None:
+        """Nothing beyond memory to release (``EngineCore``)."""
+
+    # -------------------------------------------------------------------------------- migration
+    def device_state(self, request_id: str) -> SeqState | None:
+        """The runner's device state of a request that ran a step, else None."""
+        # (read as it is: ``ModelRunner.seq`` would reset a finished block's state)
+        return self.runner._states.get(request_id)
+
+    def detach(self, request_id: str) -> Request | None:
+        """Take a running request out without finishing it (prefill/decode migration): its
+        pages and device state are freed, never published, its placement evidence dropped.
+        Read what must travel (``device_state``, its pages) first. None: unknown id."""
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        self._block_mass.pop(request_id, None)
+        self._mass_steps.pop(request_id, None)
+        self.kv_manager.free(request_id, None)
+        self.runner.release(request_id)
+        return req
+
+    def attach(self, req: Request, pages: list[int], restore=None) -> None:
+        """Put ``req``, a request moved here between steps with its ``pages`` reserved and
+        filled, in the running batch; ``restore(state)`` first fills its new device state
+        (``SeqState``; if it raises, the state is dropped and ``req`` stays out). The caller
+        checks that a running slot is free."""
+        st = self.runner.seq(req, pages)
+        if restore is not None:
+            try:
+                restore(st)
+            except BaseException:
+                self.runner.release(req.request_id)
+                raise
+        self.scheduler.running.append(req)
+        self.scheduler.invalidate()
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
@@ -343,23 +380,7 @@ class Engine:
     # ------------------------------------------------------------------------------------ outputs
     def output(self, req: Request) -> RequestOutput:
         """The request's result so far, from host state (no device access, no detokenising)."""
-        committed = int((req.tokens[req.prompt_len:] != self.cfg.mask_token_id).sum())
-        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "finish_time": req.finish_time, "committed_slots": committed,
-                   "block_forwards": req.block_forwards,     # a tuple: shared, not copied
-                   **_copy_counters(req.counters)}
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
-                             prompt_token_ids=req.prompt_ids, text=None,
-                             token_ids=req.generated_ids(), num_forwards=req.num_forwards,
-                             finish_reason=req.finish_reason, finished=req.finished,
-                             early_stopped=req.early_stopped, metrics=metrics,
-                             error=req.error)
-
-
-def _copy_counters(counters: dict) -> dict:
-    """A copy of a ``new_counters`` dict (flat, or one level of dicts): an output is built per
-    request per step while serving, where ``copy.deepcopy`` was a visible share of the step."""
-    return {k: dict(v) if isinstance(v, dict) else v for k, v in counters.items()}
+        return request_output(req)
 
 
 def run_to_completion(engine: Engine, requests: list[Request], on_finish=None,

@@ -209,11 +209,11 @@ def run(a: argparse.Namespace) -> int:
     app, aeng, name = build_server_app(a)
     if a.host not in ("127.0.0.1", "localhost", "::1") and a.api_key is None:
         print(f"warning: serving on {a.host} without --api-key", file=sys.stderr)
-    pool = aeng.engine.pool
+    snap = aeng.stats
     what = (f"{a.prefill_workers} prefill + {a.decode_workers} decode workers"
             if getattr(a, "disaggregate", False) else
-            f"{pool.num_pages} KV pages of {pool.page_size} tokens")
+            f"{snap.pages_total} KV pages of {snap.page_size} tokens")
     print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} ({what}, "
-          f"max_num_seqs={aeng.engine.config.max_num_seqs})", file=sys.stderr, flush=True)
+          f"max_num_seqs={aeng.config.max_num_seqs})", file=sys.stderr, flush=True)
     make_uvicorn_server(app, aeng, a.host, a.port, a.log_level).run()
     return 0

@@ -43,7 +43,7 @@ def build_app(async_engine: AsyncEngine, tokenizer, served_model_name: str,
     async_engine.observer = metrics
     drain = Drain(async_engine, drain_timeout)
     ctx = ServerContext(async_engine, tokenizer, served_model_name, metrics,
-                        max_model_len=async_engine.engine.cfg.max_position, drain=drain,
+                        max_model_len=async_engine.max_model_len, drain=drain,
                         strict_params=strict_params)
 
     @asynccontextmanager

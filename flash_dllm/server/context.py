@@ -113,9 +113,8 @@ class ServerContext:
         """Why a request was refused with 429: the limit hit (``--max-waiting``), and the state of
         the limits the waiting requests wait on (running slots, KV pages), with their flags."""
         aeng = self.async_engine
-        cfg = aeng.engine.config
-        running, used, total = aeng.num_running, aeng.engine.kv_manager.num_used, \
-            aeng.engine.pool.num_pages
+        cfg, snap = aeng.config, aeng.stats          # (the page counts: the latest snapshot)
+        running, used, total = aeng.num_running, snap.pages_used, snap.pages_total
         full = lambda cond: " (full)" if cond else ""          # noqa: E731
         return (f"server busy: the waiting queue is full ({aeng.num_waiting} request(s) wait for "
                 f"admission; the limit is --max-waiting {cfg.max_waiting}). Running: {running} "

@@ -1,11 +1,15 @@
 """Prometheus metrics of one server (own registry, prefix ``flash_dllm_``); the AsyncEngine's observer.
 
-Gauges are read from the engine at scrape time; counters and histograms are fed by the engine thread
-through the ``StepObserver`` hooks (``prometheus_client`` metrics are thread-safe).
+Gauges and engine counters are rendered from the async engine's published stats snapshot
+(``AsyncEngine.stats``, an immutable ``core.stats.EngineStats`` the engine thread swaps in whole)
+and its request counts; nothing here reads a live engine object. Event counters and histograms
+are fed by the engine thread through the ``StepObserver`` hooks (``prometheus_client`` metrics
+are thread-safe).
 
-NOTE: ``flash_dllm_sentinel_triggers_total{sentinel=...}`` (and ``..._checks_total``) are read
-from ``Engine.stats["sentinel_triggers"]`` (``["sentinel_checks"]``) at scrape time; an engine
-without sentinels exports every name of ``decoding.sentinels.SENTINELS`` at 0.
+NOTE: ``flash_dllm_sentinel_triggers_total{sentinel=...}`` (and ``..._checks_total``) come from
+the engine's counters (``Engine.stats["sentinel_triggers"]`` / ``["sentinel_checks"]``, in the
+snapshot's ``counters``); an engine without sentinels exports every name of
+``decoding.sentinels.SENTINELS`` at 0.
 """
 from __future__ import annotations
 
@@ -16,14 +20,15 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from flash_dllm.core.request import RequestOutput
+from flash_dllm.core.stats import DisaggStats, EngineStats, HistogramStats, TierStats
 from flash_dllm.decoding.sentinels import SENTINELS
 from flash_dllm.engine.async_engine import AsyncEngine
-from flash_dllm.worker.compile_watch import KERNEL_COMPILES, runtime_counts
 
 PREFIX = "flash_dllm_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TIERS = ("l0", "l1", "l2")
 TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
 
 
@@ -34,16 +39,12 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncEngine) -> None:
         r = self.registry = CollectorRegistry()
-        pool = engine.engine.pool
 
         def gauge(name: str, doc: str, fn) -> None:
             Gauge(PREFIX + name, doc, registry=r).set_function(fn)
 
         gauge("requests_running", "Requests in the running batch.", lambda: engine.num_running)
         gauge("requests_waiting", "Requests queued for KV pages.", lambda: engine.num_waiting)
-        gauge("kv_pages_used", "KV pages reserved by admitted requests (cached pages excluded).",
-              lambda: engine.engine.kv_manager.num_used)
-        gauge("kv_pages_total", "KV pages in the pool.", lambda: pool.num_pages)
         self.forwards = Counter(PREFIX + "forwards", "Model forwards (denoising steps of the batch).",
                                 registry=r)
         self.generated_tokens = Counter(PREFIX + "generated_tokens",
@@ -64,12 +65,7 @@ class ServerMetrics:
         self.request_seconds = Histogram(PREFIX + "request_seconds",
                                          "Submission to finish (any reason).",
                                          buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_SentinelCollector(engine.engine.stats))
-        if getattr(engine.engine, "runner", None) is not None:    # (a disaggregated front end
-            r.register(_TierCollector(engine.engine))              # runs no model itself)
-        if hasattr(engine.engine, "pd_snapshot"):
-            r.register(_DisaggCollector(engine.engine))
-        r.register(_RuntimeCollector(engine))
+        r.register(_SnapshotCollector(engine))
         self.http_errors = Counter(PREFIX + "http_errors", "Error responses by HTTP status.",
                                    ["status"], registry=r)
 
@@ -96,100 +92,82 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _SentinelCollector:
-    """``flash_dllm_sentinel_triggers_total{sentinel}`` and ``..._checks_total{sentinel}`` from
-    the engine's own counters (their ratio over a window is the trigger rate per sentinel)."""
+class _SnapshotCollector:
+    """Everything rendered from the engine's stats snapshot: ONE snapshot per scrape (read
+    once), so the families of a scrape agree with each other."""
 
-    def __init__(self, stats: dict) -> None:
-        self.stats = stats
-
-    def collect(self):
-        for key, doc in (("sentinel_triggers", "Slots a sentinel flagged (demoted to "
-                                               "verification / refreshed)."),
-                         ("sentinel_checks", "Slots a sentinel checked (for lazy_load and "
-                                             "drift: steps).")):
-            fam = CounterMetricFamily(PREFIX + key, doc, labels=["sentinel"])
-            try:
-                counts = dict(self.stats.get(key) or {})
-            except RuntimeError:     # resized by the engine thread mid-copy: report zeros once
-                counts = {}
-            for name in sorted(set(SENTINELS) | set(counts)):
-                fam.add_metric([name], float(counts.get(name, 0)))
-            yield fam
-
-    def describe(self):
-        return []
-
-
-TIERS = ("l0", "l1", "l2")
-
-
-class _TierCollector:
-    """Memory tiers and prefix reuse, read from the engine's KV manager and offloader at scrape
-    time (the engine thread only appends to these counters)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, aeng: AsyncEngine) -> None:
+        self.aeng = aeng
         self._evictions = (0, time.monotonic(), 0.0)     # (count, time, rate) for the EMA
 
     def describe(self):
         return []
 
     def collect(self):
-        kv = self.engine.kv_manager
-        st = kv.stats
-        # NOTE: the engine thread changes the block set while a scrape reads it: a read that
-        # races a resize is retried, never a 500
-        cached = _read(kv.cached_pages, (0, 0, 0))
-        g = GaugeMetricFamily(PREFIX + "kv_pages_cached",
-                              "Cached KV pages (prefix reuse) per tier.", labels=["tier"])
-        gb = GaugeMetricFamily(PREFIX + "kv_cached_bytes", "Bytes of cached KV pages per tier.",
-                               labels=["tier"])
-        for t, n in zip(TIERS, cached):
-            g.add_metric([t], n)
-            gb.add_metric([t], n * kv.page_bytes)
+        snap: EngineStats = self.aeng.stats
+        g = GaugeMetricFamily(PREFIX + "kv_pages_used",
+                              "KV pages reserved by admitted requests (cached pages excluded).")
+        g.add_metric([], snap.pages_used)
         yield g
-        yield gb
-        yield _counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
-                       st["query_tokens"])
-        hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens",
-                                   "Prompt tokens whose KV was reused, by the tier it came from.",
-                                   labels=["tier"])
-        for t, n in zip(TIERS, st["hit_tokens"]):
-            hits.add_metric([t], n)
-        yield hits
-        rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
-                                 "Reused prompt tokens / prompt tokens looked up.")
-        rate.add_metric([], sum(st["hit_tokens"]) / st["query_tokens"] if st["query_tokens"]
-                        else 0.0)
-        yield rate
-        moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
-                                    "KV bytes moved between tiers (down: towards disk).",
-                                    labels=["tier", "direction"])
-        # every (tier, direction) a copy can take, 0 until it happens (dashboards and alerts
-        # find the series from the start)
-        counts = {(t, d): 0 for t in TIERS[1:] for d in ("down", "up")}
-        counts.update(_read(lambda: dict(st["bytes_moved"]), {}))
-        for (tier, direction), n in sorted(counts.items()):
-            moved.add_metric([tier, direction], n)
-        yield moved
-        ov = getattr(getattr(self.engine, "runner", None), "overflow", None)
-        if ov is not None:              # --kv-overflow-gb (``cache/io/kv_overflow.py``)
+        g = GaugeMetricFamily(PREFIX + "kv_pages_total", "KV pages in the pool.")
+        g.add_metric([], snap.pages_total)
+        yield g
+        yield _counter("failed_steps", "Engine steps that raised: only the requests of their "
+                       "batch failed (each with an error naming the exception) and the engine "
+                       "went on. A failure that stops the engine is not counted here.",
+                       snap.failed_steps)
+        yield from _sentinels(snap)
+        if snap.tiers is not None:
+            yield from self._tiers(snap.tiers)
+        if snap.overflow is not None:   # --kv-overflow-gb (``cache/io/kv_overflow.py``)
             fam = CounterMetricFamily(PREFIX + "kv_overflow_bytes",
                                       "KV bytes of requests larger than the GPU pool streamed "
                                       "from pinned host memory for a step (h2d) or written "
                                       "back to it (d2h).", labels=["direction"])
-            fam.add_metric(["h2d"], ov.stats["h2d_bytes"])
-            fam.add_metric(["d2h"], ov.stats["d2h_bytes"])
+            fam.add_metric(["h2d"], snap.overflow.h2d_bytes)
+            fam.add_metric(["d2h"], snap.overflow.d2h_bytes)
             yield fam
             yield _counter("kv_overflow_steps", "Steps of requests larger than the GPU pool.",
-                           ov.stats["steps"])
+                           snap.overflow.steps)
+        if snap.disagg is not None:
+            yield from _disagg(snap.disagg)
+        yield from _runtime(self.aeng, snap)
+
+    def _tiers(self, t: TierStats):
+        """Memory tiers and prefix reuse (the KV manager's and the offloader's counters)."""
+        g = GaugeMetricFamily(PREFIX + "kv_pages_cached",
+                              "Cached KV pages (prefix reuse) per tier.", labels=["tier"])
+        gb = GaugeMetricFamily(PREFIX + "kv_cached_bytes", "Bytes of cached KV pages per tier.",
+                               labels=["tier"])
+        for tier, n in zip(TIERS, t.cached_pages):
+            g.add_metric([tier], n)
+            gb.add_metric([tier], n * t.page_bytes)
+        yield g
+        yield gb
+        yield _counter("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+                       t.query_tokens)
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens",
+                                   "Prompt tokens whose KV was reused, by the tier it came from.",
+                                   labels=["tier"])
+        for tier, n in zip(TIERS, t.hit_tokens):
+            hits.add_metric([tier], n)
+        yield hits
+        rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
+                                 "Reused prompt tokens / prompt tokens looked up.")
+        rate.add_metric([], sum(t.hit_tokens) / t.query_tokens if t.query_tokens else 0.0)
+        yield rate
+        moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
+                                    "KV bytes moved between tiers (down: towards disk).",
+                                    labels=["tier", "direction"])
+        for (tier, direction), n in sorted(t.bytes_moved.items()):
+            moved.add_metric([tier, direction], n)
+        yield moved
         yield _counter("kv_checksum_failures", "Cached pages that failed verification (a miss "
-                       "that recomputes; never served).", st["checksum_failures"])
+                       "that recomputes; never served).", t.checksum_failures)
         yield _counter("kv_tier_slower_than_recompute", "Lower-tier hits whose load took longer "
-                       "than recomputing them would have.", kv.cost.slower_than_recompute)
-        yield _counter("l0_evictions", "Cached pages evicted from GPU memory.", st["l0_evictions"])
-        pf = _read(lambda: dict(st["prefetch"]), {})
+                       "than recomputing them would have.", t.slower_than_recompute)
+        yield _counter("l0_evictions", "Cached pages evicted from GPU memory.", t.l0_evictions)
+        pf = t.prefetch
         fam = CounterMetricFamily(PREFIX + "kv_prefetch_pages",
                                   "Queue-ahead prefetch (disk -> host memory for waiting "
                                   "requests), in pages: issued; on time (in host memory at "
@@ -206,107 +184,126 @@ class _TierCollector:
                                     "any).")
         on_time.add_metric([], pf.get("on_time", 0) / used if used else 1.0)
         yield on_time
-        kag = getattr(kv.policy, "stats", None) or {}
         ratio = GaugeMetricFamily(PREFIX + "kag_stability_ratio",
                                   "Share of the most central cached pages (KV access graph, "
                                   "--kv-placement kag) unchanged by the latest update; 1 "
                                   "without the graph.")
-        ratio.add_metric([], float(kag.get("stability_ratio", 1.0)))
+        ratio.add_metric([], float(t.kag.get("stability_ratio", 1.0)))
         yield ratio
         yield _counter("kag_updates", "KV access graph updates (one per decoded block of a "
-                       "cache=flash request).", kag.get("updates", 0))
+                       "cache=flash request).", t.kag.get("updates", 0))
         yield _counter("kag_update_seconds", "Seconds spent updating the KV access graph and "
-                       "its PageRank.", kag.get("update_seconds", 0.0))
-        checks = self.engine.stats.get("sentinel_checks") or {}
-        trig = self.engine.stats.get("sentinel_triggers") or {}
-        try:
-            n_checks, n_trig = sum(dict(checks).values()), sum(dict(trig).values())
-        except RuntimeError:               # resized by the engine thread mid-copy
-            n_checks = n_trig = 0
-        rate = GaugeMetricFamily(PREFIX + "sentinel_trigger_rate",
-                                 "Sentinel triggers per check (a slot; for lazy_load a step), "
-                                 "all sentinels, since start.")
-        rate.add_metric([], n_trig / n_checks if n_checks else 0.0)
-        yield rate
-        n, t, r = self._evictions
+                       "its PageRank.", t.kag.get("update_seconds", 0.0))
+        n, at, r = self._evictions
         now = time.monotonic()
-        if now > t:
-            inst = (st["l0_evictions"] - n) / (now - t)
-            r = inst if t == 0 else 0.7 * r + 0.3 * inst
-            self._evictions = (st["l0_evictions"], now, r)
+        if now > at:
+            inst = (t.l0_evictions - n) / (now - at)
+            r = inst if at == 0 else 0.7 * r + 0.3 * inst
+            self._evictions = (t.l0_evictions, now, r)
         ev = GaugeMetricFamily(PREFIX + "l0_eviction_rate",
                                "Cached pages evicted from GPU memory per second (smoothed over "
                                "scrapes).")
         ev.add_metric([], r)
         yield ev
-        off = self.engine.runner.offload
-        for name in ("load", "store"):
-            if off is None:
-                continue
-            snap = off.latency[name].snapshot()
-            yield HistogramMetricFamily(
-                PREFIX + f"kv_{name}_seconds",
-                f"Seconds per page {name}ed between GPU and host memory.",
-                buckets=[("+Inf" if le == float("inf") else str(le), c)
-                         for le, c in snap["buckets"]], sum_value=snap["sum"])
+        for name, h in (("load", t.load_seconds), ("store", t.store_seconds)):
+            if h is not None:
+                yield _histogram(f"kv_{name}_seconds",
+                                 f"Seconds per page {name}ed between GPU and host memory.", h)
 
 
-class _DisaggCollector:
+
+def _sentinels(snap: EngineStats):
+    """``flash_dllm_sentinel_triggers_total{sentinel}`` and ``..._checks_total{sentinel}`` (their
+    ratio over a window is the trigger rate per sentinel), and the rate since start."""
+    totals = {}
+    for key, doc in (("sentinel_triggers", "Slots a sentinel flagged (demoted to "
+                                           "verification / refreshed)."),
+                     ("sentinel_checks", "Slots a sentinel checked (for lazy_load and "
+                                         "drift: steps).")):
+        counts = snap.counters.get(key) or {}
+        fam = CounterMetricFamily(PREFIX + key, doc, labels=["sentinel"])
+        for name in sorted(set(SENTINELS) | set(counts)):
+            fam.add_metric([name], float(counts.get(name, 0)))
+        totals[key] = sum(counts.values())
+        yield fam
+    n_checks, n_trig = totals["sentinel_checks"], totals["sentinel_triggers"]
+    rate = GaugeMetricFamily(PREFIX + "sentinel_trigger_rate",
+                             "Sentinel triggers per check (a slot; for lazy_load a step), "
+                             "all sentinels, since start.")
+    rate.add_metric([], n_trig / n_checks if n_checks else 0.0)
+    yield rate
+
+
+def _disagg(d: DisaggStats):
     """Prefill/decode disaggregation (``disagg/router.py``): per worker, its role, liveness,
     pages, staging segments and transfers in flight (all 0 when idle: nothing leaked); KV
     transfers, their bytes and seconds, failures, lost workers, role switches."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        snap = _read(self.engine.pd_snapshot, None)
-        if snap is None:
-            return
-        for name, doc in (("transfers", "Requests whose KV moved from a prefill to a decode "
-                                        "worker."),
-                          ("transfer_bytes", "Bytes of KV moved between workers."),
-                          ("transfer_seconds", "Seconds from a decode worker's receipt of a "
-                                               "snapshot to the request's unpacked pages, "
-                                               "summed."),
-                          ("transfer_failures", "KV transfers that failed, timed out or "
-                                                "arrived corrupted."),
-                          ("checksum_failures", "KV segments that arrived corrupted (checksum "
-                                                "mismatch; never served)."),
-                          ("failed_requests", "Requests failed by a transfer or a lost worker."),
-                          ("worker_deaths", "Workers lost (exited or disconnected)."),
-                          ("role_switches", "Workers moved between the prefill and decode "
-                                            "roles.")):
-            yield _counter(f"pd_{name}", doc, snap[name])
-        gauges = {
-            "up": ("1 while the worker is alive.", lambda w: float(w["alive"])),
-            "kv_pages_used": ("KV pages the worker's requests hold.",
-                              lambda w: w.get("pages_used", 0)),
-            "staging_segments": ("Staging-buffer segments held (receives in flight).",
-                                 lambda w: w.get("staging_used", 0)),
-            "sends_in_flight": ("KV sends not yet settled.", lambda w: w.get("sends", 0)),
-            "receives_pending": ("KV receives posted or waiting for room.",
-                                 lambda w: w.get("recvs", 0)),
-            "forwards": ("Model forwards the worker ran.", lambda w: w.get("steps", 0)),
-        }
-        for name, (doc, fn) in gauges.items():
-            g = GaugeMetricFamily(PREFIX + f"pd_worker_{name}", doc, labels=["worker", "role"])
-            for w in snap["workers"]:
-                g.add_metric([str(w["rank"]), w["role"]], float(fn(w)))
-            yield g
+    for name, doc in (("transfers", "Requests whose KV moved from a prefill to a decode "
+                                    "worker."),
+                      ("transfer_bytes", "Bytes of KV moved between workers."),
+                      ("transfer_seconds", "Seconds from a decode worker's receipt of a "
+                                           "snapshot to the request's unpacked pages, "
+                                           "summed."),
+                      ("transfer_failures", "KV transfers that failed, timed out or "
+                                            "arrived corrupted."),
+                      ("checksum_failures", "KV segments that arrived corrupted (checksum "
+                                            "mismatch; never served)."),
+                      ("failed_requests", "Requests failed by a transfer or a lost worker."),
+                      ("worker_deaths", "Workers lost (exited or disconnected)."),
+                      ("role_switches", "Workers moved between the prefill and decode "
+                                        "roles.")):
+        yield _counter(f"pd_{name}", doc, getattr(d, name))
+    gauges = {
+        "up": ("1 while the worker is alive.", lambda w: float(w.alive)),
+        "kv_pages_used": ("KV pages the worker's requests hold.", lambda w: w.pages_used),
+        "staging_segments": ("Staging-buffer segments held (receives in flight).",
+                             lambda w: w.staging_used),
+        "sends_in_flight": ("KV sends not yet settled.", lambda w: w.sends),
+        "receives_pending": ("KV receives posted or waiting for room.", lambda w: w.recvs),
+        "forwards": ("Model forwards the worker ran.", lambda w: w.steps),
+    }
+    for name, (doc, fn) in gauges.items():
+        g = GaugeMetricFamily(PREFIX + f"pd_worker_{name}", doc, labels=["worker", "role"])
+        for w in d.workers:
+            g.add_metric([str(w.rank), w.role], float(fn(w)))
+        yield g
 
 
-def _read(fn, default, tries: int = 3):
-    """``fn()``, retried when the engine thread resized what it iterates; else ``default``."""
-    for _ in range(tries):
-        try:
-            return fn()
-        except RuntimeError:
-            continue
-    return default
+def _runtime(aeng: AsyncEngine, snap: EngineStats):
+    """Start-up and stalls (issue 21): time to ready, the warm-up, and the kernel compiles and
+    CUDA graph captures that happened after ready (at steady state these stay at 0)."""
+    import flash_dllm
+
+    rt = snap.runtime
+    yield _counter("kernel_compiles", "Triton kernel specialisations compiled (or loaded from "
+                   "Triton's disk cache) in this process.", rt.kernel_compiles)
+    yield _counter("kernel_compile_seconds", "Seconds spent in those compiles.",
+                   rt.kernel_compile_seconds)
+    by = CounterMetricFamily(PREFIX + "kernel_compiles_by_kernel",
+                             "Triton kernel specialisations compiled, per kernel.",
+                             labels=["kernel"])
+    for name, n in sorted(rt.compiles_by_kernel.items()):
+        by.add_metric([name], n)
+    yield by
+    yield _counter("graph_captures", "CUDA graphs captured.", rt.graph_captures)
+    yield _counter("graph_replays", "Steps replayed from a CUDA graph.", rt.graph_replays)
+    yield _counter("eager_forwards", "Forwards run without a CUDA graph.", rt.eager_forwards)
+    at = aeng.at_ready
+    for name, doc in (("kernel_compiles", "Kernel compiles after the server became ready."),
+                      ("graph_captures", "CUDA graph captures after the server became "
+                                         "ready.")):
+        after = 0 if at is None else getattr(rt, name) - getattr(at, name)
+        yield _counter(f"{name}_after_ready", doc, after)
+    ready = GaugeMetricFamily(PREFIX + "time_to_ready_seconds",
+                              "From the package's import to ready (model load and warm-up "
+                              "included); NaN until ready.")
+    ready.add_metric([], float("nan") if aeng.ready_at is None
+                     else aeng.ready_at - flash_dllm.IMPORTED_AT)
+    yield ready
+    rep = aeng.warmup_report
+    warm = GaugeMetricFamily(PREFIX + "warmup_seconds", "Seconds the warm-up took (0: none).")
+    warm.add_metric([], 0.0 if rep is None else rep.seconds)
+    yield warm
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -315,50 +312,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return c
 
 
-class _RuntimeCollector:
-    """Start-up and stalls (issue 21): time to ready, the warm-up, and the kernel compiles and
-    CUDA graph captures that happened after ready (at steady state these stay at 0)."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        import flash_dllm
-
-        eng = self.engine
-        now = runtime_counts(eng.engine)
-        comp = KERNEL_COMPILES.snapshot()
-        yield _counter("kernel_compiles", "Triton kernel specialisations compiled (or loaded from "
-                       "Triton's disk cache) in this process.", comp["compiles"])
-        yield _counter("kernel_compile_seconds", "Seconds spent in those compiles.",
-                       comp["compile_seconds"])
-        by = CounterMetricFamily(PREFIX + "kernel_compiles_by_kernel",
-                                 "Triton kernel specialisations compiled, per kernel.",
-                                 labels=["kernel"])
-        for name, n in sorted(comp["by_kernel"].items()):
-            by.add_metric([name], n)
-        yield by
-        yield _counter("graph_captures", "CUDA graphs captured.", now.get("graph_captures", 0))
-        yield _counter("graph_replays", "Steps replayed from a CUDA graph.",
-                       now.get("graph_replays", 0))
-        yield _counter("eager_forwards", "Forwards run without a CUDA graph.",
-                       now.get("eager_forwards", 0))
-        at = eng.at_ready
-        for name, doc in (("kernel_compiles", "Kernel compiles after the server became ready."),
-                          ("graph_captures", "CUDA graph captures after the server became "
-                                             "ready.")):
-            after = 0 if at is None else now.get(name, 0) - at.get(name, 0)
-            yield _counter(f"{name}_after_ready", doc, after)
-        ready = GaugeMetricFamily(PREFIX + "time_to_ready_seconds",
-                                  "From the package's import to ready (model load and warm-up "
-                                  "included); NaN until ready.")
-        ready.add_metric([], float("nan") if eng.ready_at is None
-                         else eng.ready_at - flash_dllm.IMPORTED_AT)
-        yield ready
-        rep = eng.warmup_report
-        warm = GaugeMetricFamily(PREFIX + "warmup_seconds", "Seconds the warm-up took (0: none).")
-        warm.add_metric([], 0.0 if rep is None else rep.seconds)
-        yield warm
+def _histogram(name: str, doc: str, h: HistogramStats) -> HistogramMetricFamily:
+    return HistogramMetricFamily(
+        PREFIX + name, doc, sum_value=h.sum,
+        buckets=[("+Inf" if le == float("inf") else str(le), c) for le, c in h.buckets])

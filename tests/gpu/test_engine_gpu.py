@@ -67,7 +67,7 @@ def test_paged_triton_matches_dense_path(cache, decode):
                                           ("dual", "vanilla"), ("dual", "verify"),
                                           ("prefix", "verify")])
 def test_fused_step_matches_general_path(dtype, cache, decode):
-    """The whole-step graph (worker/step_graph.py) against the general path (forward graph +
+    """The whole-step graph (worker/fused_step.py) against the general path (forward graph +
     eager proposal/commit). Its LM head GEMM has all block rows, the general one the masked rows
     only, so cuBLAS may round differently: near-ties may flip (same bound as paged vs dense)."""
     llm_f, fused = _run(dtype, cache, decode, first_capture=1, max_num_seqs=8, fused_step=True)
@@ -115,7 +115,7 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
 
 @pytest.mark.parametrize("cache", ["dual", "prefix"])
 def test_fused_verify_graphs_random_model(cache):
-    """Fused verify steps (worker/verify_graph.py) captured and replayed on a random model of the
+    """Fused verify steps (decoding/policies/verify_fused.py) captured and replayed on a random model of the
     demo shape, against the general path's eager verify steps: one token per step passes tau,
     so every step verifies up to 31 drafts (gamma 1e-6: agreement alone decides). The batched verification
     attention sums in another order than the per-request one, so a near-tie may flip: at most

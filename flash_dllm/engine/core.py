@@ -1,0 +1,125 @@
+"""``EngineCore``: what every engine kind implements, and the request logic they share.
+
+Three engines stand behind the server's ``AsyncEngine``: ``Engine`` (one device),
+``TPEngine`` (rank 0 of a tensor-parallel group, an ``Engine`` that tells the other ranks what it
+did) and ``PDEngine`` (the disaggregated router, which runs no model: its requests run in worker
+processes). ``AsyncEngine`` uses only the calls below, so a new engine kind implements them and
+nothing else changes.
+
+NOTE (threads): ``validate`` may be called from any thread (the event loop calls it before
+queueing a request): it reads only immutable data (``cfg``, ``config``, a ``RequestLimits``
+swapped whole). ``cfg`` and ``config`` are immutable. Every other call belongs to the engine
+thread.
+
+The shared logic is plain functions both kinds call: ``check_request`` (a request against a
+``RequestLimits``) and ``request_output`` (a request's ``RequestOutput`` from host data).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.core.request import Request, RequestOutput, StepOutput
+from flash_dllm.core.stats import EngineStats
+from flash_dllm.models.config import ModelConfig
+
+
+@runtime_checkable
+class EngineCore(Protocol):
+    """The engine contract (see the module docstring). ``config.max_num_seqs`` (running slots)
+    and ``config.max_waiting`` (the admission queue's limit) are what ``AsyncEngine`` reads of
+    the configuration."""
+
+    cfg: ModelConfig
+    config: EngineConfig
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the problem if the request can never run (any thread)."""
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None) -> Request:
+        """Queue a request (validated again here); its host ``Request``."""
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request and free what it holds; False for an unknown or finished id."""
+
+    def step(self) -> list[StepOutput]:
+        """Advance the running requests by one step; what it did to each."""
+
+    def has_unfinished(self) -> bool:
+        """Whether ``step`` has work: requests in flight (or resources still settling)."""
+
+    def output(self, req: Request) -> RequestOutput:
+        """``req``'s result so far, from host data."""
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting): requests in the running batch and queued for admission. Cheap:
+        the async engine reads it after every step for its admission accounting."""
+
+    def stats_snapshot(self) -> EngineStats:
+        """An immutable snapshot of the engine's counters and gauges (may scan the page
+        ledger: the async engine builds one at most every ``STATS_INTERVAL_S`` while busy)."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (other ranks, worker processes)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the model's length and vocabulary, and the KV pool
+    one request must fit in (``num_pages`` 0: not known yet, no check)."""
+
+    max_position: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, limits: RequestLimits,
+                  overflow_refusal: Callable[[int, SamplingParams], str | None]) -> None:
+    """Raise ``ValueError`` naming the problem if the request can never run under ``limits``.
+    ``overflow_refusal(total, params)``: why a request larger than the pool cannot stream its
+    overflow (None: it can, so it is accepted)."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty: it must hold at least one token")
+    total = len(prompt_ids) + params.max_tokens
+    if total > limits.max_position:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                         f"= {total} exceeds the model's maximum length {limits.max_position}")
+    bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {limits.vocab_size}): "
+                         f"{bad[:5]}")
+    # serving: a request bigger than the whole (empty) page pool would wait forever, unless
+    # it may stream its overflow from host memory (``cache/io/kv_overflow.py``)
+    need = limits.pages_for(total)
+    if limits.num_pages and need > limits.num_pages:
+        why = overflow_refusal(total, params)
+        if why is not None:
+            raise ValueError(f"prompt + max_tokens = {total} tokens needs {need} KV pages of "
+                             f"{limits.page_size} tokens, but the pool has only "
+                             f"{limits.num_pages}; {why}")
+
+
+def request_output(req: Request) -> RequestOutput:
+    """The request's result so far, from host state (no device access, no detokenising)."""
+    committed = int((req.tokens[req.prompt_len:] != req.mask_id).sum())
+    metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+               "finish_time": req.finish_time, "committed_slots": committed,
+               "block_forwards": req.block_forwards,     # a tuple: shared, not copied
+               **_copy_counters(req.counters)}
+    return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                         prompt_token_ids=req.prompt_ids, text=None,
+                         token_ids=req.generated_ids(), num_forwards=req.num_forwards,
+                         finish_reason=req.finish_reason, finished=req.finished,
+                         early_stopped=req.early_stopped, metrics=metrics, error=req.error)
+
+
+def _copy_counters(counters: dict) -> dict:
+    """A copy of a ``new_counters`` dict (flat, or one level of dicts): an output is built per
+    request per step while serving, where ``copy.deepcopy`` was a visible share of the step."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in counters.items()}
