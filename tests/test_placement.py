@@ -116,7 +116,7 @@ def test_engine_feeds_flash_mass_and_answers_the_same(ckpt, placement):
             assert eng.runner.collect_page_mass
             assert pol.graph.stats["updates"] > 0
             assert float(pol.graph.mass.sum()) > 0
-            assert not eng._block_mass and not eng.kv_manager._fresh_mass
+            assert not eng.block_mass.pending and not eng.kv_manager._fresh_mass
         else:
             assert not eng.runner.collect_page_mass
     assert outs["lru"] == outs[placement]

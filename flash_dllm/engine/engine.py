@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from flash_dllm.cache.io.kv_overflow import overflow_unsupported
+from flash_dllm.cache.evidence import BlockMass
 from flash_dllm.cache.kv_manager import KVCacheManager
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import EngineConfig, SamplingParams
@@ -81,9 +82,7 @@ class Engine:
         # placement by attention (kv_placement ema / kag): the runner reports each flash step's
         # mass per page; it is summed over a request's block and handed over when the block ends
         self.runner.collect_page_mass = self.kv_manager.wants_mass
-        self._block_mass: dict[str, np.ndarray] = {}
-        self._mass_steps: dict[str, int] = {}        # steps summed per request (every-N-steps)
-        self._kag_every = self.config.kag_update_steps
+        self.block_mass = BlockMass(self.kv_manager, self.config.kag_update_steps)
         self._ids = itertools.count()
         # steps that ran a batch, never reset (unlike ``stats``, which the warm-up puts back):
         # the replicas' shared clock under tensor parallelism (``tp_engine.make_deterministic``)
@@ -176,7 +175,7 @@ class Engine:
     def device_state(self, request_id: str) -> SeqState | None:
         """The runner's device state of a request that ran a step, else None."""
         # (read as it is: ``ModelRunner.seq`` would reset a finished block's state)
-        return self.runner._states.get(request_id)
+        return self.runner.state(request_id)
 
     def detach(self, request_id: str) -> Request | None:
         """Take a running request out without finishing it (prefill/decode migration): its
@@ -186,8 +185,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.remove(req)
-        self._block_mass.pop(request_id, None)
-        self._mass_steps.pop(request_id, None)
+        self.block_mass.forget(request_id)
         self.kv_manager.free(request_id, None)
         self.runner.release(request_id)
         return req
@@ -348,27 +346,12 @@ class Engine:
         refresh = sum(n for s, n in zip(plan.seqs, rows) if s.req.first_step)
         return refresh if 2 * refresh >= sum(rows) else 0
 
-    def add_block_mass(self, req: Request, page_mass) -> None:
-        """Sum a request's per-page attention mass over its block; at the block's end (or the
-        request's) hand it to the KV manager's placement policy: once per block."""
-        rid = req.request_id
-        if page_mass is not None:
-            acc = self._block_mass.get(rid)
-            self._block_mass[rid] = page_mass if acc is None else acc + page_mass
-            self._mass_steps[rid] = self._mass_steps.get(rid, 0) + 1
-        due = req.first_step or req.finished or (
-            self._kag_every is not None and self._mass_steps.get(rid, 0) >= self._kag_every)
-        if due and rid in self._block_mass:
-            self._mass_steps.pop(rid, None)
-            self.kv_manager.observe(rid, self._block_mass.pop(rid))
-
     def _release(self, req: Request) -> None:
         """Return a finished or aborted request's pages and device state. A request that
         finished (not aborted, not failed) publishes its pages for prefix reuse: the prompt and
         every block before the last one decoded (their K/V were refreshed with their final
         tokens; the last block's K/V were computed while it was still being unmasked)."""
-        self._block_mass.pop(req.request_id, None)
-        self._mass_steps.pop(req.request_id, None)
+        self.block_mass.forget(req.request_id)
         publish = None
         if (self.config.prefix_reuse and req.finish_reason not in ("abort", "error")
                 and CACHE_MODES[req.params.cache].reusable and req.overflow is None):

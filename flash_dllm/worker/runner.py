@@ -196,6 +196,11 @@ class ModelRunner:
             st.new_block(req.block)
         return st
 
+    def state(self, request_id: str) -> SeqState | None:
+        """A running request's device state as it is (None: it has not run a step); unlike
+        ``seq`` this never resets a state whose block has advanced."""
+        return self._states.get(request_id)
+
     def policy_store(self, name: str, factory):
         """A decode policy's device state on this runner (made by ``factory`` on first use)."""
         store = self._policy_stores.get(name)

@@ -31,4 +31,4 @@ class AttentionMass(StepExtension):
         return {step.batch[i].request_id: per_page[i] for i in members}
 
     def apply(self, engine, req, value) -> None:
-        engine.add_block_mass(req, value.get(req.request_id))
+        engine.block_mass.add(req, value.get(req.request_id))
