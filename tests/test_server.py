@@ -262,6 +262,8 @@ def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
     defaults = SamplingParams()
     for body in (verify, drift):
         assert all(v != getattr(defaults, k) for k, v in body.items()), body
+    # a new knob is a new body field (generated): send it here too
+    assert set(verify) | set(drift) == {f.name for f in fields(SamplingParams)}
 
     async def go():
         async with client(app) as c:

@@ -1,6 +1,6 @@
 """Command-line arguments in one place: ``EngineArgs`` (model, device, engine knobs) and the
-sampling flags, each flag built from the field it sets, with its default read from
-``EngineConfig`` / ``SamplingParams`` (so a default is written exactly once).
+sampling flags. The knobs' flags are generated from ``EngineConfig`` / ``SamplingParams``
+(``flash_dllm/knobs.py``): name, type, default, choices and help are written once, on the field.
 """
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from flash_dllm.cache.modes import CACHE_MODES
-from flash_dllm.config import DECODE_POLICIES, VERIFY_RULES, EngineConfig, SamplingParams
+from flash_dllm.config import AUTO_GPU_MEMORY_UTILIZATION, EngineConfig, SamplingParams
+from flash_dllm.knobs import Knob, knobs
 
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-# serving on a GPU sizes the KV pool from the device's memory (``EngineArgs.kv_sizing``): the 1 GiB
-# library default holds ~2k tokens of an 8B model, which capped the LLaDA-8B shape's served batch
-# at ~13 requests (issue 21). 0.8 as lm-eval's adapter: the rest holds activations (a 64 x 256
-# canvas of an 8B model in one forward) and CUDA graphs.
-AUTO_GPU_MEMORY_UTILIZATION = 0.8
+_CONFIG_DEFAULTS = {k.name: k.default for k in knobs(EngineConfig)}
 
 
 class CommandError(Exception):
@@ -48,14 +43,74 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _knob(name: str, kind, help: str, **extra):
-    """A field of ``EngineArgs`` mirroring ``EngineConfig.<name>`` (same default)."""
-    return field(default=_CONFIG_DEFAULTS[name], metadata={"type": kind, "help": help, **extra})
+# ------------------------------------------------------------------------------ knob flags
+def add_knob_flags(group, cls: type, defaults: dict | None = None,
+                   described: dict[str, str] | None = None) -> None:
+    """One flag per knob of the config class ``cls`` that has one (``knob(cli=True)``).
+
+    Args:
+        group: the parser or argument group that gets the flags.
+        cls: a dataclass whose fields are ``knob()``s (``SamplingParams``, ``EngineConfig``).
+        defaults: a command's own defaults, by field name (``serve`` turns prefix reuse on).
+        described: flags left None for the command to fill in, by field name, with the text
+            their help shows as the default.
+    """
+    for k in knobs(cls):
+        if k.cli:
+            _add_knob_flag(group, k, defaults, described)
+
+
+def _add_knob_flag(group, k: Knob, defaults: dict | None = None,
+                   described: dict[str, str] | None = None) -> None:
+    defaults, described = defaults or {}, described or {}
+    default = None if k.name in described else defaults.get(k.name, k.default)
+    help = k.help
+    if k.name in described and help is not None:
+        help = help.replace("%(default)s", described[k.name])
+    if k.type is bool and k.flag_name.startswith("--no-"):
+        # a single off switch for a knob on by default (--no-early-stop)
+        group.add_argument(k.flag_name, dest=k.name, action="store_false", default=default,
+                           help=help)
+    elif k.type is bool:
+        group.add_argument(k.flag_name, dest=k.name, action=argparse.BooleanOptionalAction,
+                           default=default, help=help)
+    else:
+        # NOTE: choices are read here, when the parser is built: a decode policy or cache mode
+        # registered after import is a valid value of a parser built after it
+        group.add_argument(k.flag_name, dest=k.name, type=k.type, default=default,
+                           choices=None if k.choices is None else list(k.choices), help=help)
+
+
+def knob_values(ns: argparse.Namespace, cls: type) -> dict:
+    """The values of ``cls``' knob flags parsed into ``ns``, by field name."""
+    return {k.name: getattr(ns, k.name) for k in knobs(cls) if k.cli}
+
+
+def _with_config_knobs(after: str):
+    """Class decorator (under ``@dataclass``): a field per ``EngineConfig`` knob with a flag,
+    inserted after the field ``after``, with the knob's annotation, default and metadata."""
+    def wrap(cls):
+        config = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        annotations = {}
+        for name, annotation in cls.__dict__["__annotations__"].items():
+            annotations[name] = annotation
+            if name == after:
+                for k in knobs(EngineConfig):
+                    if k.cli:
+                        annotations[k.name] = config[k.name].type
+                        setattr(cls, k.name, field(default=k.default,
+                                                   metadata=config[k.name].metadata))
+        cls.__annotations__ = annotations
+        return cls
+    return wrap
 
 
 @dataclass
+@_with_config_knobs(after="threads")
 class EngineArgs:
-    """What loads an engine: the checkpoint, the device, and ``EngineConfig``'s knobs."""
+    """What loads an engine: the checkpoint, the device, and ``EngineConfig``'s knobs (one field
+    per knob with a flag, after ``threads``; ``kv_cache_gb`` may also be None, see
+    ``kv_sizing``)."""
 
     model: str | None = field(default=None, metadata={
         "type": str, "help": "checkpoint folder (Hugging Face layout), or a name: demo (the "
@@ -73,91 +128,6 @@ class EngineArgs:
         "help": "CPU threads for torch's operators (default: $OMP_NUM_THREADS when set; on the "
                 "CPU device half the CPUs this process may use, at most 4, which stays fast "
                 "when other processes share the machine; elsewhere torch's own choice)"})
-    max_num_seqs: int = _knob("max_num_seqs", int, "requests decoded together in one forward "
-                                                   "(default: %(default)s)")
-    page_size: int = _knob("page_size", int, "tokens per KV page (default: %(default)s)")
-    # None (serve's default): auto, see ``kv_sizing``
-    kv_cache_gb: float | None = _knob("kv_cache_gb", float,
-                                      "KV page pool size in GiB; requests are admitted while "
-                                      "their pages fit (default: 1; serve, bench serve and bench "
-                                      "multiturn on a GPU: --gpu-memory-utilization "
-                                      f"{AUTO_GPU_MEMORY_UTILIZATION} unless a pool size is "
-                                      "given, as serving engines do)")
-    num_kv_pages: int | None = _knob("num_kv_pages", int,
-                                     "explicit KV pool size in pages (overrides --kv-cache-gb)")
-    gpu_memory_utilization: float | None = _knob(
-        "gpu_memory_utilization", float, "CUDA: size the KV pool to this fraction of GPU memory "
-                                         "minus the weights (overrides --kv-cache-gb)")
-    max_waiting: int = _knob("max_waiting", int, "serving: queued requests before new ones get "
-                                                 "429 (default: %(default)s)")
-    cuda_graphs: bool = _knob("cuda_graphs", bool, "CUDA: replay step forwards from CUDA graphs "
-                                                   "(default: on)")
-    fused_step: bool | None = _knob("fused_step", bool,
-                                    "run steady greedy dual/prefix steps as one CUDA graph each "
-                                    "(default: on with CUDA graphs)")
-    prefix_reuse: bool = _knob("prefix_reuse", bool,
-                               "keep finished requests' KV pages and reuse them for prompts that "
-                               "start with the same tokens (multi-turn chat); reused K/V are "
-                               "approximate (bidirectional attention). Default: on for serve, "
-                               "off elsewhere")
-    kv_cpu_gb: float = _knob("kv_cpu_gb", float,
-                             "GiB of pinned host memory for cached KV pages that leave the GPU "
-                             "(L1; needs --prefix-reuse; default: %(default)s, none)")
-    kv_disk_path: str | None = _knob("kv_disk_path", str,
-                                     "a file for cached KV pages below host memory (L2; created "
-                                     "and preallocated; records of an earlier process are never "
-                                     "used)")
-    kv_disk_gb: float = _knob("kv_disk_gb", float, "size of --kv-disk-path in GiB")
-    kv_offload_dtype: str = _knob("kv_offload_dtype", str,
-                                  "how pages are stored below the GPU: bf16 (the pool's own dtype, "
-                                  "exact), fp8 (e4m3) or int8 (one scale per page, layer and "
-                                  "head; half the bytes) (default: %(default)s)",
-                                  choices=["bf16", "fp8", "int8"])
-    kv_overflow_gb: float = _knob("kv_overflow_gb", float,
-                                  "GiB of pinned host memory for a request whose KV is larger "
-                                  "than the whole GPU pool: the pages that fit stay on the GPU, "
-                                  "the rest are copied in layer by layer at every step (slow: "
-                                  "PCIe-bound), and the request runs alone; cache dual or prefix "
-                                  "(default: %(default)s, such requests are refused)")
-    lazy_load_budget: float | None = _knob(
-        "lazy_load_budget", float,
-        "with --kv-overflow-gb: a step that does not rewrite a long request's host pages "
-        "attends to its GPU-resident pages plus this share (0-1] of its other pages, those of "
-        "most predicted attention, and loads only the host pages among them; its attention "
-        "skips the rest (approximate; default: every page, exact)")
-    lazy_load_sentinel: float | None = _knob(
-        "lazy_load_sentinel", float,
-        "with --lazy-load-budget: each lazy step compares the host pages its block attends to "
-        "most (top 8 of those loaded) with the block's measuring step; an overlap (Jaccard) "
-        "below this value makes the next step load every page and measure again (counted as "
-        "sentinel 'lazy_load'; default: off)")
-    lazy_load_predictor: str = _knob(
-        "lazy_load_predictor", str,
-        "with --lazy-load-budget: which host pages a lazy step loads: mass (those its block "
-        "attended to most at its first step) or quest (re-chosen after every step from an upper "
-        "bound of the attention the step's queries can give each page, from per-page key "
-        "summaries) (default: %(default)s)", choices=["mass", "quest"])
-    kv_placement: str | None = _knob("kv_placement", str,
-                                     "which cached pages leave a tier first: lru (least "
-                                     "recently used), ema (least attended: moving average of "
-                                     "the attention mass their pages got), kag (least central "
-                                     "in the KV access graph, PageRank); ema and kag learn from "
-                                     "cache=flash steps only. With --lazy-load-budget also "
-                                     "which pages of a request larger than the pool stay on the "
-                                     "GPU (re-chosen at each block refresh; lru keeps its last "
-                                     "pages). Default: lru for cached pages, ema for that "
-                                     "resident set (each the winner of its benchmark)",
-                                     choices=["lru", "ema", "kag"])
-    kv_prefetch: bool = _knob("kv_prefetch", bool,
-                              "with a disk tier: read the disk copies of waiting requests' "
-                              "reusable prefixes into host memory while they wait, so that "
-                              "admission loads them from host memory (default: off; "
-                              "measured on the CPU only)")
-    kag_top_k: int = _knob("kag_top_k", int, "ema / kag: neighbours kept per page in the KV "
-                                             "access graph (default: %(default)s)")
-    kag_update: str = _knob("kag_update", str, "ema / kag: hand a request's attention evidence "
-                                               "to the graph every-block or every-N-steps "
-                                               "(e.g. every-4-steps; default: %(default)s)")
     tensor_parallel_size: int = field(default=1, metadata={
         "type": int, "help": "GPUs (or CPU processes) that split the model's weights, heads and "
                              "KV pages; one worker process per extra rank, or the ranks "
@@ -170,16 +140,14 @@ class EngineArgs:
         prefix reuse on, as serving engines do)."""
         defaults = defaults or {}
         g = parser.add_argument_group("model and engine (mirror EngineConfig)")
+        config = {k.name: k for k in knobs(EngineConfig)}
         for f in dataclasses.fields(cls):
-            meta = f.metadata
-            flag = "--" + f.name.replace("_", "-")
-            default = defaults.get(f.name, f.default)
-            if meta["type"] is bool:
-                g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=default, help=meta["help"])
+            if f.name in config:
+                _add_knob_flag(g, config[f.name], defaults)
             else:
-                g.add_argument(flag, dest=f.name, type=meta["type"], default=default,
-                               choices=meta.get("choices"), help=meta["help"])
+                g.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                               type=f.metadata["type"], default=defaults.get(f.name, f.default),
+                               choices=f.metadata.get("choices"), help=f.metadata["help"])
         return parser
 
     @classmethod
@@ -217,60 +185,20 @@ def is_cuda(device: str) -> bool:
 
 
 # --------------------------------------------------------------------------------- sampling
-def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | None = None) -> None:
-    """The sampling flags; ``max_tokens_default`` (a description): --max-tokens is left None and
-    the command fills it in, as ``eval`` does from the suite."""
-    d = SamplingParams()
+def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | None = None,
+                       cls: type = SamplingParams) -> None:
+    """The sampling flags, one per knob of ``cls``; ``max_tokens_default`` (a description):
+    --max-tokens is left None and the command fills it in, as ``eval`` does from the suite."""
     g = p.add_argument_group("sampling (mirrors SamplingParams)")
-    g.add_argument("--max-tokens", type=int,
-                   default=d.max_tokens if max_tokens_default is None else None,
-                   help="MASK slots after the prompt (default: "
-                        f"{max_tokens_default or '%(default)s'})")
-    g.add_argument("--block-length", type=int, default=None,
-                   help="tokens per block (default: min(32, max-tokens))")
-    g.add_argument("--steps", type=int, default=None,
-                   help="vanilla: total denoising steps (default: max-tokens, one token per step)")
-    g.add_argument("--temperature", type=float, default=d.temperature)
-    g.add_argument("--top-k", type=int, default=d.top_k)
-    g.add_argument("--top-p", type=float, default=d.top_p)
-    g.add_argument("--decode", default=d.decode, choices=DECODE_POLICIES)
-    g.add_argument("--cache", default=d.cache, choices=CACHE_MODES)
-    g.add_argument("--threshold", type=float, default=d.threshold)
-    g.add_argument("--gamma", type=float, default=d.gamma,
-                   help="verify: acceptance level (> 1 accepts nothing)")
-    g.add_argument("--verify-rule", default=d.verify_rule, choices=VERIFY_RULES)
-    g.add_argument("--max-verify", type=int, default=None,
-                   help="verify: drafts checked per forward (default: block length)")
-    g.add_argument("--entropy-max", type=float, default=None,
-                   help="verify sentinel: verify slots with entropy above this (nats)")
-    g.add_argument("--perturb-sigma", type=float, default=None,
-                   help="verify sentinel: verify slots whose top-1 flips under this logit noise")
-    g.add_argument("--kv-jaccard-min", type=float, default=None,
-                   help="KV sentinel: refresh keys when a slot's top-k overlap drops below this")
-    g.add_argument("--kv-top-k", type=int, default=d.kv_top_k)
-    g.add_argument("--flash-budget", type=int, default=d.flash_budget,
-                   help="cache=flash: most-attended cached positions recomputed per step")
-    g.add_argument("--drift-min", type=float, default=None,
-                   help="cache=dual/prefix: refresh the cache only when the cached keys' "
-                        "attention drifts (similarity below this) instead of at every block")
-    g.add_argument("--drift-defer", action=argparse.BooleanOptionalAction, default=d.drift_defer,
-                   help="with --drift-min: refresh at the next block's first step (default), "
-                        "or at the next step, mid-block (--no-drift-defer)")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--no-early-stop", action="store_true",
-                   help="decode every block even after the answer ended")
+    add_knob_flags(g, cls, described=None if max_tokens_default is None
+                   else {"max_tokens": max_tokens_default})
 
 
-def sampling_from_args(a: argparse.Namespace, **override) -> SamplingParams:
-    kw = dict(max_tokens=a.max_tokens, block_length=a.block_length, steps=a.steps,
-              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, decode=a.decode,
-              cache=a.cache, threshold=a.threshold, seed=a.seed, early_stop=not a.no_early_stop,
-              gamma=a.gamma, verify_rule=a.verify_rule, max_verify=a.max_verify,
-              entropy_max=a.entropy_max, perturb_sigma=a.perturb_sigma,
-              kv_jaccard_min=a.kv_jaccard_min, kv_top_k=a.kv_top_k, flash_budget=a.flash_budget,
-              drift_min=a.drift_min, drift_defer=a.drift_defer)
-    kw.update(override)
-    return SamplingParams(**kw)
+def sampling_from_args(a: argparse.Namespace, cls: type = SamplingParams,
+                       **override) -> SamplingParams:
+    """``cls`` (``SamplingParams``) from the flags ``add_sampling_flags`` added, with
+    ``override``'s values instead of some."""
+    return cls(**{**knob_values(a, cls), **override})
 
 
 # ---------------------------------------------------------------------------------- threads

@@ -3,7 +3,8 @@
 Requests are strict: wrong JSON types are errors (no ``"16"`` -> 16 coercion) and unknown fields
 are rejected by name. Besides the OpenAI fields, every ``SamplingParams`` knob (``block_length``,
 ``steps``, ``decode``, ``cache``, ``threshold``, ``gamma``, ``top_k``, the sentinels' and the
-caches' knobs, ...) is accepted as an extra body field (``DLLMKnobs``).
+caches' knobs, ...) is accepted as an extra body field (``DLLMKnobs``, generated from the
+knobs' metadata: a new knob is a new body field).
 
 The OpenAI parameters this engine does not use follow one policy (``IGNORED_PARAMS`` and
 ``NEUTRAL_PARAMS`` below; ``ServerContext.check_request`` applies it): the harmless ones are
@@ -13,17 +14,16 @@ naming the parameter and why otherwise. With ``strict_params`` every one of them
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from flash_dllm.config import DEFAULT_BLOCK_LENGTH, SamplingParams
+from flash_dllm.knobs import knob_of, knobs
 from flash_dllm.server.stops import stop_strings
 
 MAX_N = 16                                       # choices per request (OpenAI ``n``)
-
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
 # ------------------------------------------------------------------------- the parameter policy
@@ -115,41 +115,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class DLLMKnobs(_Strict):
-    """Per-request sampling knobs shared by every endpoint (see ``SamplingParams``)."""
+class KnobBody(_Strict):
+    """The base of a generated knob model (``knob_model``): the request's sampling params from
+    the knobs the client sent."""
 
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0)
-    block_length: int | None = Field(None, ge=1)
-    steps: int | None = Field(None, ge=1)
-    decode: str | None = None
-    cache: str | None = None
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
-    gamma: float | None = Field(None, gt=0.0, allow_inf_nan=False)   # decode="verify" acceptance
-    # the other SamplingParams knobs: typed here, their ranges checked by SamplingParams (a 400
-    # naming the field)
-    early_stop: bool | None = None
-    verify_rule: str | None = None
-    max_verify: int | None = None
-    entropy_max: float | None = Field(None, allow_inf_nan=False)
-    perturb_sigma: float | None = Field(None, allow_inf_nan=False)
-    kv_jaccard_min: float | None = Field(None, allow_inf_nan=False)
-    kv_top_k: int | None = None
-    flash_budget: int | None = None
-    drift_min: float | None = Field(None, allow_inf_nan=False)
-    drift_defer: bool | None = None
+    PARAMS: ClassVar[type] = SamplingParams      # the dataclass the model was generated from
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The request's SamplingParams; raises ``ValueError`` naming the field on a bad combination."""
-        # NOTE: a knob SamplingParams does not know (yet) is range-checked here and not passed on
-        kw: dict[str, Any] = {k: getattr(self, k) for k in DLLMKnobs.model_fields
-                              if getattr(self, k) is not None and k in _SAMPLING_FIELDS}
-        kw["max_tokens"] = max_tokens if max_tokens is not None else SamplingParams.max_tokens
+        """The request's ``PARAMS``; raises ``ValueError`` naming the field on a bad value or
+        combination."""
+        cls = self.PARAMS
+        kw: dict[str, Any] = {k.name: getattr(self, k.name) for k in knobs(cls)
+                              if k.http and getattr(self, k.name) is not None}
+        kw["max_tokens"] = max_tokens if max_tokens is not None else \
+            knob_of(cls, "max_tokens").default
         if "block_length" not in kw:
             kw["block_length"] = default_block_length(kw["max_tokens"])
-        return SamplingParams(**kw)
+        return cls(**kw)
+
+
+def knob_model(params: type, name: str) -> type[KnobBody]:
+    """A strict model with one optional body field per HTTP knob of the dataclass ``params``
+    (``SamplingParams``): the knob's JSON type, its help as the description, None (not sent)
+    meaning the default.
+
+    NOTE: ranges and choices are not pydantic constraints: they are checked when
+    ``sampling_params`` builds ``params`` (a 400 naming the field, with the message of the
+    knob's own check), so a choice registered after import (a decode policy, a cache mode) is
+    accepted, and an HTTP error says what ``SamplingParams`` says.
+    """
+    body = {k.name: (k.type | None, Field(None, description=k.help_text()))
+            for k in knobs(params) if k.http}
+    model = create_model(name, __base__=KnobBody, __doc__=f"Per-request knobs of every endpoint "
+                                                         f"(see ``{params.__name__}``).", **body)
+    model.PARAMS = params
+    return model
+
+
+# every SamplingParams knob but max_tokens (each endpoint names its own)
+DLLMKnobs = knob_model(SamplingParams, "DLLMKnobs")
 
 
 def default_block_length(max_tokens: int) -> int:
