@@ -110,15 +110,19 @@ def test_quantised_equal_reference(model, qdtype):
     kv_pages.unpack_pages(q, ids, dst, s)
     kv_pages.unpack_pages_reference(q, ids, want, s)
     assert torch.equal(_bits(dst), _bits(want))
-    x = kv[:, :, ids].permute(2, 0, 1, 3, 4, 5).float()                 # [n, L, 2, S, H, D]
-    deq = dst[:, :, ids].permute(2, 0, 1, 3, 4, 5).float()
-    sc = s[:, :, :, None, :, None]
-    err = (x - deq).abs()
-    if qdtype == torch.int8:
-        assert (err <= sc / 2 + 2.0 ** -8 * deq.abs() + 1e-6 * sc).all()
-    else:
-        normal = x.abs() >= sc * 2.0 ** -6
-        assert (err[normal] <= (2.0 ** -3 * x.abs())[normal]).all()
+    # the error bound, a few pages at a time (the whole LLaDA-shaped pool in float32 twice did
+    # not fit an 80 GB card next to the pool itself)
+    for a in range(0, ids.numel(), 25):
+        sub = ids[a:a + 25]
+        x = kv[:, :, sub].permute(2, 0, 1, 3, 4, 5).float()             # [n, L, 2, S, H, D]
+        deq = dst[:, :, sub].permute(2, 0, 1, 3, 4, 5).float()
+        sc = s[a:a + 25, :, :, None, :, None]
+        err = (x - deq).abs()
+        if qdtype == torch.int8:
+            assert (err <= sc / 2 + 2.0 ** -8 * deq.abs() + 1e-6 * sc).all()
+        else:
+            normal = x.abs() >= sc * 2.0 ** -6
+            assert (err[normal] <= (2.0 ** -3 * x.abs())[normal]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
