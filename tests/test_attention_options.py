@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import randomize_, tiny_dream_config, tiny_llada_config, tiny_model
+from flash_dllm.config import SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.layers.attention import (BIDIRECTIONAL, Attention, AttentionPattern,
                                          DenseContext, block_causal)
@@ -238,20 +240,24 @@ def test_model_config_validates_the_new_fields():
     assert replace(cfg, qk_norm=True).num_params() == cfg.num_params() + 2 * 2 * cfg.head_dim
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"attention": block_causal(32)},
-     r"block-causal attention is not supported by the paged engine yet \(this llada model "
-     r"attends block_causal\(32\)\)"),
-    ({"qk_norm": True}, "per-head q/k norm is not supported by the paged engine yet"),
-    ({"rotary_dim": 8}, r"partial rotary embeddings \(rotary_dim 8 of head_dim 16\) are not "
-                        "supported by the paged engine yet"),
-])
-def test_the_paged_engine_refuses_what_it_cannot_compute(change, message):
-    model = tiny_model("llada")
-    cfg = replace(model.cfg, **change)
-    with pytest.raises(ValueError, match=message):
-        Engine(DiffusionTransformer(cfg), cfg)
-    assert replace(model.cfg, rotary_dim=model.cfg.head_dim).paged_unsupported() is None
+@pytest.mark.parametrize("change", [{"qk_norm": True}, {"rotary_dim": 8},
+                                    {"qk_norm": True, "rotary_dim": 8}])
+def test_the_paged_engine_computes_what_the_dense_loop_computes(change):
+    """Per-head q/k norm and partial rotary in the paged path (``attention_backend.
+    attend_normed``): the exact sampler token for token against the dense reference loop.
+    (Block-causal attention: tests/test_block_causal.py.)"""
+    from test_sampler import reference_vanilla, run_engine, tiny
+    base = tiny("llada", seed=4)
+    cfg = replace(base.cfg, **change)
+    model = DiffusionTransformer(cfg)
+    model.init_weights(std=0.3, seed=4)
+    prompts = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
+    reqs, _ = run_engine(model, prompts, SamplingParams(max_tokens=16, block_length=8,
+                                                        early_stop=False))
+    for prompt, req in zip(prompts, reqs):
+        ref, _ = reference_vanilla(model, prompt, 16, 8, 16)      # the generated ids
+        assert req.canvas[len(prompt):].tolist() == ref
+    assert cfg.paged_unsupported() is None
 
 
 def test_family_builds_its_model_through_the_registry():

@@ -40,7 +40,8 @@ PROMPTS = [[1, 5, 6, 7, 8, 9, 10] * 3, [1, 20, 21, 22], [1, 30, 31, 32, 33, 34] 
 
 def _params() -> list[SamplingParams]:
     ps = [SamplingParams(max_tokens=24, block_length=8, cache=c, decode=d, early_stop=False)
-          for c in CACHE_MODES for d in DECODE_POLICIES]
+          for c in CACHE_MODES for d in DECODE_POLICIES
+          if not CACHE_MODES[c].needs_block_causal]  # (block: block-causal models)
     ps.append(SamplingParams(max_tokens=24, block_length=8, temperature=0.8, seed=7,
                              decode="threshold", cache="dual", early_stop=False))
     return ps

@@ -20,7 +20,8 @@ CFG = EngineConfig(max_num_seqs=20, num_kv_pages=160, page_size=4)
 
 def _params() -> list[SamplingParams]:
     ps = [SamplingParams(max_tokens=16, block_length=8, cache=c, decode=d, threshold=0.3,
-                         early_stop=False) for c in CACHE_MODES for d in DECODE_POLICIES]
+                         early_stop=False) for c in CACHE_MODES for d in DECODE_POLICIES
+          if not CACHE_MODES[c].needs_block_causal]  # (block: block-causal models)
     ps.append(SamplingParams(max_tokens=16, block_length=8, temperature=0.9, seed=3,
                              cache="dual", decode="threshold"))
     ps.append(SamplingParams(max_tokens=16, block_length=8, decode="verify", cache="dual",

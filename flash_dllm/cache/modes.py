@@ -13,6 +13,7 @@ mode names:
 | `dual`   | whole canvas          | active block only                  |
 | `dual` + drift trigger | previous + active block, whole canvas once drift was seen | active block |
 | `flash`  | previous + active block + top-k | active block + top-k     |
+| `block`  | previous + active block (the first: prompt + block) | active block (exact: block-causal models only) |
 
 Fast-dLLM's prefix cache keeps only prompt/committed K/V and recomputes the suffix; its dual cache
 also keeps the suffix's K/V from the block's first step. Both refresh the whole cache at the first
@@ -61,6 +62,10 @@ class CacheMode:
     streams_overflow: bool = False
     # needs the last layer's per-key attention mass of every step (``extra_positions``)
     needs_mass: bool = False
+    # may run on a block-causal model (contiguous query windows, no attention statistics) /
+    # only on one (its windows rely on later blocks never being seen)
+    block_causal_ok: bool = True
+    needs_block_causal: bool = False
 
     def refresh(self, first_step: bool, first_block: bool) -> bool:
         """Whether a step recomputes the whole canvas (when no trigger decides it)."""
@@ -140,6 +145,7 @@ class FlashCache(CacheMode):
 
     name = "flash"
     needs_mass = True
+    block_causal_ok = False
 
     def refresh(self, first_step: bool, first_block: bool) -> bool:
         return first_step and first_block
@@ -185,8 +191,31 @@ class FlashCache(CacheMode):
         return out
 
 
+class BlockCache(CacheMode):
+    """The exact block KV cache of block-causal models (LLaDA2, SDAR): a position sees its own
+    block and earlier ones, so a finished block's K/V never change. A step recomputes only the
+    active block; a block's first step also recomputes the block before it, once, with its final
+    tokens (its last commits were made after its last forward), and the request's first step
+    computes the prompt's blocks with the first block (positions past the active block are never
+    computed: no query sees them). Equal, token for token, to recomputing every block up to the
+    active one at every step (``none``)."""
+
+    name = "block"
+    fusable = True
+    needs_block_causal = True
+
+    def query_range(self, canvas_len, block_start, block_end, first_step, logit_shift,
+                    first_block=True, refresh=None):
+        if first_step and first_block:
+            return 0, block_end
+        q0 = block_start - logit_shift
+        if first_step:
+            q0 -= block_end - block_start
+        return max(0, q0), block_end
+
+
 CACHE_MODES: Registry[CacheMode] = Registry("cache mode")
-for _mode in (NoCache(), PrefixCache(), DualCache(), FlashCache()):
+for _mode in (NoCache(), PrefixCache(), DualCache(), FlashCache(), BlockCache()):
     CACHE_MODES.register(_mode)
 
 

@@ -56,10 +56,18 @@ class StepOutput(NamedTuple):
 
 class Request:
     """The canvas is ``prompt + max_tokens * [MASK]``; ``block`` is the active block;
-    ``first_step`` means the next forward is the block's first (full refresh)."""
+    ``first_step`` means the next forward is the block's first (full refresh).
+
+    ``grid`` (a block-causal model's block size, 0 otherwise): the blocks lie on the model's
+    grid, counted from position 0 (``layers.attention.AttentionPattern``): the first block
+    decoded is the one holding the prompt's end (its first ``lead`` slots are prompt), and the
+    canvas runs to the end of the block holding ``prompt + max_tokens`` (LLaDA2's reference
+    ``generate``); the answer is still cut at ``max_tokens``. Without a grid the blocks start at
+    the prompt's end."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 mask_id: int, stop_ids: tuple[int, ...], prompt: str | None = None) -> None:
+                 mask_id: int, stop_ids: tuple[int, ...], prompt: str | None = None,
+                 grid: int = 0) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = list(prompt_ids)
@@ -67,14 +75,21 @@ class Request:
         self.mask_id = mask_id
         self.stop_ids = tuple(stop_ids)
         self._stops = np.array(self.stop_ids, dtype=np.int64)
-        self.prompt_len = len(prompt_ids)
-        # host mirror of the canvas: prompt, then MASK until a step's read-back fills it
-        self.tokens = np.full(self.prompt_len + params.max_tokens, mask_id, dtype=np.int64)
-        self.tokens[:self.prompt_len] = prompt_ids
+        P = self.prompt_len = len(prompt_ids)
+        bl = params.block_length
+        self.grid = grid
+        # where block 0 starts, and the canvas: prompt, then MASK until a step's read-back
+        # fills it (on the model's grid: to the end of the block holding the last answer slot)
+        self.origin = P - P % bl if grid else P
+        canvas = -(-(P + params.max_tokens) // bl) * bl if grid else P + params.max_tokens
+        self.num_blocks = (canvas - self.origin) // bl
+        self.tokens = np.full(canvas, mask_id, dtype=np.int64)       # the host mirror
+        self.tokens[:P] = prompt_ids
         self.block = 0
-        # NOTE: only the active block ever commits, so every block starts all MASK and the
-        # committed answer prefix can only end inside the active block
-        self.num_masked = params.block_length      # MASK slots left in the active block
+        # NOTE: only the active block ever commits, so every block starts all MASK (but for
+        # the prompt slots that lead block 0 on a grid) and the committed answer prefix can only
+        # end inside the active block
+        self.num_masked = self.origin + bl - P     # MASK slots left in the active block
         self.step_in_block = 0
         self.block_forwards: tuple[int, ...] = ()  # forwards each finished block took
         self.first_step = True
@@ -104,7 +119,12 @@ class Request:
 
     @property
     def block_start(self) -> int:
-        return self.prompt_len + self.block * self.params.block_length
+        return self.origin + self.block * self.params.block_length
+
+    @property
+    def lead(self) -> int:
+        """Prompt slots at the start of the active block (block 0 on a model's grid)."""
+        return max(0, self.prompt_len - self.block_start)
 
     @property
     def block_end(self) -> int:
@@ -116,15 +136,17 @@ class Request:
         least ``block_length`` ids, read back from the device) and what the engine computed for
         the whole batch at once: ``masked`` MASK slots left in it, ``first_end`` the first slot
         of it that is MASK or an end-of-answer id (``block_length`` if none), whether it holds an
-        end-of-answer id, and whether its first slot is committed."""
+        end-of-answer id, and whether its first answer slot is committed. On a model's grid the
+        block may begin with prompt slots (``lead``): they are neither MASK nor an end of answer
+        for the engine's counts, so ``first_end`` counts them."""
         bl = self.params.block_length
-        b0 = self.prompt_len + self.block * bl
+        b0 = self.block_start
         committed = self.num_masked - masked
         self.tokens[b0:b0 + bl] = block[:bl]
         before = self.num_tokens
         start = b0 - self.prompt_len                        # the block, in answer positions
         if before >= start:            # the committed prefix had reached this block: extend it
-            self.num_tokens = start + first_end
+            self.num_tokens = min(start + first_end, self.params.max_tokens)
         self._advance(committed, first_slot and self.block == 0 and
                       self.first_token_time is None, stop_in_block)
         new = []
@@ -149,7 +171,7 @@ class Request:
         self.step_in_block = 0
         self.first_step = True
         self.num_masked = self.params.block_length
-        last = self.block == self.params.num_blocks
+        last = self.block == self.num_blocks
         ended = self.params.early_stop and not last and stop_in_block
         if last:
             self._finish("stop" if self._has_stop() else "length")
@@ -160,7 +182,8 @@ class Request:
             self._finish("stop")
 
     def _has_stop(self) -> bool:
-        return bool(np.isin(self.tokens[self.prompt_len:], self._stops).any())
+        answer = self.tokens[self.prompt_len:self.prompt_len + self.params.max_tokens]
+        return bool(np.isin(answer, self._stops).any())
 
     def _finish(self, reason: str) -> None:
         self.finished = True

@@ -219,7 +219,7 @@ def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
         unpack_pages(part.to(dev), ids, kv, layers=(l0, l1))
     cfg = engine.cfg
     req = Request(snap.request_id, snap.prompt_ids, snap.params, cfg.mask_token_id,
-                  cfg.eos_token_ids, snap.prompt)
+                  cfg.eos_token_ids, snap.prompt, grid=cfg.attention.block_size)
     req.tokens[:] = snap.tokens
     for f, v in snap.fields.items():
         setattr(req, f, v)

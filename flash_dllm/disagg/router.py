@@ -176,7 +176,8 @@ class PDEngine:
         live pool bounds it (0 pages before any worker said hello: not checked)."""
         pools = [w.num_pages for w in self.workers if w.alive and w.ready]
         return RequestLimits(self.cfg.max_position, self.cfg.vocab_size,
-                             self.base_config.page_size, min(pools) if pools else 0)
+                             self.base_config.page_size, min(pools) if pools else 0,
+                             self.cfg.attention.block_size)
 
     # ------------------------------------------------------------------------------- EngineCore
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -189,7 +190,7 @@ class PDEngine:
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else f"pd-{next(self._ids)}"
         req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,
-                      prompt)
+                      prompt, grid=self.cfg.attention.block_size)
         pre = self._pick(PREFILL)
         dec = self._pick(DECODE)
         if pre is None or dec is None:

@@ -17,12 +17,16 @@ The shared logic is plain functions both kinds call: ``check_request`` (a reques
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Protocol, runtime_checkable
 
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import EngineStats
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.models.config import ModelConfig
+from flash_dllm.worker.extensions import EXTENSIONS
 
 
 @runtime_checkable
@@ -74,9 +78,17 @@ class RequestLimits:
     vocab_size: int
     page_size: int
     num_pages: int
+    # a block-causal model's block size (``core/request.Request``'s grid), 0 otherwise
+    grid: int = 0
 
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
+
+    def canvas_len(self, prompt_len: int, params: SamplingParams) -> int:
+        """The canvas a request of ``params`` gets (on a grid: to the end of the block holding
+        its last answer slot)."""
+        total = prompt_len + params.max_tokens
+        return -(-total // self.grid) * self.grid if self.grid else total
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, limits: RequestLimits,
@@ -86,10 +98,18 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: Request
     overflow (None: it can, so it is accepted)."""
     if not prompt_ids:
         raise ValueError("prompt is empty: it must hold at least one token")
-    total = len(prompt_ids) + params.max_tokens
+    if limits.grid:
+        check_block_causal(params, limits.grid)
+    elif CACHE_MODES[params.cache].needs_block_causal:
+        raise ValueError(f"cache={params.cache!r} needs a block-causal model (its cache is exact "
+                         "only when no position sees a later block); this model attends "
+                         "bidirectionally")
+    total = limits.canvas_len(len(prompt_ids), params)
     if total > limits.max_position:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                         f"= {total} exceeds the model's maximum length {limits.max_position}")
+        grid = f" on the model's {limits.grid}-position blocks" if limits.grid else ""
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens})"
+                         f"{grid} = {total} exceeds the model's maximum length "
+                         f"{limits.max_position}")
     bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids outside the vocabulary [0, {limits.vocab_size}): "
@@ -103,6 +123,37 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: Request
             raise ValueError(f"prompt + max_tokens = {total} tokens needs {need} KV pages of "
                              f"{limits.page_size} tokens, but the pool has only "
                              f"{limits.num_pages}; {why}")
+
+
+def check_block_causal(params: SamplingParams, block_size: int) -> None:
+    """A block-causal model decodes its own blocks, on contiguous query windows (the paged
+    attention splits a request's rows at block bounds); refuse what needs anything else, naming
+    it: another block length, a cache mode with scattered extra positions or one that needs
+    bidirectional attention, a policy that adds query rows, a step extension that adds
+    positions or reads attention statistics."""
+    if params.block_length != block_size:
+        raise ValueError(f"block_length must be {block_size} for this model (it attends in "
+                         f"blocks of {block_size} positions), got {params.block_length}")
+    mode = CACHE_MODES[params.cache]
+    if not mode.block_causal_ok:
+        raise ValueError(f"cache={params.cache!r} does not run on a block-causal model; "
+                         f"use one of {[m for m in CACHE_MODES if CACHE_MODES[m].block_causal_ok]}")
+    if DECODE_POLICIES[params.decode].adds_rows:
+        raise ValueError(f"decode={params.decode!r} does not run on a block-causal model (its "
+                         "verification rows are not block-causal yet)")
+    probe = SimpleNamespace(params=params, overflow=None)
+    for ext in EXTENSIONS:
+        if not ext.block_causal_ok and ext.active(probe):
+            raise ValueError(f"the {ext.name} step extension does not run on a block-causal "
+                             "model (it reads or adds positions outside the block's rows)")
+
+
+def runs_on(cfg: ModelConfig, cache: str, decode: str) -> bool:
+    """Whether requests of this cache mode and decode policy can run on the model at all (what
+    ``check_request`` would refuse for any prompt), e.g. to build an evaluation matrix."""
+    if cfg.attention.block_causal:
+        return CACHE_MODES[cache].block_causal_ok and not DECODE_POLICIES[decode].adds_rows
+    return not CACHE_MODES[cache].needs_block_causal
 
 
 def request_output(req: Request) -> RequestOutput:

@@ -78,7 +78,7 @@ class Engine:
                                    prefetch=self.config.kv_prefetch)
         # what ``validate`` checks a request against (immutable: any thread may read it)
         self.limits = RequestLimits(cfg.max_position, cfg.vocab_size, self.kv_manager.page_size,
-                                    self.kv_manager.num_pages)
+                                    self.kv_manager.num_pages, cfg.attention.block_size)
         # placement by attention (kv_placement ema / kag): the runner reports each flash step's
         # mass per page; it is summed over a request's block and handed over when the block ends
         self.runner.collect_page_mass = self.kv_manager.wants_mass
@@ -139,7 +139,7 @@ class Engine:
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,
-                      prompt)
+                      prompt, grid=self.cfg.attention.block_size)
         self.scheduler.add(req)
         return req
 
@@ -293,9 +293,14 @@ class Engine:
             ends = is_mask | is_stop | pad
         else:
             ends = is_mask | is_stop
+        lead = np.array([r.lead for r in reqs], dtype=np.int64)    # prompt slots (on a grid)
+        if lead.any():                                              # are no end of answer
+            in_prompt = np.arange(blocks.shape[1])[None, :] < lead[:, None]
+            is_stop &= ~in_prompt
+            ends &= ~in_prompt
         masked, stops = is_mask.sum(1).tolist(), is_stop.any(1).tolist()
         first_end = np.where(ends.any(1), ends.argmax(1), lens).tolist()
-        first_slot = (~is_mask[:, 0]).tolist()
+        first_slot = (~is_mask[np.arange(len(reqs)), lead]).tolist()
         outputs = failed_outputs
         committed = 0
         changed = False                # a new block, refresh state or finish: a new plan
@@ -355,7 +360,7 @@ class Engine:
         publish = None
         if (self.config.prefix_reuse and req.finish_reason not in ("abort", "error")
                 and CACHE_MODES[req.params.cache].reusable and req.overflow is None):
-            n = req.prompt_len + max(req.block - 1, 0) * req.params.block_length
+            n = req.origin + max(req.block - 1, 0) * req.params.block_length
             publish = req.tokens[:n].tolist()
         self.kv_manager.free(req.request_id, publish)
         self.runner.release(req.request_id)

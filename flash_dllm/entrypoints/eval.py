@@ -8,6 +8,7 @@ from pathlib import Path
 from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES, SamplingParams
+from flash_dllm.engine.core import runs_on
 from flash_dllm.entrypoints.args import (EngineArgs, add_sampling_flags, require_matplotlib,
                                          sampling_from_args)
 from flash_dllm.evals.tasks import SUITES
@@ -89,8 +90,8 @@ def run(a: argparse.Namespace) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
               engine_config=args.engine_config(),
               tensor_parallel_size=args.tensor_parallel_size)
-    combos = ([(c, d) for c in CACHE_MODES for d in DECODE_POLICIES] if a.matrix
-              else [(base.cache, base.decode)])
+    combos = ([(c, d) for c in CACHE_MODES for d in DECODE_POLICIES if runs_on(llm.cfg, c, d)]
+              if a.matrix else [(base.cache, base.decode)])
     reports = []
     for cache, decode in combos:
         # the verify-only sentinels apply to the verify rows of a matrix only

@@ -121,6 +121,8 @@ class PagedAttentionMetadata:
         """``attn``'s attention for packed rows ``x`` [T, d] -> [T, H * D]."""
         qkv = attn.qkv_proj
         H, Hkv = attn.num_heads, attn.num_kv_heads
+        if attn.q_norm is not None or attn.rotary.rotary_dim < attn.head_dim:
+            return self.attend_normed(layer, attn, x, positions)
         if qkv is not None and x.dim() == 2 and not self.special:
             if qkv_rope_cache_op.ENABLED and qkv_rope_cache_op.takes_triton(x, qkv.weight,
                                                                             self.kv):
@@ -168,6 +170,32 @@ class PagedAttentionMetadata:
         for seg in self.special:
             self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
         return out
+
+    def attend_normed(self, layer: int, attn, x: torch.Tensor, positions: torch.Tensor
+                      ) -> torch.Tensor:
+        """For modules whose q/k are normed per head before RoPE, or rotate part of each head
+        (LLaDA2, SDAR): the projection and the module's own norm and rotary in PyTorch, then the
+        page write (``write_kv``) and the paged attention; the fused RoPE kernels rotate whole,
+        un-normed heads."""
+        q, k, v = attn.project(x)                      # q/k normed: [T, H, D], [T, Hkv, D]
+        qr, kr = attn.rotary(q, positions), attn.rotary(k, positions)
+        self.write_kv(layer, kr, v)
+        out = self._attend_rotated(layer, qr)
+        for seg in self.special:
+            self._special_rows(seg, layer, out, qr, k, v, positions, attn.rotary)
+        return out
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rotated ``k`` and ``v`` [T, Hkv, D] into their page slots (rows whose slot is
+        negative, e.g. verification rows, are not written)."""
+        kc, vc = self.layer_kv(layer)
+        Hkv, D = kc.shape[-2], kc.shape[-1]
+        slots = self.slots.long()
+        if self.special:                   # (eager: only these steps have unwritten rows)
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        kc.view(-1, Hkv, D).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, Hkv, D).index_copy_(0, slots, v.to(vc.dtype))
 
     def _attend_rotated(self, layer: int, qr: torch.Tensor) -> torch.Tensor:
         """Paged attention of the rotated queries (their step's K/V already in the pages)."""
@@ -265,7 +293,7 @@ class PagedAttentionBackend:
     def build(self, table: np.ndarray, canvas_lens: list[int], positions: torch.Tensor,
               pos_host: np.ndarray | None, cu: list[int], uncached: list[tuple[int, int]],
               segments: list[Segment] | None = None, probe_layer: int | None = None,
-              mass_layer: int | None = None) -> PagedAttentionMetadata:
+              mass_layer: int | None = None, block_size: int = 0) -> PagedAttentionMetadata:
         """The step's metadata. ``table`` [B, width] int32: page ids per request (the runner's
         cached block table); ``cu``: per-request packed row boundaries; ``uncached``: row ranges
         never written to the pool (verification rows). When every packed position is a host range
@@ -276,6 +304,12 @@ class PagedAttentionBackend:
         each request's own columns), so a step's shape, hence its CUDA graph, does not depend on
         how long the requests' canvases happen to be."""
         ps, dev = self.page_size, self.kv.device
+        if block_size:
+            if pos_host is None or segments and any(s.verify is not None or s.probe is not None
+                                                    for s in segments) or mass_layer is not None:
+                raise ValueError("a block-causal step takes contiguous windows only (no extra "
+                                 "positions, verification rows, probes or attention mass)")
+            table, canvas_lens, cu = split_blocks(table, canvas_lens, pos_host, cu, block_size)
         B, width = table.shape
         T = positions.shape[0]
         # NOTE: each part starts on a 16-byte boundary. Triton compiles a kernel variant per
@@ -307,6 +341,31 @@ class PagedAttentionBackend:
                                       self.inv_freq, seqlen_bound(max(canvas_lens)),
                                       segments or [], probe_layer, mass_layer,
                                       tp=self.tp)
+
+
+def split_blocks(table: np.ndarray, canvas_lens: list[int], pos: np.ndarray, cu: list[int],
+                 block_size: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """Block-causal attention as bidirectional attention over shorter canvases: each request's
+    rows (a contiguous window, ``pos`` in order) are cut at block bounds, and the rows of block
+    k attend, through the request's own block table, to its first ``min(L, (k + 1) *
+    block_size)`` keys only: their own block and every earlier one. Returns the split (block
+    table rows, key counts, row boundaries); the packed rows keep their order, so the output
+    needs no reordering, and the paged kernels need no mask."""
+    rows, lens, bounds = [], [], [0]
+    for b in range(len(canvas_lens)):
+        a, e = cu[b], cu[b + 1]
+        if e == a:
+            rows.append(b)
+            lens.append(canvas_lens[b])
+            bounds.append(e)
+            continue
+        blk = pos[a:e] // block_size                        # non-decreasing: one window
+        cuts = np.flatnonzero(np.diff(blk)) + 1
+        for s, t_end, k in zip(np.r_[0, cuts], np.r_[cuts, e - a], blk[np.r_[0, cuts]]):
+            rows.append(b)
+            lens.append(min(canvas_lens[b], (int(k) + 1) * block_size))
+            bounds.append(a + int(t_end))
+    return table[rows], lens, bounds
 
 
 def _align4(n: int) -> int:

@@ -93,18 +93,10 @@ class ModelConfig:
         return "dense" if layer in self.dense_layers else self.mlp_kind
 
     def paged_unsupported(self) -> str | None:
-        """Why the paged engine cannot run this model yet (None: it can). Its kernels project,
-        rotate (whole heads) and attend (bidirectionally) on their own, so a model that needs
-        anything else would be computed wrong, not slowly."""
-        if self.attention.block_causal:
-            return (f"block-causal attention is not supported by the paged engine yet (this "
-                    f"{self.arch} model attends {self.attention}); the model's dense forward, "
-                    "model(ids), computes it")
-        if self.qk_norm:
-            return "per-head q/k norm is not supported by the paged engine yet"
-        if self.rotary_dim is not None and self.rotary_dim < self.head_dim:
-            return (f"partial rotary embeddings (rotary_dim {self.rotary_dim} of head_dim "
-                    f"{self.head_dim}) are not supported by the paged engine yet")
+        """Why the paged engine cannot run this model (None: it can). Block-causal attention
+        (split at block bounds), per-head q/k norm and partial rotary run since issue 39
+        (``layers/attention_backend.py``); a future option the kernels cannot compute is
+        refused here, not computed wrong."""
         return None
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:

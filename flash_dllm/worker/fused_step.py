@@ -163,7 +163,19 @@ class FusedSteps:
             if (r.first_step or not CACHE_MODES[p.cache].fusable or p.temperature > 0
                     or p.block_length != bl):
                 return False
+        if self.dims is not None and self.dims.get("block_size") and not all(
+                self._one_block(r, self.dims["block_size"], self.dims["logit_shift"])
+                for r in batch):
+            return False
         return policy.fused_fits(batch, self.dims)
+
+    @staticmethod
+    def _one_block(req, block_size: int, logit_shift: int) -> bool:
+        """Block-causal model: does the request's steady window lie in one block (its rows then
+        all see the same keys: the block's end bounds them)?"""
+        q0, q1 = CACHE_MODES[req.params.cache].query_range(
+            req.canvas_len, req.block_start, req.block_end, False, logit_shift)
+        return q0 // block_size == (q1 - 1) // block_size
 
     # ------------------------------------------------------------------------------------- run
     def run(self, runner, plan, states) -> StepResult | None:
@@ -283,7 +295,11 @@ class FusedSteps:
         host[sl["rows"]] = (blk - shift - q0[:, None] + cu[:-1, None]).ravel()
         host[sl["blk_idx"]] = (arena_row[:, None] * W + blk).ravel()
         host[sl["cu_q"]] = cu
-        host[sl["seq_lens"]] = [r.canvas_len for r in batch]
+        bs = (self.dims or {}).get("block_size", 0)
+        # block-causal: every row of a request is in its active block (``_one_block``), whose
+        # end bounds the keys they see
+        host[sl["seq_lens"]] = [min(r.canvas_len, r.block_end) if bs else r.canvas_len
+                                for r in batch]
         host[sl["bstart"]] = bstart
         policy.fill_fused(host, sl, batch, signature, arena_row)
         return host, lay

@@ -231,6 +231,6 @@ def pack_step(runner, plan, states: list, extensions: list) -> StepInputs:
     mass = any(ext.wants_mass for ext, _ in extensions)
     step.meta = runner.backend.build(runner.block_table(plan), [r.canvas_len for r in batch],
                                      pos_t, pos_host, rows.cu, rows.uncached, segments,
-                                     probe_layer=last,
-                                     mass_layer=last if mass else None)
+                                     probe_layer=last, mass_layer=last if mass else None,
+                                     block_size=runner.cfg.attention.block_size)
     return step

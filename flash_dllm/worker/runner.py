@@ -137,7 +137,10 @@ class ModelRunner:
                                     config.cuda_graph_max_tokens, config.cuda_graph_max_rows)
             self.fused.dims = dict(
                 vocab=cfg.vocab_size, heads=cfg.num_heads // world, kv_heads=self.kv_heads,
-                head_dim=cfg.head_dim, page_size=config.page_size, table_width=self.table_width)
+                head_dim=cfg.head_dim, page_size=config.page_size, table_width=self.table_width,
+                block_size=cfg.attention.block_size,      # block-causal: its windows' bound
+                logit_shift=cfg.logit_shift,
+                whole_rope=not cfg.qk_norm and cfg.rotary_dim in (None, cfg.head_dim))
 
     def _kv_budget(self) -> int | None:
         u = self.config.gpu_memory_utilization
@@ -168,6 +171,9 @@ class ModelRunner:
         desc = (f"{c.num_layers}/{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{c.head_dim}/"
                 f"{c.vocab_size}/{c.rope_theta}/{self.dtype}/page{self.page_size}/"
                 f"layer-major-v1/{config.kv_offload_dtype}{tp}")
+        if c.attention.block_causal or c.qk_norm or c.rotary_dim not in (None, c.head_dim):
+            # (what else a page's K/V depend on; absent for LLaDA / Dream, whose keys stay)
+            desc += f"/{c.attention}/qk{int(c.qk_norm)}/rot{c.rotary_dim}"
         return hashlib.blake2b(desc.encode(), digest_size=16).digest()
 
     @property

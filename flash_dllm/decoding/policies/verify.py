@@ -167,7 +167,9 @@ class VerifyPolicy(DecodePolicy):
 
     # -------------------------------------------------------------------------------- fused step
     def fused_fits(self, batch, dims):
-        return verify_fused.fits(batch, dims, self.MAX_ELEMENTS)
+        # (its verification rows rotate whole, un-normed heads with the fused RoPE kernel)
+        return (dims is not None and dims.get("whole_rope", True)
+                and verify_fused.fits(batch, dims, self.MAX_ELEMENTS))
 
     def fused_fields(self, batch, signature, dims):
         """Key: (M draft slots, dense canvas keys per request), what the body's shapes follow."""

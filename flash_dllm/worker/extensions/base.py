@@ -20,7 +20,8 @@ on which no extension is active calls none of them (off the hot path). Every hoo
 A new extension is one module with a ``StepExtension`` subclass plus one entry in the explicit
 list ``worker/extensions/__init__.py``. ``wants_mass``: the step must keep the last layer's per-key
 attention mass. ``fusable``: a fused step may run while it is active (only extensions that need
-none of the hooks above on a steady step can say so).
+none of the hooks above on a steady step can say so). ``block_causal_ok``: it may run on a
+block-causal model (none of today's does; each is refused there with its name).
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class StepExtension:
     name: str = ""
     fusable: bool = False
     wants_mass: bool = False
+    # may run on a block-causal model (whose attention is split at block bounds: no scattered
+    # extra positions, no per-request attention statistics)
+    block_causal_ok: bool = False
 
     def active(self, req) -> bool:
         """Whether the extension runs for ``req``'s steps."""

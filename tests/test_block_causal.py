@@ -1,0 +1,155 @@
+"""Block-causal models in the paged engine (issue 39): blocks on the model's grid, the attention
+split at block bounds, per-head q/k norm and partial rotary in the paged path, and the exact
+block KV cache (``cache="block"``), against an independent dense reference loop."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_sampler import EOS, MASK, dense_logits, run_engine, tiny
+
+from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.core.request import Request
+from flash_dllm.engine.engine import Engine
+from flash_dllm.layers.attention import block_causal
+from flash_dllm.models.transformer import DiffusionTransformer
+
+BS = 8
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21, 22], [1, 2, 3, 4, 5, 6, 7, 9],
+           [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45]]
+
+
+def block_model(family: str = "llada", seed: int = 3, **extra):
+    """A tiny model of ``family``'s layout made block-causal (block 8), with per-head q/k norm
+    and half-rotary heads (what LLaDA2 does), random and peaked."""
+    cfg = replace(tiny(family, seed).cfg, attention=block_causal(BS), qk_norm=True, rotary_dim=8,
+                  **extra)
+    model = DiffusionTransformer(cfg)
+    model.init_weights(std=0.3, seed=seed)
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_grid(model, prompt, gen, rule, steps=None, tau=0.5):
+    """Block diffusion as LLaDA2's published ``generate`` lays it out, on the dense forward:
+    blocks of 8 counted from position 0, the first decoded block holds the prompt's end, each
+    step runs the model over every position up to the active block's end and commits, among
+    the block's masked slots, the ``k`` most confident (``vanilla``: k from the step schedule;
+    ties as LLaDA's reference: topk over a row as long as the canvas) or every one at or above
+    ``tau`` and the best (``threshold``). MASK is never proposed. (Dream's shifted logits: a
+    block's first slot is read from the previous block's last row, which cannot see it.)"""
+    P = len(prompt)
+    L = -(-(P + gen) // BS) * BS
+    x = torch.full((1, L), MASK, dtype=torch.long)
+    x[0, :P] = torch.tensor(prompt)
+    per_block = (steps or gen) // (gen // BS)
+    for start in range(P - P % BS, L, BS):
+        masked_total = int((x[0, start:start + BS] == MASK).sum())
+        base, rem = divmod(BS, per_block)
+        schedule = [base + (1 if i < rem else 0) for i in range(per_block)]
+        step = 0
+        while (x[0, start:start + BS] == MASK).any():
+            logits = dense_logits(model, x[:, :start + BS])[0]      # (Dream: shifted)
+            logits[:, MASK] = float("-inf")
+            p = F.softmax(logits.float(), dim=-1)
+            conf, tok = p.max(-1)
+            masked = torch.zeros(L, dtype=torch.bool)
+            masked[start:start + BS] = x[0, start:start + BS] == MASK
+            row = torch.full((L,), float("-inf"))
+            row[:start + BS] = torch.where(masked[:start + BS], conf, float("-inf"))
+            if rule == "vanilla":
+                k = min(schedule[min(step, per_block - 1)], int(masked.sum()))
+                keep = torch.zeros(L, dtype=torch.bool)
+                keep[torch.topk(row, k).indices] = True
+            else:
+                keep = (row >= tau) & masked
+                keep[int(row.argmax())] = True
+            x[0, :start + BS] = torch.where(keep[:start + BS], tok, x[0, :start + BS])
+            step += 1
+        assert masked_total > 0
+    return x[0]
+
+
+def test_request_grid():
+    p = SamplingParams(max_tokens=16, block_length=BS)
+    r = Request("a", list(range(1, 12)), p, MASK, (EOS,), grid=BS)        # prompt 11
+    assert (r.origin, r.canvas_len, r.num_blocks, r.block_start, r.lead) == (8, 32, 3, 8, 3)
+    assert r.num_masked == 5 and (r.tokens[11:] == MASK).all()
+    flat = Request("b", list(range(1, 12)), p, MASK, (EOS,))
+    assert (flat.origin, flat.canvas_len, flat.num_blocks, flat.lead) == (11, 27, 2, 0)
+    aligned = Request("c", list(range(1, 9)), p, MASK, (EOS,), grid=BS)   # prompt 8
+    assert (aligned.origin, aligned.canvas_len, aligned.num_blocks) == (8, 24, 2)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("rule", ["vanilla", "threshold"])
+def test_exact_sampler_equals_the_dense_reference(family, rule):
+    """cache="none" (every block up to the active one recomputed at every step, with the
+    attention split at block bounds) token for token against the dense reference loop."""
+    model = block_model(family)
+    params = SamplingParams(max_tokens=16, block_length=BS, decode=rule, threshold=0.5,
+                            cache="none", early_stop=False)
+    reqs, outs = run_engine(model, PROMPTS, params)
+    for prompt, req, out in zip(PROMPTS, reqs, outs):
+        ref = reference_grid(model, prompt, 16, rule)
+        assert torch.equal(req.canvas, ref), prompt
+        assert out.token_ids == [t for t in ref[len(prompt):len(prompt) + 16].tolist()][
+            :len(out.token_ids)]
+
+
+@pytest.mark.parametrize("decode", ["vanilla", "threshold"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_exact_block_cache_equals_recomputing_everything(decode, fused):
+    """The exact block cache recomputes only the active block (and the previous one once): the
+    same tokens as recomputing every block at every step, and fewer positions."""
+    model = block_model("llada", seed=5)
+    kw = dict(max_tokens=24, block_length=BS, decode=decode, threshold=0.4, early_stop=False)
+    ref, oref = run_engine(model, PROMPTS, SamplingParams(cache="none", **kw),
+                           config=EngineConfig(fused_step=False))
+    eng = Engine(model, model.cfg, EngineConfig(fused_step=fused))
+    got = [eng.add_request(p, SamplingParams(cache="block", **kw)) for p in PROMPTS]
+    while eng.has_unfinished():
+        eng.step()
+    if fused:
+        assert eng.runner.fused.stats["fused_steps"] > 0
+    for a, b, o in zip(ref, got, oref):
+        assert torch.equal(a.canvas, b.canvas)
+        assert b.num_forwards == o.num_forwards
+        assert b.counters["positions_computed"] < o.metrics["positions_computed"]
+
+
+def test_answer_is_cut_at_max_tokens_and_stops():
+    """The canvas runs to the end of the block holding the last answer slot; the answer is
+    cut at max_tokens (finish "length") or at an end-of-answer id."""
+    model = block_model("llada", seed=7)
+    params = SamplingParams(max_tokens=8, block_length=BS, decode="threshold", threshold=0.3,
+                            cache="block", early_stop=False)
+    reqs, outs = run_engine(model, [PROMPTS[0]], params)
+    r, o = reqs[0], outs[0]
+    assert r.canvas_len == 24 and len(o.token_ids) <= 8
+    if EOS not in r.tokens[11:19].tolist():
+        assert len(o.token_ids) == 8 and o.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_length=4, max_tokens=16), "block_length must be 8 for this model"),
+    (dict(cache="flash"), "cache='flash' does not run on a block-causal model"),
+    (dict(decode="verify"), "decode='verify' does not run on a block-causal model"),
+    (dict(cache="dual", kv_jaccard_min=0.5), "kv_consistency step extension does not run"),
+    (dict(cache="dual", drift_min=0.9, decode="threshold"), "drift step extension does not"),
+])
+def test_what_a_block_causal_model_refuses(kw, match):
+    model = block_model("llada")
+    eng = Engine(model, model.cfg)
+    params = SamplingParams(**{"max_tokens": 16, "block_length": BS, **kw})
+    with pytest.raises(ValueError, match=match):
+        eng.add_request(PROMPTS[0], params)
+
+
+def test_the_block_cache_needs_a_block_causal_model():
+    model = tiny("llada")
+    with pytest.raises(ValueError, match="cache='block' needs a block-causal model"):
+        Engine(model, model.cfg).add_request([1, 2, 3], SamplingParams(max_tokens=8,
+                                                                     cache="block"))
