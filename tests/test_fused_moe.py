@@ -213,6 +213,8 @@ def test_empty_batch():
     args = _problem(0, 4, 2, 16, 8, torch.bfloat16, seed=10)
     assert fm.fused_moe_triton(*args).shape == (0, 16)
     assert fm.fused_moe_reference(*args).shape == (0, 16)
+    sorted_ids, block_expert, total = fm.moe_align_triton(torch.zeros(0, dtype=torch.int32), 4, 16)
+    assert sorted_ids.shape == (0,) and block_expert.shape == (0,) and total.item() == 0
 
 
 def test_default_config_follows_rows_per_expert():

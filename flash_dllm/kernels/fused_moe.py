@@ -332,12 +332,13 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int):
     cap = capacity(P, E, block_m)
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
     block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
-    total = torch.zeros(1, dtype=torch.int32, device=dev)
-    if P and E:
-        counts = torch.empty(E, dtype=torch.int32, device=dev)
-        _count_kernel[(E,)](ids, counts, P, BLOCK_P=_SCAN, num_warps=4)
-        _place_kernel[(E,)](ids, counts, sorted_ids, block_expert, total, P, E, BLOCK_M=block_m,
-                            BLOCK_P=_SCAN, BLOCK_E=max(16, next_pow2(E)), num_warps=4)
+    total = torch.empty(1, dtype=torch.int32, device=dev)      # written by program 0
+    if P == 0 or E == 0:
+        return sorted_ids, block_expert, total.zero_()
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    _count_kernel[(E,)](ids, counts, P, BLOCK_P=_SCAN, num_warps=4)
+    _place_kernel[(E,)](ids, counts, sorted_ids, block_expert, total, P, E, BLOCK_M=block_m,
+                        BLOCK_P=_SCAN, BLOCK_E=max(16, next_pow2(E)), num_warps=4)
     return sorted_ids, block_expert, total
 
 
