@@ -14,6 +14,7 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | `silu_mul`        | SwiGLU's silu(gate) * up in one pass                  | silu_mul.py        |
 | `kv_pages`        | pack / unpack KV pages page-first (tiers, transfers; fp8 / int8) | kv_pages.py |
 | `checksum`        | 128-bit checksum of byte rows at memory bandwidth (page records) | checksum.py |
+| `fused_moe`       | routed SwiGLU experts: expert-sorted grouped GEMMs, fused epilogues | fused_moe.py |
 
 Study kernels the engine does not use (a fused LM head + confidence, a skinny GEMM) live in
 ``benchmarks/studies/``.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from flash_dllm.kernels import (
     argmax_confidence,
     checksum,
+    fused_moe,
     kv_pages,
     paged_attention,
     qkv_rope_cache,
@@ -41,6 +43,7 @@ OPS = {
     "silu_mul": silu_mul.op,
     "kv_pages": kv_pages.op,
     "checksum": checksum.op,
+    "fused_moe": fused_moe.op,
 }
 REFERENCES = {
     "rmsnorm": rmsnorm.rmsnorm_reference,
@@ -51,6 +54,7 @@ REFERENCES = {
     "silu_mul": silu_mul.silu_mul_reference,
     "kv_pages": kv_pages.pack_pages_reference,
     "checksum": checksum.checksum_rows_reference,
+    "fused_moe": fused_moe.fused_moe_reference,
 }
 
 fused_add_rmsnorm = rmsnorm.op
