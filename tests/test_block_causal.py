@@ -37,8 +37,10 @@ def reference_grid(model, prompt, gen, rule, steps=None, tau=0.5):
     blocks of 8 counted from position 0, the first decoded block holds the prompt's end, each
     step runs the model over every position up to the active block's end and commits, among
     the block's masked slots, the ``k`` most confident (``vanilla``: k from the step schedule;
-    ties as LLaDA's reference: topk over a row as long as the canvas) or every one at or above
-    ``tau`` and the best (``threshold``). MASK is never proposed. (Dream's shifted logits: a
+    ties as LLaDA's reference: topk over a row as long as the canvas), every one at or above
+    ``tau`` and the best (``threshold``), or (``llada2``, its own ``generate``) every one strictly
+    above ``tau`` when there are k of them, else the k most confident (topk over the block's
+    row). MASK is never proposed. (Dream's shifted logits: a
     block's first slot is read from the previous block's last row, which cannot see it.)"""
     P = len(prompt)
     L = -(-(P + gen) // BS) * BS
@@ -52,17 +54,26 @@ def reference_grid(model, prompt, gen, rule, steps=None, tau=0.5):
         step = 0
         while (x[0, start:start + BS] == MASK).any():
             logits = dense_logits(model, x[:, :start + BS])[0]      # (Dream: shifted)
-            logits[:, MASK] = float("-inf")
-            p = F.softmax(logits.float(), dim=-1)
-            conf, tok = p.max(-1)
+            p = F.softmax(logits.float(), dim=-1)          # (MASK's mass stays in the sum)
+            p_ok = p.clone()
+            p_ok[:, MASK] = -1.0                           # MASK is never proposed
+            conf, tok = p_ok.max(-1)
             masked = torch.zeros(L, dtype=torch.bool)
             masked[start:start + BS] = x[0, start:start + BS] == MASK
             row = torch.full((L,), float("-inf"))
             row[:start + BS] = torch.where(masked[:start + BS], conf, float("-inf"))
+            k = min(schedule[min(step, per_block - 1)], int(masked.sum()))
             if rule == "vanilla":
-                k = min(schedule[min(step, per_block - 1)], int(masked.sum()))
                 keep = torch.zeros(L, dtype=torch.bool)
                 keep[torch.topk(row, k).indices] = True
+            elif rule == "llada2":           # LLaDA2's generate: > tau if k of them, else top-k
+                block_row = row[start:start + BS]
+                high = block_row > tau
+                keep = torch.zeros(L, dtype=torch.bool)
+                if int(high.sum()) >= k:
+                    keep[start:start + BS] = high
+                else:
+                    keep[start + torch.topk(block_row, k).indices] = True
             else:
                 keep = (row >= tau) & masked
                 keep[int(row.argmax())] = True
@@ -84,28 +95,30 @@ def test_request_grid():
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("rule", ["vanilla", "threshold"])
+@pytest.mark.parametrize("rule", ["vanilla", "threshold", "llada2"])
 def test_exact_sampler_equals_the_dense_reference(family, rule):
     """cache="none" (every block up to the active one recomputed at every step, with the
     attention split at block bounds) token for token against the dense reference loop."""
     model = block_model(family)
+    steps = 8 if rule == "llada2" else None           # 4 steps a block: k = 2 per step
     params = SamplingParams(max_tokens=16, block_length=BS, decode=rule, threshold=0.5,
-                            cache="none", early_stop=False)
+                            cache="none", early_stop=False, steps=steps)
     reqs, outs = run_engine(model, PROMPTS, params)
     for prompt, req, out in zip(PROMPTS, reqs, outs):
-        ref = reference_grid(model, prompt, 16, rule)
+        ref = reference_grid(model, prompt, 16, rule, steps=steps)
         assert torch.equal(req.canvas, ref), prompt
         assert out.token_ids == [t for t in ref[len(prompt):len(prompt) + 16].tolist()][
             :len(out.token_ids)]
 
 
-@pytest.mark.parametrize("decode", ["vanilla", "threshold"])
+@pytest.mark.parametrize("decode", ["vanilla", "threshold", "llada2"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_exact_block_cache_equals_recomputing_everything(decode, fused):
     """The exact block cache recomputes only the active block (and the previous one once): the
     same tokens as recomputing every block at every step, and fewer positions."""
     model = block_model("llada", seed=5)
-    kw = dict(max_tokens=24, block_length=BS, decode=decode, threshold=0.4, early_stop=False)
+    kw = dict(max_tokens=24, block_length=BS, decode=decode, threshold=0.4, early_stop=False,
+              steps=6 if decode == "llada2" else None)
     ref, oref = run_engine(model, PROMPTS, SamplingParams(cache="none", **kw),
                            config=EngineConfig(fused_step=False))
     eng = Engine(model, model.cfg, EngineConfig(fused_step=fused))
