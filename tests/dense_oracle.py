@@ -70,7 +70,8 @@ class DenseOracleBackend:
         self.caches: dict[str, torch.Tensor] = {}
 
     def build(self, table, canvas_lens, positions, pos_host, cu, uncached, segments=None,
-              probe_layer=None, mass_layer=None) -> DenseStep:
+              probe_layer=None, mass_layer=None, block_size=0) -> DenseStep:
+        assert not block_size, "the dense oracle attends bidirectionally"
         c = self.cfg
         for seg in segments:
             if seg.request_id not in self.caches:
