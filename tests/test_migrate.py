@@ -15,7 +15,7 @@ from flash_dllm.disagg import migrate
 from flash_dllm.engine.engine import Engine
 from flash_dllm.kernels.kv_pages import packed_shape
 
-CFG = EngineConfig(max_num_seqs=20, num_kv_pages=160, page_size=4)
+CFG = EngineConfig(max_num_seqs=32, num_kv_pages=256, page_size=4)
 
 
 def _params() -> list[SamplingParams]:
