@@ -182,9 +182,10 @@ def test_block_causal_family_runs_dense_and_the_engine_refuses_it(tmp_path):
         la, lb = loaded(a), loaded(b)
     assert torch.equal(la[0, :8], lb[0, :8])         # blocks 0 and 1 never see block 2
     assert (la[0, 8:] - lb[0, 8:]).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="block-causal attention is not supported by the "
-                                         "paged engine yet"):
-        LLM(str(folder), dtype="float32")
+    with LLM(str(folder), dtype="float32") as llm:      # loads without an engine (logits only)
+        with pytest.raises(ValueError, match="block-causal attention is not supported by the "
+                                             "paged engine yet"):
+            llm.generate("hi", SamplingParams(max_tokens=4))
 
 
 def test_a_config_that_contradicts_its_family_is_refused():
