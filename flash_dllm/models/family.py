@@ -24,14 +24,15 @@ class Family:
     ``parse_config`` turns a raw ``config.json`` into a ``ModelConfig`` (with ``arch`` = ``name``,
     and the attention pattern and MLP kind the family declares below); ``to_hf_config`` is its
     inverse (for writing checkpoints). ``model`` is the model class the family builds from a
-    ``ModelConfig`` (``DiffusionTransformer`` for LLaDA and Dream). What the rest of the package
-    calls on it: ``cfg``, ``hidden`` / ``logits`` / ``greedy`` (the engine), ``forward`` (the
-    dense path), ``fuse_projections``, ``init_weights``, and the module names that
-    ``distributed/tp.py`` shards (``layers.{i}.attn.q_proj`` ...).
+    ``ModelConfig`` (``DiffusionTransformer`` for LLaDA, Dream and LLaDA2). What the rest of the
+    package calls on it: ``cfg``, ``hidden`` / ``logits`` / ``greedy`` (the engine), ``forward``
+    (the dense path; ``LLM.logits`` passes it a ``pattern``), ``fuse_projections``,
+    ``init_weights``, and the module names that ``distributed/tp.py`` shards
+    (``layers.{i}.attn.q_proj`` ...).
 
     ``attention``: how the family's models attend (the kind is fixed; a parser may read the block
-    size from config.json). ``mlp``: the kind of its MLP layers ("dense"; a mixture-of-experts
-    family may keep some layers dense, ``ModelConfig.dense_layers``).
+    size from config.json). ``mlp``: the kind of its MLP layers ("dense" or "moe"; a
+    mixture-of-experts family may keep some layers dense, ``ModelConfig.dense_layers``).
 
     ``weight_map`` pairs checkpoint module paths with engine module paths, segment by segment;
     ``{i}`` stands for a layer index. A tensor name is its module path plus ``weight``/``bias``.
