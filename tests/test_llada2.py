@@ -369,6 +369,12 @@ def test_absent_use_bias_means_true_and_is_refused():
         resolve(raw).parse_config(raw)
 
 
+def test_one_expert_per_token_keeps_its_raw_score():
+    """inclusionAI's gate normalises only when it picks more than one expert."""
+    raw = tiny_llada2_config(num_experts_per_tok=1)
+    assert not resolve(raw).parse_config(raw).moe.norm_topk_prob
+
+
 def test_bad_router_numbers_name_the_key():
     raw = tiny_llada2_config(topk_group=5)
     with pytest.raises(ValueError, match=r"LLaDA2 config.json: MoEConfig.topk_group must be in"):

@@ -112,17 +112,20 @@ def _moe_config(raw: dict, moe_inter: int) -> MoEConfig:
     n_group, topk_group = raw.get("n_group", 8), raw.get("topk_group", 4)
     if n_group is None or topk_group is None:       # no group-limited routing
         n_group = topk_group = 1
+    top_k = int(require(raw, "num_experts_per_tok", "LLaDA2"))
     try:
         return MoEConfig(
             num_experts=int(require(raw, "num_experts", "LLaDA2")),
-            top_k=int(require(raw, "num_experts_per_tok", "LLaDA2")),
+            top_k=top_k,
             intermediate_size=moe_inter,
             num_shared_experts=int(raw.get("num_shared_experts") or 0),
             score_function="sigmoid",
             expert_bias=True,
             n_group=int(n_group),
             topk_group=int(topk_group),
-            norm_topk_prob=True,
+            # NOTE: the modeling code normalises the chosen weights only when it chooses more
+            # than one expert (a single expert keeps its raw sigmoid score)
+            norm_topk_prob=top_k > 1,
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
         )
     except ValueError as e:
