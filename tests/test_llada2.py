@@ -172,9 +172,21 @@ def test_config_tokenizer_and_refusals(llada2_folder, llada2_llm):
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
     text = llada2_llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text.endswith("assistant<|end_header_id|>\n\n")
-    with pytest.raises(ValueError, match="block-causal attention is not supported by the paged "
-                                         "engine yet.*LLM.logits"):
-        llada2_llm.generate("hi", SamplingParams(max_tokens=8))
+
+
+def test_llm_without_an_engine(llada2_folder, llada2_llm, monkeypatch):
+    """A model the paged engine refuses (``paged_unsupported``) still loads: logits work,
+    generate and .engine raise the reason."""
+    from flash_dllm.models.config import ModelConfig
+    monkeypatch.setattr(ModelConfig, "paged_unsupported", lambda self: "no pages for you")
+    with LLM(str(llada2_folder), dtype="float32") as llm:
+        assert llm._engine is None and llm.cfg.mask_token_id == MASK_ID
+        with pytest.raises(ValueError, match="no pages for you; LLM.logits"):
+            llm.generate("hi", SamplingParams(max_tokens=8))
+        with pytest.raises(ValueError, match="no pages for you"):
+            llm.engine
+        ids = _ids(1, 20, seed=9)
+        assert (llm.logits(ids) - llada2_llm.logits(ids)).abs().max() <= 1e-5
 
 
 def test_published_sizes():

@@ -29,10 +29,9 @@ class LLM:
     or N CPU processes: the other ranks are worker processes started here and stopped by
     ``close()`` (or ``with LLM(...) as llm:``, or at exit).
 
-    NOTE: a model the paged engine cannot run yet (``ModelConfig.paged_unsupported``: LLaDA2's
-    block-causal attention, q/k norm, partial rotary) loads without an engine: ``logits`` works
-    through the dense forward, while ``generate`` / ``chat`` / ``engine`` raise the engine's
-    reason. Every other model builds its engine here, as before.
+    NOTE: a model the paged engine cannot run (``ModelConfig.paged_unsupported`` says why) loads
+    without an engine: ``logits`` works through the dense forward, while ``generate`` / ``chat``
+    / ``engine`` raise that reason. Every other model builds its engine here, as before.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, device: str = "cpu",
