@@ -9,6 +9,10 @@ Import the plain functions with ``from conftest import ...`` or use the fixtures
   folder (config.json, weights, generation_config.json, char-level tokenizer) -> the folder.
 - ``write_tiny_tokenizer(folder, family)``: tokenizer.json + tokenizer_config.json +
   special_tokens_map.json, loadable by ``transformers.PreTrainedTokenizerFast.from_pretrained``.
+- ``tiny_llada2_config(**overrides)`` / ``llada2_tensors(cfg, seed)`` /
+  ``write_tiny_llada2_checkpoint(folder, ...)``: a tiny LLaDA2 (MoE, block-causal) checkpoint in
+  the real layout (fused ``query_key_value``, one tensor per expert, float32 ``expert_bias``),
+  made from named random tensors without any flash-dllm code, sharded with an index.
 """
 from __future__ import annotations
 
@@ -174,6 +178,121 @@ def write_tiny_checkpoint(folder: str | Path, family: str = "llada", sharded: bo
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
     if tokenizer:
         write_tiny_tokenizer(folder, family)
+    return folder
+
+
+# ---- LLaDA2: the real layout, written without the engine's code ------------------------------
+def tiny_llada2_config(**overrides) -> dict:
+    """LLaDA2 config.json (its real keys): 3 layers (the first dense), d=64, 4 heads of 16, 2 KV
+    heads, 8 experts in 4 groups (2 groups kept), 2 per token, one shared expert, q/k norm, half
+    of each head rotated. No mask_token_id, as the real configs: the tokenizer names it."""
+    cfg = {
+        "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "norm_topk_prob": True, "router_dtype": "fp32", "first_k_dense_replace": 1,
+        "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False, "use_rmsnorm": True,
+        "norm_head": False, "partial_rotary_factor": 0.5, "rope_theta": 600000.0,
+        "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "vocab_size": TINY_VOCAB_SIZE, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+        "eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "bos_token_id": BOS_ID,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def llada2_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 tensors under LLaDA2's checkpoint names for ``cfg`` (``randomize_``'s
+    scales: nothing zero or one, so a wrong mapping of any tensor shows in the logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, hd = cfg["hidden_size"], cfg["head_dim"]
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    E, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+    shared = inter * (cfg.get("num_shared_experts") or 0)
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * scale / math.sqrt(cols)
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+    t = {"model.word_embeddings.weight": torch.randn(cfg["vocab_size"], d, generator=gen)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(d)
+        t[p + "attention.query_key_value.weight"] = mat((H + 2 * Hkv) * hd, d, 2.0)
+        if cfg.get("use_qkv_bias"):
+            t[p + "attention.query_key_value.bias"] = 0.1 * torch.randn((H + 2 * Hkv) * hd,
+                                                                         generator=gen)
+        if cfg.get("use_qk_norm"):
+            t[p + "attention.query_layernorm.weight"] = norm(hd)
+            t[p + "attention.key_layernorm.weight"] = norm(hd)
+        t[p + "attention.dense.weight"] = mat(d, H * hd)
+        t[p + "post_attention_layernorm.weight"] = norm(d)
+        if i < cfg.get("first_k_dense_replace", 0):
+            t[p + "mlp.gate_proj.weight"] = mat(cfg["intermediate_size"], d)
+            t[p + "mlp.up_proj.weight"] = mat(cfg["intermediate_size"], d)
+            t[p + "mlp.down_proj.weight"] = mat(d, cfg["intermediate_size"])
+            continue
+        t[p + "mlp.gate.weight"] = mat(E, d)
+        t[p + "mlp.gate.expert_bias"] = 0.1 * torch.randn(E, generator=gen)
+        for e in range(E):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = mat(inter, d)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = mat(inter, d)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = mat(d, inter)
+        if shared:
+            t[p + "mlp.shared_experts.gate_proj.weight"] = mat(shared, d)
+            t[p + "mlp.shared_experts.up_proj.weight"] = mat(shared, d)
+            t[p + "mlp.shared_experts.down_proj.weight"] = mat(d, shared)
+    t["model.norm.weight"] = norm(d)
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = mat(cfg["vocab_size"], d)
+    return t
+
+
+def write_sharded(folder: str | Path, tensors: dict[str, torch.Tensor], shards: int = 3) -> Path:
+    """``tensors`` as ``shards`` safetensors files + ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for k in range(shards):
+        part = names[k * per:(k + 1) * per]
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(folder / fname),
+                  metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                            for t in tensors.values())},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2),
+                                                         encoding="utf-8")
+    return folder
+
+
+def write_tiny_llada2_checkpoint(folder: str | Path, seed: int = 0, shards: int = 3,
+                                 tokenizer: bool = True, config: dict | None = None,
+                                 tensors: dict[str, torch.Tensor] | None = None,
+                                 **overrides) -> Path:
+    """A tiny LLaDA2 folder in the real layout: config.json, ``shards`` weight files + index
+    (``tensors``, default ``llada2_tensors(config, seed)``), generation_config.json and the
+    char-level tokenizer with its chat template."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = config if config is not None else tiny_llada2_config(**overrides)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    write_sharded(folder, tensors if tensors is not None else llada2_tensors(cfg, seed), shards)
+    gen = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, EOT_ID], "pad_token_id": EOS_ID}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
+    if tokenizer:
+        write_tiny_tokenizer(folder)
     return folder
 
 

@@ -228,7 +228,7 @@ def test_model_config_validates_the_new_fields():
     cfg = tiny_model("llada").cfg
     assert cfg.attention == BIDIRECTIONAL and cfg.mlp_kind == "dense" and not cfg.qk_norm
     with pytest.raises(ValueError, match="ModelConfig.mlp_kind must be one of"):
-        replace(cfg, mlp_kind="moe")
+        replace(cfg, mlp_kind="sparse")
     with pytest.raises(ValueError, match=r"ModelConfig.dense_layers must be layer indices in "
                                          r"\[0, 2\)"):
         replace(cfg, dense_layers=(2,))

@@ -22,6 +22,17 @@ from flash_dllm.engine.engine import Engine
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.loader import build_model, read_json
 
+# what LLaDA2.0-mini and -flash share (inclusionAI's config.json keys and values)
+_LLADA2 = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
+           "num_key_value_heads": 4, "head_dim": 128, "first_k_dense_replace": 1,
+           "num_experts": 256, "num_experts_per_tok": 8, "num_shared_experts": 1, "n_group": 8,
+           "topk_group": 4, "routed_scaling_factor": 2.5, "score_function": "sigmoid",
+           "moe_router_enable_expert_bias": True, "norm_topk_prob": True, "use_qk_norm": True,
+           "use_qkv_bias": False, "use_bias": False, "partial_rotary_factor": 0.5,
+           "rope_theta": 600000.0, "rms_norm_eps": 1e-6, "vocab_size": 157184,
+           "max_position_embeddings": 32768, "tie_word_embeddings": False,
+           "mask_token_id": 156895, "eos_token_id": 156892}
+
 SHAPES: dict[str, dict] = {
     "llada-8b": {"architectures": ["LLaDAModelLM"], "d_model": 4096, "n_layers": 32, "n_heads": 32,
                  "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
@@ -31,6 +42,16 @@ SHAPES: dict[str, dict] = {
                  "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
                  "vocab_size": 152064, "rope_theta": 1e6, "max_position_embeddings": 32768,
                  "mask_token_id": 151666, "eos_token_id": 151643},
+    # LLaDA2.0-mini: 16 B parameters, 1.4 B active (config.json keys of the real checkpoint)
+    "llada2-mini": {**_LLADA2, "hidden_size": 2048, "num_hidden_layers": 20,
+                    "num_attention_heads": 16, "intermediate_size": 5120,
+                    "moe_intermediate_size": 512},
+    # LLaDA2.0-flash (100 B, 6.1 B active, 32 layers) cut to its first 10 layers (the dense one
+    # and 9 MoE: 30 B parameters, 61 GB in bf16) so it fits one 80 GB GPU with room for KV;
+    # per-layer costs are the real model's
+    "llada2-flash": {**_LLADA2, "hidden_size": 4096, "num_hidden_layers": 10,
+                     "num_attention_heads": 32, "intermediate_size": 9216,
+                     "moe_intermediate_size": 1024},
 }
 
 

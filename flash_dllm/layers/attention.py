@@ -82,10 +82,15 @@ def block_causal(block_size: int) -> AttentionPattern:
 
 class DenseContext:
     """Every query of a row attends to every (unmasked) key of the same row that the module's
-    attention pattern lets it see."""
+    attention pattern lets it see; ``pattern`` replaces every module's own (research: a
+    block-causal model at another block size, or with one block spanning the canvas)."""
 
-    def __init__(self, key_mask: torch.Tensor | None = None) -> None:
+    def __init__(self, key_mask: torch.Tensor | None = None,
+                 pattern: AttentionPattern | None = None) -> None:
+        if pattern is not None and not isinstance(pattern, AttentionPattern):
+            raise ValueError(f"DenseContext pattern must be an AttentionPattern, got {pattern!r}")
         self.key_mask = key_mask  # [B, L] bool, True = real token
+        self.pattern = pattern
         self._mask: tuple | None = None     # (positions, pattern, mask): one per forward
 
     def mask(self, pattern: AttentionPattern, positions: torch.Tensor) -> torch.Tensor | None:
@@ -112,7 +117,7 @@ class DenseContext:
                   positions: torch.Tensor) -> torch.Tensor:
         q, k, v = attn.project(x)                              # q: [B, L, H, D], k/v: [B, L, Hkv, D]
         q, k = attn.rotary(q, positions), attn.rotary(k, positions)
-        mask = self.mask(attn.pattern, positions)
+        mask = self.mask(attn.pattern if self.pattern is None else self.pattern, positions)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             enable_gqa=q.shape[2] != k.shape[2])               # [B, H, L, D]

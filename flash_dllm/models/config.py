@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 import torch
 
 from flash_dllm.layers.attention import BIDIRECTIONAL, AttentionPattern
+from flash_dllm.layers.moe import MoEConfig
 
 # the MLP kinds a layer can have (``models/transformer.build_mlp`` builds each): a dense SwiGLU
-# today; the mixture-of-experts layer adds "moe"
-MLP_KINDS = ("dense",)
+# of ``intermediate_size``, or a mixture of experts (``layers/moe.py``) as ``ModelConfig.moe`` says
+MLP_KINDS = ("dense", "moe")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class ModelConfig:
     # ``intermediate_size`` (LLaDA2: MoE everywhere but its first layer)
     mlp_kind: str = "dense"
     dense_layers: tuple[int, ...] = ()
+    # the experts and router options of every "moe" layer (set exactly when mlp_kind is "moe")
+    moe: MoEConfig | None = None
     # per-head RMSNorm of q and k (epsilon ``rms_norm_eps``) before RoPE: LLaDA2, Qwen3 / SDAR
     qk_norm: bool = False
     # how many values of each head RoPE rotates (None: all ``head_dim``); LLaDA2 rotates half
@@ -79,6 +82,12 @@ class ModelConfig:
         if self.mlp_kind not in MLP_KINDS:
             raise ValueError(f"ModelConfig.mlp_kind must be one of {MLP_KINDS}, "
                              f"got {self.mlp_kind!r}")
+        if self.mlp_kind == "moe" and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"ModelConfig.moe must be a MoEConfig (layers.moe) when mlp_kind is "
+                             f"'moe', got {self.moe!r}")
+        if self.mlp_kind != "moe" and self.moe is not None:
+            raise ValueError(f"ModelConfig.moe is set but mlp_kind is {self.mlp_kind!r}: set "
+                             "mlp_kind='moe' or leave moe None")
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"ModelConfig.dense_layers must be layer indices in "
@@ -105,13 +114,27 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     def num_params(self) -> int:
+        """Every parameter of the model (all experts of every MoE layer)."""
+        return self._params(active=False)
+
+    def active_params(self) -> int:
+        """Parameters one token's forward reads: equal to ``num_params`` for a dense model; a MoE
+        layer counts its router, ``top_k`` experts and the shared expert. Embedding and LM head
+        count whole, as the published figures do (LLaDA2.0-mini: 16 B total, 1.4 B active)."""
+        return self._params(active=True)
+
+    def _params(self, active: bool) -> int:
         d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
-        mlp = 3 * d * self.intermediate_size
-        per_layer = attn + mlp + 2 * d
+        mlp = 0
+        for i in range(self.num_layers):
+            if self.layer_mlp_kind(i) == "dense":
+                mlp += 3 * d * self.intermediate_size
+            else:
+                mlp += self.moe.active_params(d) if active else self.moe.num_params(d)
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.num_layers * per_layer + d + head
+        return (self.vocab_size * d + self.num_layers * (attn + 2 * d) + mlp + d + head)

@@ -24,19 +24,29 @@ class Family:
     ``parse_config`` turns a raw ``config.json`` into a ``ModelConfig`` (with ``arch`` = ``name``,
     and the attention pattern and MLP kind the family declares below); ``to_hf_config`` is its
     inverse (for writing checkpoints). ``model`` is the model class the family builds from a
-    ``ModelConfig`` (``DiffusionTransformer`` for LLaDA and Dream). What the rest of the package
-    calls on it: ``cfg``, ``hidden`` / ``logits`` / ``greedy`` (the engine), ``forward`` (the
-    dense path), ``fuse_projections``, ``init_weights``, and the module names that
-    ``distributed/tp.py`` shards (``layers.{i}.attn.q_proj`` ...).
+    ``ModelConfig`` (``DiffusionTransformer`` for LLaDA, Dream and LLaDA2). What the rest of the
+    package calls on it: ``cfg``, ``hidden`` / ``logits`` / ``greedy`` (the engine), ``forward``
+    (the dense path; ``LLM.logits`` passes it a ``pattern``), ``fuse_projections``,
+    ``init_weights``, and the module names that ``distributed/tp.py`` shards
+    (``layers.{i}.attn.q_proj`` ...).
 
     ``attention``: how the family's models attend (the kind is fixed; a parser may read the block
-    size from config.json). ``mlp``: the kind of its MLP layers ("dense"; a mixture-of-experts
-    family may keep some layers dense, ``ModelConfig.dense_layers``).
+    size from config.json). ``mlp``: the kind of its MLP layers ("dense" or "moe"; a
+    mixture-of-experts family may keep some layers dense, ``ModelConfig.dense_layers``).
 
     ``weight_map`` pairs checkpoint module paths with engine module paths, segment by segment;
     ``{i}`` stands for a layer index. A tensor name is its module path plus ``weight``/``bias``.
     Mapping is by whole dotted segments, so LLaDA's top-level ``ff_out`` (LM head) and a block's
     ``ff_out`` (down projection) can never be confused.
+
+    ``split`` (optional) is for engine parameters a checkpoint stores differently: part of a fused
+    tensor (LLaDA2's ``query_key_value`` holds q, k and v) or one of many (LLaDA2 stores each
+    expert's projections apart, the engine packs them into ``w_gate_up`` / ``w_down``). Given an
+    engine parameter's name, shape and the config, it returns the ``Piece`` s that fill it, or
+    None for the one-to-one ``weight_map`` rule; the loader reads and the saver writes through
+    it. ``check_tensors`` (optional) looks at every tensor name of a checkpoint before loading
+    and returns a one-line error when they contradict the config in a way the family can name
+    better than a list of missing tensors (a wrong ``num_experts``), else None.
     """
 
     name: str
@@ -48,6 +58,8 @@ class Family:
     model: Callable[[ModelConfig], nn.Module]
     attention: AttentionPattern = BIDIRECTIONAL
     mlp: str = "dense"
+    split: Callable[[str, tuple[int, ...], ModelConfig], tuple["Piece", ...] | None] | None = None
+    check_tensors: Callable[[ModelConfig, list[str]], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionPattern):
@@ -98,6 +110,16 @@ class Family:
                 return ours.replace("{i}", i) + "." + leaf
         return None
 
+    def pieces(self, engine_name: str, shape: tuple[int, ...],
+               cfg: ModelConfig) -> tuple["Piece", ...]:
+        """The checkpoint tensors (or slices of them) that make up the engine parameter
+        ``engine_name`` of full shape ``shape``."""
+        if self.split is not None:
+            out = self.split(engine_name, tuple(shape), cfg)
+            if out is not None:
+                return out
+        return (Piece(self.to_ckpt_name(engine_name), tuple(shape)),)
+
     def to_ckpt_name(self, engine_name: str) -> str:
         """Engine parameter name -> checkpoint tensor name (for writing checkpoints)."""
         path, _, leaf = engine_name.rpartition(".")
@@ -106,6 +128,22 @@ class Family:
             if i is not None:
                 return ckpt.replace("{i}", i) + "." + leaf
         raise KeyError(f"no checkpoint name for engine parameter {engine_name!r}")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor's share of an engine parameter: loading does
+    ``param[dest] = tensor[src]``, saving ``tensor[src] = param[dest]`` (``()``: all of it)."""
+
+    ckpt: str                      # the checkpoint tensor's name
+    shape: tuple[int, ...]         # the whole checkpoint tensor's shape
+    dest: tuple = ()               # index into the engine parameter
+    src: tuple = ()                # index into the checkpoint tensor
+
+    @property
+    def whole(self) -> bool:
+        """The parameter is exactly this checkpoint tensor."""
+        return self.dest == () and self.src == ()
 
 
 def require(raw: dict, key: str, family: str):

@@ -13,7 +13,7 @@ from torch import nn
 
 from flash_dllm.models import registry
 from flash_dllm.models.config import ModelConfig
-from flash_dllm.models.family import Family, as_id_tuple
+from flash_dllm.models.family import Family, Piece, as_id_tuple
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -129,6 +129,10 @@ def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
     else:
         family = registry.by_name(cfg.arch)
     dtype = parse_dtype(dtype, device)
+    if tp is not None and tp.world > 1 and (cfg.moe is not None or family.split is not None):
+        raise ValueError(f"tensor parallelism does not support {family.name} models yet "
+                         "(mixture-of-experts layers, tensors split at load): use "
+                         "tensor_parallel_size=1")
     model = family.build(cfg, "meta", dtype)
     if tp is not None and tp.world > 1:
         from flash_dllm.distributed.tp import shard_model
@@ -147,41 +151,71 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     folder = Path(folder)
     family, cfg, _ = read_config(folder)
     files = weight_files(folder)
+    if family.check_tensors is not None:       # before anything is allocated
+        why = family.check_tensors(cfg, tensor_names(files))
+        if why is not None:
+            raise CheckpointError(f"{folder}: {why}")
     model = build_model(cfg, device=device, dtype=dtype, init=False, tp=tp)
     sharded = tp is not None and tp.world > 1
     if sharded:
         from flash_dllm.distributed.tp import shard_slices
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    # what each checkpoint tensor fills: (engine parameter, piece) pairs, from the engine side,
+    # so the set of tensors a checkpoint must hold is known before any is read
+    plan: dict[str, list[tuple[str, Piece]]] = {}
+    for ours, p in params.items():
+        for piece in family.pieces(ours, tuple(p.shape), cfg):
+            plan.setdefault(piece.ckpt, []).append((ours, piece))
+    seen: set[str] = set()
     unexpected: list[str] = []
     for path in files:
         with _open_weights(path) as f:
             for name in f.keys():
-                ours = family.to_engine_name(name)
-                if ours is None or ours not in params:
+                targets = plan.get(name)
+                if targets is None:
                     unexpected.append(name)
                     continue
-                sl = None
-                if sharded:
-                    full = tuple(f.get_slice(name).get_shape())
-                    sl = shard_slices(ours, full, cfg, tp)
-                t = f.get_tensor(name) if sl is None else f.get_slice(name)[sl]
-                p = params[ours]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CheckpointError(f"shape mismatch for {name} in {path.name}: checkpoint "
-                                          f"{tuple(t.shape)}, model expects {tuple(p.shape)} "
-                                          f"(from config.json)")
-                with torch.no_grad():
-                    p.copy_(t.to(dtype=p.dtype))
-                loaded.add(ours)
+                if len(targets) == 1 and targets[0][1].whole:
+                    ours = targets[0][0]
+                    sl = None
+                    if sharded:
+                        full = tuple(f.get_slice(name).get_shape())
+                        sl = shard_slices(ours, full, cfg, tp)
+                    t = f.get_tensor(name) if sl is None else f.get_slice(name)[sl]
+                    _check_shape(name, path, tuple(t.shape), tuple(params[ours].shape))
+                    with torch.no_grad():
+                        params[ours].copy_(t.to(dtype=params[ours].dtype))
+                else:
+                    t = f.get_tensor(name)
+                    _check_shape(name, path, tuple(t.shape), targets[0][1].shape)
+                    with torch.no_grad():
+                        for ours, piece in targets:
+                            p = params[ours]
+                            p[piece.dest].copy_(t[piece.src].to(dtype=p.dtype))
+                seen.add(name)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in {folder} (no {family.name} parameter takes "
                               f"them): {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-    missing = [family.to_ckpt_name(n) for n in params if n not in loaded]
+    missing = [name for name in plan if name not in seen]
     if missing:
         raise CheckpointError(f"missing tensors in {folder}: {missing[:8]}"
                               f"{' ...' if len(missing) > 8 else ''}")
     return model.eval(), cfg
+
+
+def _check_shape(name: str, path: Path, got: tuple, expected: tuple) -> None:
+    if got != tuple(expected):
+        raise CheckpointError(f"shape mismatch for {name} in {path.name}: checkpoint {got}, "
+                              f"model expects {tuple(expected)} (from config.json)")
+
+
+def tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor name of a checkpoint's weight files (read from their headers)."""
+    names: list[str] = []
+    for path in files:
+        with _open_weights(path) as f:
+            names.extend(f.keys())
+    return names
 
 
 def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
@@ -193,8 +227,18 @@ def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
     family = registry.by_name(model.cfg.arch)
     hf_config = dict(hf_config) if hf_config is not None else family.to_hf_config(model.cfg)
     dtype = parse_dtype(dtype)
-    tensors = {family.to_ckpt_name(n): p.detach().to("cpu", dtype).contiguous()
-               for n, p in model.named_parameters()}
+    keep_fp32 = _float32_params(model)
+    tensors: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        dt = torch.float32 if n in keep_fp32 else dtype
+        for piece in family.pieces(n, tuple(p.shape), model.cfg):
+            if piece.whole:
+                tensors[piece.ckpt] = p.detach().to("cpu", dt).contiguous()
+                continue
+            # NOTE: a fused checkpoint tensor (q | k | v) is assembled from several parameters
+            if piece.ckpt not in tensors:
+                tensors[piece.ckpt] = torch.empty(piece.shape, dtype=dt)
+            tensors[piece.ckpt][piece.src] = p.detach()[piece.dest].to("cpu", dt)
     with open(folder / "config.json", "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2)
     if max_shard_bytes is None:
@@ -218,6 +262,16 @@ def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
     with open(folder / "model.safetensors.index.json", "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return folder
+
+
+def _float32_params(model: nn.Module) -> set[str]:
+    """Names of the parameters a module keeps in float32 whatever the model's dtype (its
+    ``KEEP_FLOAT32``, relative names): they are written in float32 too."""
+    out: set[str] = set()
+    for prefix, module in model.named_modules():
+        for rel in getattr(module, "KEEP_FLOAT32", ()):
+            out.add(f"{prefix}.{rel}" if prefix else rel)
+    return out
 
 
 # --------------------------------------------------------------------- model folder and device

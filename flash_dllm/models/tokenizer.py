@@ -91,16 +91,23 @@ class Tokenizer:
         return tid if isinstance(tid, int) and tid != self.hf.unk_token_id else None
 
     def resolve_ids(self, cfg: ModelConfig) -> ModelConfig:
-        """Fill a mask id missing from config.json from the tokenizer's `<|mdm_mask|>`, add its EOS."""
+        """Fill a mask id missing from config.json from the tokenizer (its `<|mdm_mask|>`, else
+        its declared mask token), add its EOS."""
         from dataclasses import replace
 
         from flash_dllm.models.family import as_id_tuple
 
         mask = cfg.mask_token_id
         if mask is None:
+            # NOTE: LLaDA2's config.json names no mask id (its generate() takes one); the
+            # tokenizer's declared mask token is the next authority after LLaDA's text
             mask = self.token_id("<|mdm_mask|>")
+            declared = self.hf.special_tokens_map.get("mask_token")
+            if mask is None and isinstance(declared, str):
+                mask = self.token_id(declared)
             if mask is None:
                 raise ValueError("config.json has no mask_token_id and the tokenizer has no "
-                                 "<|mdm_mask|> token: cannot tell which id is MASK")
+                                 "<|mdm_mask|> token nor a mask_token: cannot tell which id is "
+                                 "MASK")
         eos = as_id_tuple(cfg.eos_token_ids, self.hf.eos_token_id)
         return replace(cfg, mask_token_id=mask, eos_token_ids=eos)

@@ -1,14 +1,15 @@
-"""The pre-norm decoder stack LLaDA and Dream share (they differ in names, not math); its
-attention pattern, q/k norm, partial rotary and per-layer MLP kind come from ``ModelConfig``, so
-the next families can build it too."""
+"""The pre-norm decoder stack LLaDA, Dream and LLaDA2 share (they differ in names, not math); its
+attention pattern, q/k norm, partial rotary and per-layer MLP kind (dense SwiGLU or mixture of
+experts) come from ``ModelConfig``, so the next families can build it too."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from flash_dllm.kernels import argmax_confidence
-from flash_dllm.layers.attention import Attention, DenseContext
+from flash_dllm.layers.attention import Attention, AttentionPattern, DenseContext
 from flash_dllm.layers.mlp import SwiGLU
+from flash_dllm.layers.moe import MoE
 from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
 from flash_dllm.models.config import MLP_KINDS, ModelConfig
@@ -19,6 +20,8 @@ def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     kind = cfg.layer_mlp_kind(layer)
     if kind == "dense":
         return SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+    if kind == "moe":
+        return MoE(cfg.hidden_size, cfg.moe)
     raise ValueError(f"no MLP of kind {kind!r} (layer {layer}); known: {MLP_KINDS}")
 
 
@@ -104,11 +107,13 @@ class DiffusionTransformer(nn.Module):
             return argmax_confidence.op(local, forbid)
         return self.tp.vocab.greedy(local, forbid)
 
-    def forward(self, ids: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense forward: ids [B, L] -> logits [B, L, V] (training, tests), each row attending
-        as ``cfg.attention`` says (``DenseContext``)."""
+    def forward(self, ids: torch.Tensor, key_mask: torch.Tensor | None = None,
+                pattern: AttentionPattern | None = None) -> torch.Tensor:
+        """Dense forward: ids [B, L] -> logits [B, L, V] (training, tests, ``LLM.logits``), each
+        row attending as ``cfg.attention`` says, or as ``pattern`` says instead (research: a
+        block-causal model run with another block size) (``DenseContext``)."""
         positions = torch.arange(ids.shape[-1], device=ids.device)
-        return self.logits(self.hidden(ids, positions, DenseContext(key_mask)))
+        return self.logits(self.hidden(ids, positions, DenseContext(key_mask, pattern)))
 
     def fuse_projections(self) -> "DiffusionTransformer":
         """Inference only: q/k/v and gate/up projections each become one GEMM (in place; the
