@@ -1,10 +1,8 @@
 """Disk tier storage: page records in fixed-size slots of one preallocated file, verified on every
-read (no torch.cuda here). A ``TierStore`` (``cache/tier_store.py``): reads and writes run on its
-thread pool. The file format lives in ``cache/disk_format.py``.
-
-What other engines' disk caches got wrong, and what makes each impossible here (the record
-format, stale records of an earlier process and files that are not the store's are
-``cache/disk_format.py``'s part):
+read (no torch.cuda here). A ``TierStore`` (``cache/tier_store.py``) whose reads and writes run
+on its thread pool; the file format is ``cache/disk_format.py``'s, and so are stale records of
+an earlier process and files that are not the store's. What other engines' disk caches got
+wrong, and what makes each impossible here:
 
 - **Another request's KV served from disk.** Every record carries the caller's 16-byte ``key``,
   the store's ``compat`` bytes and nonce, its slot and length under an xxh3 checksum. A read
@@ -19,9 +17,8 @@ format, stale records of an earlier process and files that are not the store's a
 I/O goes through page-aligned ``mmap`` staging buffers (one memcpy each way: a record's header
 precedes its payload, so a read cannot land directly in the caller's buffer) and through
 ``_pwrite``/``_pread``, the fault-injection seam the tests override. ``O_DIRECT`` (when ``direct``
-and the file system accepts an aligned probe write) keeps page records out of the page cache, which
-would otherwise double-buffer what the host tier already holds. The benchmark helpers live in
-``bench/disk.py``.
+and the file system takes it) keeps page records out of the page cache, which would otherwise
+double-buffer what the host tier already holds. Benchmarks: ``bench/disk.py``.
 """
 from __future__ import annotations
 
@@ -61,6 +58,8 @@ class DiskStore:
     cache mode); ``io_threads``: workers of the async API; ``direct``: try O_DIRECT (``self.direct``
     says whether it is active).
     """
+
+    verifies = True               # every read checks the record's checksum, key and compat
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, record_bytes: int,
                  compat: bytes, io_threads: int = 2, direct: bool = True) -> None:

@@ -121,9 +121,6 @@ class _SentinelCollector:
         return []
 
 
-TIERS = ("l0", "l1", "l2")
-
-
 class _TierCollector:
     """Memory tiers and prefix reuse, read from the engine's KV manager and offloader at scrape
     time (the engine thread only appends to these counters)."""
@@ -140,12 +137,13 @@ class _TierCollector:
         st = kv.stats
         # NOTE: the engine thread changes the block set while a scrape reads it: a read that
         # races a resize is retried, never a 500
-        cached = _read(kv.cached_pages, (0, 0, 0))
+        tiers = kv.tier_names                  # ("l0", "l1", "l2", ...: one per tier)
+        cached = _read(kv.cached_pages, (0,) * len(tiers))
         g = GaugeMetricFamily(PREFIX + "kv_pages_cached",
                               "Cached KV pages (prefix reuse) per tier.", labels=["tier"])
         gb = GaugeMetricFamily(PREFIX + "kv_cached_bytes", "Bytes of cached KV pages per tier.",
                                labels=["tier"])
-        for t, n in zip(TIERS, cached):
+        for t, n in zip(tiers, cached):
             g.add_metric([t], n)
             gb.add_metric([t], n * kv.page_bytes)
         yield g
@@ -155,7 +153,7 @@ class _TierCollector:
         hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens",
                                    "Prompt tokens whose KV was reused, by the tier it came from.",
                                    labels=["tier"])
-        for t, n in zip(TIERS, st["hit_tokens"]):
+        for t, n in zip(tiers, st["hit_tokens"]):
             hits.add_metric([t], n)
         yield hits
         rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
@@ -168,7 +166,7 @@ class _TierCollector:
                                     labels=["tier", "direction"])
         # every (tier, direction) a copy can take, 0 until it happens (dashboards and alerts
         # find the series from the start)
-        counts = {(t, d): 0 for t in TIERS[1:] for d in ("down", "up")}
+        counts = {(t, d): 0 for t in tiers[1:] for d in ("down", "up")}
         counts.update(_read(lambda: dict(st["bytes_moved"]), {}))
         for (tier, direction), n in sorted(counts.items()):
             moved.add_metric([tier, direction], n)
