@@ -25,10 +25,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from flash_dllm.cache.kv_manager import KVCacheManager
-from flash_dllm.cache.tiers import (L0, L1, L2, Fetch, Load, LRUPolicy, Spill, Store,
-                                   StoreDisk)
+from flash_dllm.cache.tiers import L0, L1, L2, Fetch, Load, LRUPolicy, Spill, Store
 
-RANK = {Store: 0, StoreDisk: 0, Spill: 1, Fetch: 2, Load: 3}     # take_ops' order
+RANK = {Store: 0, Spill: 1, Fetch: 2, Load: 3}     # take_ops' order
+KINDS = ("Store", "StoreSkip", "Spill", "Fetch", "Load")
+
+
+def kind(op) -> str:
+    """The op's kind: a store straight below host memory (no host slot free) is a skip."""
+    return "StoreSkip" if isinstance(op, Store) and op.dst != L1 else type(op).__name__
 ALPHABET = st.integers(0, 3)          # few token ids: prompts share page-aligned prefixes
 
 
@@ -82,17 +87,22 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------------------------- setup
     @initialize(data=st.data(), ps=st.integers(2, 4), num_pages=st.integers(8, 24),
-                l1=st.integers(0, 6), l2=st.integers(0, 10))
-    def setup(self, data, ps, num_pages, l1, l2):
+                l1=st.integers(0, 6), l2=st.integers(0, 10), l3=st.sampled_from([0, 0, 3, 8]))
+    def setup(self, data, ps, num_pages, l1, l2, l3):
+        # l3: a third store below disk (a registered tier), when drawn
+        if self.REALISTIC and l3 and not l2:    # the stack has no empty tier in between
+            l2 = 1
         if self.REALISTIC and l2 and not l1:    # EngineConfig: a disk tier needs host slots
             l1 = 1
         self.t = 0.0
         self.kv = KVCacheManager(num_pages, ps, prefix_reuse=True, namespace=b"props|",
-                                 l1_slots=l1, l2_slots=l2, clock=lambda: self.t)
+                                 tier_slots=(l1, l2, l3) if l3 else (l1, l2),
+                                 clock=lambda: self.t)
         # NOTE: LRU ties (every block a free() publishes gets the same time) are broken in the
-        # order of ``kv._blocks``, a set of objects hashed by id: the order of memory addresses,
-        # which differs from run to run, so hypothesis could not replay a failure. The same LRU
-        # with ties broken by key is as valid an order and makes every run reproducible.
+        # order of ``kv.tiers.blocks``, a set of objects hashed by id: the order of memory
+        # addresses, which differs from run to run, so hypothesis could not replay a failure.
+        # The same LRU with ties broken by key is as valid an order and makes every run
+        # reproducible.
         self.kv.policy = KeyTieLRU()
         self.ps, self.num_pages = ps, num_pages
         # canvases of a few pages, most of them long enough to use the prefix tree (requests
@@ -103,14 +113,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.stems = [data.draw(st.lists(ALPHABET, min_size=lo, max_size=max(lo, self.cap - 2)),
                                 label="stem") for _ in range(2)]
         rates = st.sampled_from([0, 0, 10, 30])                 # % of ops of a kind that fail
-        self.fail = {k: data.draw(rates, label=f"fail {k.__name__}")
-                     for k in (Store, StoreDisk, Spill, Fetch, Load)}
+        self.fail = {k: data.draw(rates, label=f"fail {k}") for k in KINDS}
         if self.REALISTIC:
-            self.fail[Store] = 0
+            self.fail["Store"] = 0
         self.hold_rate = data.draw(st.sampled_from([0, 0, 30, 70]), label="hold %")
         self.dev = [("init", p) for p in range(num_pages)]      # simulated L0 page contents
-        self.host: dict[int, tuple] = {}                        # simulated L1 slot contents
-        self.disk: dict[int, tuple] = {}                        # simulated L2 slot contents
+        # simulated slot contents per store tier (L1 host, L2 disk, L3)
+        self.mem: dict[int, dict[int, tuple]] = {t: {} for t in range(1, self.kv.tiers.num_tiers)}
+        self.host = self.mem[L1]
         self.inflight: list[tuple] = []                         # (op, ok): ran, not reported
         self.expect: dict = {}                                  # block -> its content tag
         self.running: dict[str, Req] = {}
@@ -125,12 +135,12 @@ class KVManagerMachine(RuleBasedStateMachine):
     def _register(self) -> None:
         """Content tags of newly published blocks: the mode and token path of their node."""
         modes = self._modes()
-        for b in self.kv._blocks:
+        for b in self.kv.tiers.blocks:
             if b not in self.expect:
                 self.expect[b] = tag(modes[id(b.tree)], node_tokens(b.node))
 
     def _pending_ops(self) -> list:
-        return list(self.kv._ops) + [op for op, _ in self.inflight]
+        return list(self.kv.tiers.ops) + [op for op, _ in self.inflight]
 
     def _admit(self, req: Req) -> bool:
         """``allocate`` and check the allocation; False when refused."""
@@ -141,7 +151,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         if alloc is None:
             assert req.rid not in kv._pages and req.rid not in kv._locked   # never partial
             # refused only when even demoting every unused cached L0 page would not make room
-            cands = [b for b in kv._blocks
+            cands = [b for b in kv.tiers.blocks
                      if b.l0 is not None and not b.busy and b.node.ref == 0]
             assert kv.pool.num_free + len(cands) < n_total, (
                 f"refused {n_total} pages with {kv.pool.num_free} free and {len(cands)} "
@@ -170,11 +180,11 @@ class KVManagerMachine(RuleBasedStateMachine):
                 assert not b.loading
                 assert self.dev[pages[i]] == self.expect[b], f"L0 hit {i} serves wrong bytes"
             else:
-                assert b.loading and alloc.hit_tiers[i] in (L1, L2)
+                assert b.loading and alloc.hit_tiers[i] >= L1
                 load_pages.append(pages[i])
         assert [ld.page for ld in alloc.loads] == load_pages
         for t in set(alloc.hit_tiers):
-            event(f"reuse from {('L0', 'L1', 'L2')[t]}")
+            event(f"reuse from L{t}")
         assert all(kv.pool.ref_count(p) == 1 for p in pages[k:]), "a fresh page is shared"
         req.reused, req.computed = k, False
         self.running[req.rid] = req
@@ -182,19 +192,17 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     def _ok(self, data, op) -> bool:
         # a roll of 0 (what hypothesis shrinks towards) succeeds
-        return data.draw(st.integers(0, 99), label="op roll") < 100 - self.fail[type(op)]
+        return data.draw(st.integers(0, 99), label="op roll") < 100 - self.fail[kind(op)]
 
     def _execute(self, op, ok: bool, fetched_bad: set) -> bool:
         """Move the simulated bytes as the real offloader would; the op's reported result."""
         if isinstance(op, Store):                 # pack now (stores run first), copy lands later
-            self.host[op.slot] = self.dev[op.page] if ok else fault("failed store")
-        elif isinstance(op, StoreDisk):
-            self.disk[op.disk_slot] = self.dev[op.page] if ok else fault("failed store")
+            self.mem[op.dst][op.slot] = self.dev[op.page] if ok else fault("failed store")
         elif isinstance(op, Spill):
-            self.disk[op.disk_slot] = (self.host.get(op.slot, fault("unwritten"))
-                                       if ok else fault("failed spill"))
+            self.mem[op.dst][op.dst_slot] = (self.host.get(op.slot, fault("unwritten"))
+                                             if ok else fault("failed spill"))
         elif isinstance(op, Fetch):               # the disk store checks key + checksum
-            got = self.disk.get(op.disk_slot, fault("unwritten"))
+            got = self.mem[op.src].get(op.src_slot, fault("unwritten"))
             if ok and got == self.expect[op.block]:
                 self.host[op.slot] = got
                 return True
@@ -227,7 +235,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             what = "submit"
         if what == "drain" and not self.inflight:
             what = "step"
-        if what == "corrupt" and not (self.kv.l1_slots or self.kv.l2_slots):
+        if what == "corrupt" and not any(self.kv.tiers.slots[1:]):
             what = "step"
         if what == "prefetch" and not self.waiting:
             what = "step"
@@ -286,7 +294,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             self.waiting.pop(0)
         self.t += 1
         ops = kv.take_ops()
-        assert not kv._ops
+        assert not kv.tiers.ops
         ranks = [RANK[type(op)] for op in ops]
         assert ranks == sorted(ranks), f"take_ops not stores first: {ops}"
         report, keep = [], []
@@ -299,7 +307,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         fetched_bad: set = set()
         for op in ops:
             ok = self._execute(op, self._ok(data, op), fetched_bad)
-            if (isinstance(op, (Store, Spill, StoreDisk))
+            if (isinstance(op, (Store, Spill))
                     and data.draw(st.integers(0, 99), label="hold") < self.hold_rate):
                 self.inflight.append((op, ok))
             else:
@@ -315,7 +323,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             req = self.running.pop(rid)
             req.reused, req.computed = 0, False
             self.waiting.insert(0, req)                  # the scheduler's requeue
-        assert not any(b.loading for b in kv._blocks), "a load outlived its step"
+        assert not any(b.loading for b in kv.tiers.blocks), "a load outlived its step"
         for req in self.running.values():
             pages = kv.pages(req.rid)
             for i in range(req.reused):               # ORACLE: nothing wrong is ever served
@@ -357,13 +365,13 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.kv.ops_done([(op, ok, 0.0) for op, ok in done])
 
     def corrupt(self, data):
-        """Fault injection: a host or disk slot's bytes go bad (bit rot, a torn write)."""
-        disk = data.draw(st.booleans(), label="disk")
+        """Fault injection: a slot's bytes go bad in host memory, on disk or below (bit rot, a
+        torn write)."""
+        slots = self.kv.tiers.slots
+        t = data.draw(st.sampled_from([t for t in range(1, len(slots)) if slots[t]]),
+                      label="tier")
         i = data.draw(st.integers(0, 20), label="slot")
-        if disk and self.kv.l2_slots or not self.kv.l1_slots:
-            self.disk[i % self.kv.l2_slots] = fault("corrupt")
-        else:
-            self.host[i % self.kv.l1_slots] = fault("corrupt")
+        self.mem[t][i % slots[t]] = fault("corrupt")
 
     # ------------------------------------------------------------------------------- invariants
     @invariant()
@@ -376,7 +384,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for pages in kv._pages.values():
             for p in pages:
                 refs[p] += 1
-        for b in kv._blocks:
+        for b in kv.tiers.blocks:
             if b.l0 is not None:
                 refs[b.l0] += 1
         have = [kv.pool.ref_count(p) for p in range(kv.num_pages)]
@@ -390,15 +398,14 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert not set(pages) & set(free), f"{rid} holds a free page"
         used = {p for pages in kv._pages.values() for p in pages}
         assert kv.num_used == len(used) and (kv._pages or kv.num_used == 0)
-        # host / disk slots: published copies, targets of ops in flight, free: one each
+        # host / disk / lower slots: published copies, targets of ops in flight, free: one each
+        # (writes into L1: stores and fetches; reads of it: spills and loads; below: the rest)
         pending = self._pending_ops()
-        for tier, slots, free_list, pub, writes, reads in (
-            ("L1", kv.l1_slots, kv._l1_free, [b.l1 for b in kv._blocks if b.l1 is not None],
-             [op.slot for op in pending if isinstance(op, (Store, Fetch))],
-             [op.slot for op in pending if isinstance(op, (Spill, Load))]),
-            ("L2", kv.l2_slots, kv._l2_free, [b.l2 for b in kv._blocks if b.l2 is not None],
-             [op.disk_slot for op in pending if isinstance(op, (Spill, StoreDisk))],
-             [op.disk_slot for op in pending if isinstance(op, Fetch)])):
+        for t in range(1, kv.tiers.num_tiers):
+            tier, slots, free_list = f"L{t}", kv.tiers.slots[t], kv.tiers.free[t]
+            pub = [b.copies[t] for b in kv.tiers.blocks if t in b.copies]
+            writes = [op.dst_slot for op in pending if op.dst == t]
+            reads = [op.src_slot for op in pending if op.src == t]
             free_set, pub_set, write_set = set(free_list), set(pub), set(writes)
             assert len(free_set) == len(free_list), f"{tier} free list has duplicates"
             assert len(pub_set) == len(pub), f"{tier} slot(s) published by two blocks"
@@ -435,33 +442,31 @@ class KVManagerMachine(RuleBasedStateMachine):
             tree.check()
             for nd in tree.nodes():
                 assert nd.ref == locks.get(nd, 0), "node ref != requests reusing it"
-                assert nd.block in kv._blocks, "a node's block is not tracked"
+                assert nd.block in kv.tiers.blocks, "a node's block is not tracked"
                 in_trees.add(nd.block)
-        assert in_trees == kv._blocks, "a cached block is not reachable in its tree"
+        assert in_trees == kv.tiers.blocks, "a cached block is not reachable in its tree"
         modes = self._modes()
-        for b in kv._blocks:
+        for b in kv.tiers.blocks:
             nd = b.node
             assert nd.block is b and b.key == nd.key and id(b.tree) in modes
             if b.lost:
-                assert b.l0 is None and b.l1 is None and b.l2 is None, (
-                    f"lost block keeps copies l0={b.l0} l1={b.l1} l2={b.l2}")
+                assert not b.copies, f"lost block keeps copies {b.copies}"
                 assert nd.children or nd.ref, "a lost unused leaf was not pruned"
             ops = [op for op in pending if op.block is b]
-            assert (b.pending_l1 is not None) == any(isinstance(op, (Store, Fetch)) for op in ops)
-            assert (b.pending_l2 is not None) == any(isinstance(op, (Spill, StoreDisk))
-                                                     for op in ops)
+            assert set(b.pending) <= set(range(1, kv.tiers.num_tiers)), b.pending
+            for t in range(1, kv.tiers.num_tiers):      # a slot pending in tier t: an op writes it
+                assert (t in b.pending) == any(op.dst == t for op in ops), (t, b.pending, ops)
+                assert all(op.dst_slot == b.pending[t] for op in ops if op.dst == t)
             assert b.loading == any(isinstance(op, Load) for op in ops)
             # ORACLE: an L0 copy is served unverified; lower copies are verified on the way up,
             # so they may be garbage but never another block's valid bytes
             if b.l0 is not None and not b.loading:
                 assert self.dev[b.l0] == self.expect[b], (
                     f"cached L0 page {b.l0} holds {self.dev[b.l0]}, expected {self.expect[b]}")
-            if b.l1 is not None:
-                got = self.host.get(b.l1, fault("unwritten"))
-                assert got == self.expect[b] or is_fault(got), f"host slot {b.l1}: {got}"
-            if b.l2 is not None:
-                got = self.disk.get(b.l2, fault("unwritten"))
-                assert got == self.expect[b] or is_fault(got), f"disk slot {b.l2}: {got}"
+            for t, slot in b.copies.items():
+                if t != L0:
+                    got = self.mem[t].get(slot, fault("unwritten"))
+                    assert got == self.expect[b] or is_fault(got), f"L{t} slot {slot}: {got}"
 
 
 # NOTE: shrinking a failure of these machines takes minutes on a busy 2-core machine and the
@@ -489,10 +494,10 @@ SHORT = getattr(KVCacheManager, "SHORT_PAGES", 0)   # requests of at most this m
 
 def _slots_balance(kv) -> None:
     """check_ledger's slot counts (nothing in flight)."""
-    l1 = [b.l1 for b in kv._blocks if b.l1 is not None]
-    l2 = [b.l2 for b in kv._blocks if b.l2 is not None]
-    assert sorted(l1 + kv._l1_free) == list(range(kv.l1_slots)), (l1, kv._l1_free)
-    assert sorted(l2 + kv._l2_free) == list(range(kv.l2_slots)), (l2, kv._l2_free)
+    for t in range(1, kv.tiers.num_tiers):
+        held = [b.copies[t] for b in kv.tiers.blocks if t in b.copies]
+        free = kv.tiers.free[t]
+        assert sorted(held + free) == list(range(kv.tiers.slots[t])), (t, held, free)
 
 
 def _pool_balance(kv) -> None:
@@ -500,7 +505,7 @@ def _pool_balance(kv) -> None:
     for pages in kv._pages.values():
         for p in pages:
             refs[p] += 1
-    for b in kv._blocks:
+    for b in kv.tiers.blocks:
         if b.l0 is not None:
             refs[b.l0] += 1
     assert refs == [kv.pool.ref_count(p) for p in range(kv.num_pages)], refs
@@ -527,7 +532,7 @@ def test_disk_hit_without_a_host_slot_does_not_pin_the_rest_of_the_chain():
     L0 pages of C.. are neither reused nor evictable, and with nothing else in the pool the
     request is refused for ever (the engine's FIFO admission then stalls every request)."""
     ps, n = 2, SHORT + 5                                  # pages of every canvas here
-    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=1, l2_slots=2, clock=lambda: 0.0)
+    kv = KVCacheManager(n, ps, prefix_reuse=True, tier_slots=(1, 2), clock=lambda: 0.0)
     prompt = list(range(1, 2 * n))                        # n - 1 full pages + 1 token
     assert kv.allocate("a", n * ps, prompt) is not None
     assert kv.free("a", prompt[:(n - 1) * ps])            # publishes n - 1 blocks: A, B, C..
@@ -538,7 +543,7 @@ def test_disk_hit_without_a_host_slot_does_not_pin_the_rest_of_the_chain():
     assert _filler(kv, "x", n - len(chain) + 1) is not None
     _run_ops(kv)
     kv.free("x")
-    assert (chain[1].l1, chain[1].l2) == (0, 0)
+    assert (chain[1].copies.get(L1), chain[1].copies.get(L2)) == (0, 0)
     chain[0].last_access = -1.0                           # then A: it takes B's host slot
     assert _filler(kv, "y", n - len(chain) + 2) is not None
     _run_ops(kv)
@@ -556,7 +561,7 @@ def test_free_before_a_failed_load_leaks_no_page():
     ``load_failed``, which nobody calls (the request is gone), so the page is never freed: the
     pool is one page short for ever (a canvas of the whole pool is never admitted again)."""
     ps, n = 2, SHORT + 2
-    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=1, clock=lambda: 0.0)
+    kv = KVCacheManager(n, ps, prefix_reuse=True, tier_slots=(1,), clock=lambda: 0.0)
     prompt = list(range(1, n * ps))
     assert kv.allocate("a", n * ps, prompt) is not None
     kv.free("a", prompt[:ps])                             # one cached block A (L0)
@@ -576,10 +581,10 @@ def test_failed_store_with_its_spill_in_flight_leaks_no_slot():
     """A demotion writes through (``Store`` to a host slot + ``Spill`` of that slot to disk).
     When the Store reports failure first, the block is dropped and pruned at once although its
     Spill is still in flight: the host slot goes back to the free list while the Spill still
-    reads it, and when the Spill then reports success ``block.l2`` is set on a pruned block:
-    the disk slot is never free again."""
+    reads it, and when the Spill then reports success its disk copy is published on a pruned
+    block: the disk slot is never free again."""
     ps, n = 2, SHORT + 2
-    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=1, l2_slots=1, clock=lambda: 0.0)
+    kv = KVCacheManager(n, ps, prefix_reuse=True, tier_slots=(1, 1), clock=lambda: 0.0)
     prompt = list(range(1, n * ps))
     assert kv.allocate("a", n * ps, prompt) is not None
     kv.free("a", prompt[:ps])                             # one cached block A (L0)
@@ -587,7 +592,7 @@ def test_failed_store_with_its_spill_in_flight_leaks_no_slot():
     store, spill = kv.take_ops()
     assert isinstance(store, Store) and isinstance(spill, Spill) and spill.slot == store.slot
     kv.ops_done([(store, False, 0.0)])                    # the spill is still in flight
-    assert store.slot not in kv._l1_free, "host slot free while the spill reads it"
+    assert store.slot not in kv.tiers.free[L1], "host slot free while the spill reads it"
     kv.ops_done([(spill, True, 0.0)])
     kv.free("x")
     _slots_balance(kv)
@@ -599,7 +604,7 @@ def test_a_lost_prefix_block_can_be_cached_again():
     computed again and published, nothing is adopted: the prefix is never reused again while
     any descendant lives (whose pages are then unreachable, yet still held)."""
     ps, n = 2, SHORT + 4
-    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=3, clock=lambda: 0.0)
+    kv = KVCacheManager(n, ps, prefix_reuse=True, tier_slots=(3,), clock=lambda: 0.0)
     prompt = list(range(1, 3 * ps + 2))                   # 3 full pages + 1 token
     assert kv.allocate("a", n * ps, prompt) is not None
     kv.free("a", prompt[:3 * ps])                         # A -> B -> C, L0
@@ -625,7 +630,7 @@ def test_disk_copies_are_evicted_least_recently_used_first():
     dropped -- the most recently used data is lost and the stalest kept."""
     ps, n = 2, SHORT + 2
     t = [0.0]
-    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=1, l2_slots=1, clock=lambda: t[0])
+    kv = KVCacheManager(n, ps, prefix_reuse=True, tier_slots=(1, 1), clock=lambda: t[0])
     blocks = []
     for k in range(3):                                    # X, then Y, then Z: each demoted
         t[0] += 1
@@ -640,7 +645,8 @@ def test_disk_copies_are_evicted_least_recently_used_first():
     x, y, z = blocks
     assert z.tier == L1
     assert y.tier is not None or x.tier is None, (
-        f"Y (used at t=3) was dropped while X (t=1, never used since) keeps disk slot {x.l2}")
+        f"Y (used at t=3) was dropped while X (t=1, never used since) keeps disk slot "
+        f"{x.copies.get(L2)}")
 
 
 def test_a_failed_prefetch_loses_its_block_and_the_prefix_can_be_cached_again():
@@ -648,7 +654,7 @@ def test_a_failed_prefetch_loses_its_block_and_the_prefix_can_be_cached_again():
     any copy, so it must be lost (a stale record in the tree would stop every later match there
     and keep a recomputed page from being cached again)."""
     ps, n = 4, 6
-    kv = KVCacheManager(n, ps, prefix_reuse=True, l1_slots=4, l2_slots=8, clock=lambda: 0.0)
+    kv = KVCacheManager(n, ps, prefix_reuse=True, tier_slots=(4, 8), clock=lambda: 0.0)
     prompt = list(range(1, 4 * ps + 2))
     assert kv.allocate("a", n * ps, prompt) is not None
     kv.free("a", prompt[:4 * ps])
@@ -657,16 +663,15 @@ def test_a_failed_prefetch_loses_its_block_and_the_prefix_can_be_cached_again():
     kv.free("x")
     chain = [nd.block for nd in kv.tree("dual").match(prompt)]
     for b in chain:                      # host copies gone, disk copies left
-        if b.l1 is not None and b.l2 is not None:
-            kv._l1_free.append(b.l1)
-            b.l1 = None
+        if L1 in b.copies and L2 in b.copies:
+            kv.tiers.free[L1].append(b.copies.pop(L1))
     assert [b.tier for b in chain] == [L2] * 4
     assert kv.prefetch("w", prompt, "dual") >= 1
     _run_ops(kv, fail=(Fetch,))
     failed = [b for b in chain if b.tier is None]
     assert failed and all(b.lost for b in failed)
     kv.cancel_prefetch("w")
-    assert kv.stats["prefetch"]["useless"] == len(failed) and not kv._prefetched
+    assert kv.stats["prefetch"]["useless"] == len(failed) and not kv.tiers.prefetched
     a = kv.allocate("b", n * ps, prompt)
     assert a is not None and a.reused_len == 0
     _run_ops(kv)
@@ -687,7 +692,7 @@ def test_demoting_many_pages_frees_host_slots_in_one_pass():
             calls.append(len(candidates))
             return super().order(candidates)
 
-    m = KVCacheManager(64, 4, prefix_reuse=True, l1_slots=96, page_bytes=1)
+    m = KVCacheManager(64, 4, prefix_reuse=True, tier_slots=(96,), page_bytes=1)
     m.policy = Counting()
     for u in range(4):                       # 4 x 40 pages cached: 64 in L0 fill, then L1
         prompt = [u + 1] * 160

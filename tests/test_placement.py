@@ -57,7 +57,7 @@ def test_kv_manager_hands_mass_to_the_policy():
     mgr.observe("a", [1.0, 0.0, 0.0, 0.0, 0.0])                  # block 2
     mgr.free("a", publish=prompt)                                 # 4 blocks cached
     ema = mgr.policy
-    cached = sorted(mgr._blocks, key=lambda b: ema._ids[b.key])
+    cached = sorted(mgr.tiers.blocks, key=lambda b: ema._ids[b.key])
     assert [round(float(ema.graph.mass[ema._ids[b.key]]), 3) for b in cached] == \
         [2.0, 2.0, 3.0, 4.0]
     # a request reusing the prefix: its reused pages' mass goes to their blocks at once

@@ -35,17 +35,16 @@ def check_ledger(eng):
     for pages in kv._pages.values():
         for p in pages:
             refs[p] += 1
-    for b in kv._blocks:
+    for b in kv.tiers.blocks:
         if b.l0 is not None:
             refs[b.l0] += 1
     assert refs == [kv.pool.ref_count(p) for p in range(kv.num_pages)]
     assert kv.pool.num_free == sum(r == 0 for r in refs)
-    l1 = [b.l1 for b in kv._blocks if b.l1 is not None]
-    l2 = [b.l2 for b in kv._blocks if b.l2 is not None]
-    assert len(set(l1)) == len(l1) and not set(l1) & set(kv._l1_free)
-    assert len(set(l2)) == len(l2) and not set(l2) & set(kv._l2_free)
-    assert len(l1) + len(kv._l1_free) == kv.l1_slots
-    assert len(l2) + len(kv._l2_free) == kv.l2_slots
+    for t in range(1, kv.tiers.num_tiers):          # every store tier: L1 host, L2 disk, ...
+        held = [b.copies[t] for b in kv.tiers.blocks if t in b.copies]
+        free = kv.tiers.free[t]
+        assert len(set(held)) == len(held) and not set(held) & set(free)
+        assert len(held) + len(free) == kv.tiers.slots[t]
 
 
 def _turn2(eng, params, first):
@@ -163,7 +162,7 @@ def test_corrupt_disk_copy_is_a_miss_that_recomputes(tmp_path):
     path.write_bytes(bytes(data))
     p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
     r2 = _run(eng, [p2], params)[0]
-    assert eng.runner.offload.disk.stats["checksum_failures"] >= 1
+    assert eng.runner.offload.store(2).stats["checksum_failures"] >= 1      # the disk store
     assert eng.kv_manager.stats["load_failures"] >= 1
     assert r2.reused_len == 0                       # nothing corrupt was reused
     assert r2.tokens.tolist() == _no_reuse_output(model, params)
@@ -183,7 +182,7 @@ def test_a_stale_host_record_of_another_block_is_never_served():
     eng.kv_manager.ops_done(eng.runner.offload.drain())
     p2 = first.tokens[:first.prompt_len + 8].tolist() + [11, 12, 13]
     chain = eng.kv_manager.tree("dual").match(p2)
-    a, b = chain[2].block.l1, chain[3].block.l1
+    a, b = chain[2].block.copies.get(1), chain[3].block.copies.get(1)
     assert a is not None and b is not None
     host = eng.runner.offload.host.buffer
     host[a], host[b] = host[b].clone(), host[a].clone()
@@ -237,7 +236,7 @@ def test_queue_ahead_prefetch_reads_disk_while_the_request_waits(tmp_path):
             assert hits[1] >= pf["on_time"] * PS, (hits, pf)
         else:
             assert pf == {"issued": 0, "on_time": 0, "late": 0, "useless": 0}
-        assert kv.num_used == 0 and not kv._prefetched and not kv._prefetch_for
+        assert kv.num_used == 0 and not kv.tiers.prefetched and not kv.tiers.prefetch_for
         check_ledger(eng)
         seen[on] = (r2.tokens.tolist(), r2.reused_len, hits[2])
     assert seen[True][:2] == seen[False][:2]
@@ -269,7 +268,7 @@ def test_prefetch_still_reading_is_late_and_an_unused_one_is_useless(tmp_path):
     n = kv.prefetch("later", p2, "dual")
     kv.ops_done(off.run(kv.take_ops()))
     kv.ops_done(off.drain())
-    assert n >= 1 and len(kv._prefetched) == n and all(kv._prefetched.values())
+    assert n >= 1 and len(kv.tiers.prefetched) == n and all(kv.tiers.prefetched.values())
     _run(eng, [[(7 * i + k) % 90 + 3 for i in range(40)] for k in range(4)], params)
     kv.ops_done(off.drain())
     pf = kv.stats["prefetch"]
@@ -284,7 +283,7 @@ def test_prefetch_is_a_no_op_without_a_disk_tier_or_for_short_prompts(tmp_path):
                                                 num_kv_pages=24, kv_cpu_gb=0.0015))
     assert eng.kv_manager.prefetch("a", PROMPT, "dual") == 0
     _, eng = _disk_engine(tmp_path)
-    assert eng.kv_manager.prefetch("b", PROMPT[:6], "dual") == 0 and not eng.kv_manager._ops
+    assert eng.kv_manager.prefetch("b", PROMPT[:6], "dual") == 0 and not eng.kv_manager.tiers.ops
 
 
 def test_prefill_sized_steps_teach_the_cost_model_its_recompute_rate():

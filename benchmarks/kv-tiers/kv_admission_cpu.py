@@ -22,7 +22,10 @@ from pathlib import Path
 REPLAY = r"""
 import json, random, time
 from flash_dllm.cache.kv_manager import KVCacheManager
-m = KVCacheManager(1536, 16, prefix_reuse=True, l1_slots=5119, page_bytes=8 << 20)
+try:                                  # (checkouts before the tier stack took l1_slots)
+    m = KVCacheManager(1536, 16, prefix_reuse=True, tier_slots=(5119,), page_bytes=8 << 20)
+except TypeError:
+    m = KVCacheManager(1536, 16, prefix_reuse=True, l1_slots=5119, page_bytes=8 << 20)
 rng = random.Random(0)
 hist = {u: [rng.randrange(3, 90) for _ in range(12000)] for u in range(8)}
 spent = 0.0

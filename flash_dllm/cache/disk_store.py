@@ -1,80 +1,42 @@
-"""Disk tier (L2) storage: page records in fixed-size slots of one preallocated file, verified on
-every read (no torch.cuda here).
+"""Disk tier storage: page records in fixed-size slots of one preallocated file, verified on every
+read (no torch.cuda here). A ``TierStore`` (``cache/tier_store.py``) whose reads and writes run
+on its thread pool; the file format is ``cache/disk_format.py``'s, and so are stale records of
+an earlier process and files that are not the store's. What other engines' disk caches got
+wrong, and what makes each impossible here:
 
-What other engines' disk caches got wrong, and what makes each impossible here:
-
-- **Another request's KV served from disk.** Every record carries the caller's 16-byte ``key`` (a
-  prefix-chain hash), the store's ``compat`` bytes (model, dtype, layout, page size, cache mode),
-  its slot index and length, and an xxh3 checksum over all of them plus the payload. A read names
-  the key it expects; any mismatch is a miss, never data.
+- **Another request's KV served from disk.** Every record carries the caller's 16-byte ``key``,
+  the store's ``compat`` bytes and nonce, its slot and length under an xxh3 checksum. A read
+  names the key it expects; any mismatch is a miss, never data.
 - **A failed store visible to lookups / reads racing writes.** Publish-after-write: a slot becomes
   readable only after its whole record was written, and a slot with I/O in flight can be neither
   read (while written), written again, nor freed (see "Slot states" below).
-- **Stale files from an earlier process.** Every record carries a random 16-byte nonce drawn when
-  the store is opened (so it is at least per process). A store opened on an existing file starts
-  with every slot free and rejects any record it did not write itself (``stats["stale"]``): a
-  restart treats the whole file as empty. Stale files are detected, never used, and need no
-  cleanup; nothing is fsync'ed, because nothing is meant to survive the process. An advisory
-  ``flock`` keeps two live stores off one file (the kernel drops it when a process dies).
-- **Someone else's file overwritten.** A store opens only an empty (or new) file or a store file
-  (first 8 bytes ``SUPER_MAGIC``, which the very first write puts there); any other non-empty
-  file at ``path`` is refused before a byte of it is written.
 - **I/O on a closed descriptor.** ``close()`` waits until no read or write is between its begin
   and its end (synchronous calls on other threads included), so a late ``pwrite`` can never land
   in whatever file reused the descriptor number.
 
-File layout (one file at ``path``): a 4 KiB superblock (format, nonce, compat, geometry; only for
-people with a hex dump, never trusted) then ``num_slots`` slots of ``slot_bytes`` = 256-byte header
-+ ``record_bytes`` payload, rounded up to 4 KiB so that ``O_DIRECT`` works. The file is
-preallocated with ``posix_fallocate`` (ftruncate where the file system cannot), so a full disk
-shows at start-up, not mid-write (except on copy-on-write or thin-provisioned file systems, where
-a write can still fail with ENOSPC: it then fails that write, see below).
-
 I/O goes through page-aligned ``mmap`` staging buffers (one memcpy each way: a record's header
 precedes its payload, so a read cannot land directly in the caller's buffer) and through
 ``_pwrite``/``_pread``, the fault-injection seam the tests override. ``O_DIRECT`` (when ``direct``
-and the file system accepts an aligned probe write) keeps page records out of the page cache, which
-would otherwise double-buffer what the host tier already holds.
-
-NOTE (size): one class over ~500 lines on purpose: the slot state machine, the I/O and the
-verification of a record are what has to be read together to trust that nothing wrong is served.
-The benchmark helpers live in ``bench/disk.py``.
+and the file system takes it) keeps page records out of the page cache, which would otherwise
+double-buffer what the host tier already holds. Benchmarks: ``bench/disk.py``.
 """
 from __future__ import annotations
 
-import bisect
 import errno
-import fcntl
 import mmap
 import os
-import struct
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
-from flash_dllm.cache.checksum import byte_view, xxh3_64
-
-ALIGN = 4096                      # O_DIRECT alignment (offsets, lengths, buffers) and slot rounding
-HEADER_BYTES = 256
-KEY_BYTES = 16
-MAX_COMPAT_BYTES = 64
-MAGIC = b"FDLLM-KV"
-SUPER_MAGIC = b"FDLLM-SB"        # the file's first 8 bytes: how a store recognises its own file
-FORMAT_VERSION = 1
-# magic | version | compat_len | reserved | nonce | key | slot | payload_len | compat, then the
-# checksum: xxh3 of the whole 256-byte header (checksum field zeroed) and the payload, so every
-# header bit counts, padding included.
-_HEADER = struct.Struct("<8sIHH16s16sQQ64s")
-_CHECKSUM = struct.Struct("<Q")
-_CHECKSUM_AT = _HEADER.size
-_SUPER = struct.Struct("<8sI16sQQQH64s")
-assert _CHECKSUM_AT + _CHECKSUM.size <= HEADER_BYTES
-
-# Prometheus-style latency buckets (seconds): NVMe page reads are ~50 us - 5 ms.
-LATENCY_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
-                     50e-3, 100e-3, 250e-3, 1.0, 2.5)
+from flash_dllm.cache.checksum import byte_view
+from flash_dllm.cache.disk_format import (  # noqa: F401 - the format's names, re-exported
+    ALIGN, FORMAT_VERSION, HEADER_BYTES, KEY_BYTES, MAGIC, MAX_COMPAT_BYTES, SUPER_MAGIC,
+    DiskLayout, SlotStateError, StoreError, StoreIOError, check_record, create_file,
+    encode_record)
+from flash_dllm.cache.disk_format import open_file as _open_file  # noqa: F401 - bench/disk
+from flash_dllm.cache.disk_format import round_up as _round_up
+from flash_dllm.cache.latency import LATENCY_BUCKETS_S, LatencyHistogram  # noqa: F401
 
 # Slot states. NOTE: the invariants every method keeps (under `self._lock`):
 #   FREE    not handed out; in the free list exactly then.
@@ -89,141 +51,6 @@ _COUNTERS = ("reads", "hits", "misses", "writes", "write_failures", "bytes_read"
              "wrong_key", "compat_mismatch", "not_valid", "io_errors")
 
 
-class StoreError(Exception):
-    """A store operation failed."""
-
-
-class StoreIOError(StoreError, OSError):
-    """The disk failed (``errno`` kept: ENOSPC, EIO, EFBIG, ...); the record was not stored."""
-
-
-class SlotStateError(StoreError, ValueError):
-    """The slot is in the wrong state for the call (not allocated, busy, double free)."""
-
-
-def _round_up(n: int, k: int = ALIGN) -> int:
-    return -(-n // k) * k
-
-
-@dataclass(frozen=True)
-class DiskLayout:
-    """Geometry of the store's file: slots of ``slot_bytes`` after a 4 KiB superblock."""
-    record_bytes: int
-    capacity_bytes: int
-
-    def __post_init__(self) -> None:
-        for name in ("record_bytes", "capacity_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"DiskLayout.{name} must be an integer >= 1, got {v!r}")
-        if self.num_slots < 1:
-            raise ValueError(f"DiskLayout.capacity_bytes must be >= {ALIGN + self.slot_bytes} "
-                             f"(superblock + one slot of {self.slot_bytes} B), "
-                             f"got {self.capacity_bytes}")
-
-    @property
-    def slot_bytes(self) -> int:
-        return _round_up(HEADER_BYTES + self.record_bytes)
-
-    @property
-    def num_slots(self) -> int:
-        return max(0, (self.capacity_bytes - ALIGN) // self.slot_bytes)
-
-    @property
-    def file_bytes(self) -> int:
-        return ALIGN + self.num_slots * self.slot_bytes
-
-    def offset(self, slot: int) -> int:
-        return ALIGN + slot * self.slot_bytes
-
-
-class LatencyHistogram:
-    """Counts per Prometheus bucket (``le`` edges) plus the most recent samples for quantiles."""
-
-    def __init__(self, edges: tuple[float, ...] = LATENCY_BUCKETS_S, keep: int = 4096) -> None:
-        self.edges = tuple(edges)
-        self.counts = [0] * (len(self.edges) + 1)          # last bucket: +Inf
-        self.count = 0
-        self.sum = 0.0
-        self.samples: deque[float] = deque(maxlen=keep)
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.edges, seconds)] += 1
-        self.count += 1
-        self.sum += seconds
-        self.samples.append(seconds)
-
-    def quantile(self, q: float) -> float | None:
-        if not self.samples:
-            return None
-        s = sorted(self.samples)
-        return s[min(len(s) - 1, int(q * len(s)))]
-
-    def snapshot(self) -> dict:
-        cum, buckets = 0, []
-        for le, c in zip(self.edges + (float("inf"),), self.counts):
-            cum += c
-            buckets.append((le, cum))
-        return {"buckets": buckets, "count": self.count, "sum": self.sum,
-                "p50": self.quantile(0.5), "p99": self.quantile(0.99)}
-
-
-def _refuse_foreign(path: str) -> None:
-    """Raise StoreError if ``path`` holds a non-empty file that is not a store file (its first 8
-    bytes are not ``SUPER_MAGIC``): opening it would overwrite someone else's data. An empty file
-    and a store file (even one a killed process left) are fine."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(SUPER_MAGIC))
-    except FileNotFoundError:
-        return
-    if head and head != SUPER_MAGIC:
-        raise StoreError(f"{path} is not a flash-dllm disk store file (it is not empty and does "
-                         f"not start with the store's superblock magic {SUPER_MAGIC!r}); refusing "
-                         f"to overwrite it: pick another path or delete the file")
-
-
-def _open_file(path: str, direct: bool, lock: bool = False,
-               first_block: mmap.mmap | None = None) -> tuple[int, bool]:
-    """Open (create) ``path`` read-write; with O_DIRECT when ``direct`` and the file system takes
-    it: open and an aligned probe write at offset 0 must both succeed. ``lock``: take an exclusive
-    ``flock`` first (StoreError if another store holds it). A non-empty file that is not a store
-    file is refused (StoreError) before anything is written. ``first_block``: the ALIGN bytes the
-    probe writes at offset 0 (default zeros; the store passes its superblock, so its file starts
-    with ``SUPER_MAGIC`` from the first write on). -> (fd, direct_active)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-    use_direct = direct and hasattr(os, "O_DIRECT")
-    try:
-        fd = os.open(path, flags | (os.O_DIRECT if use_direct else 0), 0o600)
-    except OSError as e:
-        if not use_direct or e.errno != errno.EINVAL:    # tmpfs refuses O_DIRECT at open
-            raise
-        fd, use_direct = os.open(path, flags, 0o600), False
-    try:
-        if lock:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise StoreError(f"{path} is in use by another DiskStore") from None
-        _refuse_foreign(path)                  # after the lock: no live store is writing it
-        if use_direct:
-            probe = first_block if first_block is not None else mmap.mmap(-1, ALIGN)
-            try:
-                os.pwrite(fd, probe, 0)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                use_direct = False
-            finally:
-                if probe is not first_block:
-                    probe.close()
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, use_direct
-
-
 class DiskStore:
     """Fixed-size page records in one preallocated file at ``path`` (see the module docstring).
 
@@ -231,6 +58,8 @@ class DiskStore:
     cache mode); ``io_threads``: workers of the async API; ``direct``: try O_DIRECT (``self.direct``
     says whether it is active).
     """
+
+    verifies = True               # every read checks the record's checksum, key and compat
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, record_bytes: int,
                  compat: bytes, io_threads: int = 2, direct: bool = True) -> None:
@@ -244,21 +73,8 @@ class DiskStore:
         self.num_slots = self.layout.num_slots
         self.compat = bytes(compat)
         self.nonce = os.urandom(16)
-        sb = self._superblock()
-        parent = os.path.dirname(os.path.abspath(self.path))
-        try:
-            os.makedirs(parent, exist_ok=True)       # as a user expects of --kv-disk-path
-        except OSError as e:
-            raise StoreError(f"cannot create the disk store's folder {parent}: {e}") from None
-        try:
-            self._fd, self.direct = _open_file(self.path, direct, lock=True, first_block=sb)
-            try:
-                self._preallocate(sb)
-            except BaseException:
-                os.close(self._fd)
-                raise
-        finally:
-            sb.close()
+        self._fd, self.direct = create_file(self.path, direct, self.nonce, self.layout,
+                                            self.compat)
         self._lock = threading.Lock()
         # NOTE: `_ops` counts reads/writes between their `_begin_*` and `_end_*` (sync or on the
         # pool); close() waits on `_idle` until it is 0, so no I/O ever runs on a closed (and
@@ -273,7 +89,6 @@ class DiskStore:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._read_lat, self._write_lat = LatencyHistogram(), LatencyHistogram()
         self._buffers: list[mmap.mmap] = []             # idle staging buffers (page aligned)
-        self._zeros = bytes(ALIGN)      # header padding and the tail up to the next 4 KiB
         self._pool_threads: set[int] = set()            # idents of the pool's workers
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="flash-dllm-disk",
                                         initializer=self._pool_thread_started)
@@ -282,26 +97,6 @@ class DiskStore:
 
     def _pool_thread_started(self) -> None:
         self._pool_threads.add(threading.get_ident())
-
-    def _superblock(self) -> mmap.mmap:
-        """The 4 KiB superblock (page aligned for O_DIRECT); starts with ``SUPER_MAGIC``."""
-        sb = mmap.mmap(-1, ALIGN)
-        _SUPER.pack_into(sb, 0, SUPER_MAGIC, FORMAT_VERSION, self.nonce, self.layout.slot_bytes,
-                         self.num_slots, self.record_bytes, len(self.compat), self.compat)
-        return sb
-
-    def _preallocate(self, sb: mmap.mmap) -> None:
-        size = self.layout.file_bytes
-        if os.fstat(self._fd).st_size > size:
-            os.ftruncate(self._fd, size)
-        try:
-            os.posix_fallocate(self._fd, 0, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise StoreIOError(e.errno, f"cannot preallocate {size} B for capacity_bytes="
-                                   f"{self.layout.capacity_bytes}: {e.strerror}", self.path) from e
-            os.ftruncate(self._fd, size)
-        os.pwrite(self._fd, sb, 0)
 
     # ------------------------------------------------------------------------------ fault seam
     def _pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
@@ -406,18 +201,10 @@ class DiskStore:
             self._op_done()
 
     def _write_record(self, slot: int, key: bytes, payload: memoryview) -> None:
-        n = len(payload)
-        io_len = _round_up(HEADER_BYTES + n)
         buf = self._take_buffer()
         try:
-            mv = memoryview(buf)
-            _HEADER.pack_into(buf, 0, MAGIC, FORMAT_VERSION, len(self.compat), 0, self.nonce,
-                              key, slot, n, self.compat)
-            mv[_CHECKSUM_AT:HEADER_BYTES] = memoryview(self._zeros)[:HEADER_BYTES - _CHECKSUM_AT]
-            mv[HEADER_BYTES:HEADER_BYTES + n] = payload
-            mv[HEADER_BYTES + n:io_len] = memoryview(self._zeros)[:io_len - HEADER_BYTES - n]
-            _CHECKSUM.pack_into(buf, _CHECKSUM_AT, xxh3_64(mv[:HEADER_BYTES + n]))
-            off, done = self.layout.offset(slot), 0
+            io_len = encode_record(buf, self.nonce, self.compat, key, slot, payload)
+            mv, off, done = memoryview(buf), self.layout.offset(slot), 0
             while done < io_len:
                 k = self._pwrite(self._fd, mv[done:io_len], off + done)
                 if k <= 0:
@@ -486,6 +273,12 @@ class DiskStore:
             self._readers[slot] -= 1
             self._op_done()
 
+    def poll(self, wait=()) -> None:
+        """Nothing to drive (the pool runs the I/O); returns once the futures of ``wait`` (of
+        this store) are done, whatever their outcome."""
+        for fut in wait:
+            fut.exception()
+
     def _op_done(self) -> None:
         """An operation counted by ``_begin_*`` ended (called under ``_lock``)."""
         self._ops -= 1
@@ -505,29 +298,10 @@ class DiskStore:
                 got = self._pread(self._fd, mv[:io_len], self.layout.offset(slot))
             except OSError:
                 return self._miss("io_errors")
-            if got < HEADER_BYTES:
-                return self._miss("short_reads")
-            (magic, version, clen, _, nonce, rkey, rslot, rlen,
-             rcompat) = _HEADER.unpack_from(buf, 0)
-            if magic != MAGIC or version != FORMAT_VERSION:
-                return self._miss("corrupt")
-            if nonce != self.nonce:
-                return self._miss("stale")                     # an earlier process's record
-            if (rlen > self.record_bytes or clen > MAX_COMPAT_BYTES
-                    or (n is not None and rlen != n)):
-                return self._miss("checksum_failures")         # our record, corrupted lengths
-            if got < HEADER_BYTES + rlen:
-                return self._miss("short_reads")
-            (stored,) = _CHECKSUM.unpack_from(buf, _CHECKSUM_AT)
-            _CHECKSUM.pack_into(buf, _CHECKSUM_AT, 0)          # as it was hashed
-            if stored != xxh3_64(mv[:HEADER_BYTES + rlen]):
-                return self._miss("checksum_failures")
-            if rcompat[:clen] != self.compat:
-                return self._miss("compat_mismatch")
-            if rkey != key:
-                return self._miss("wrong_key")
-            if rslot != slot:
-                return self._miss("corrupt")                   # a misdirected write
+            miss, rlen = check_record(buf, got, self.nonce, self.compat, key, slot,
+                                      self.record_bytes, n)
+            if miss is not None:
+                return self._miss(miss)
             if out_mv is None:
                 out_mv = memoryview(bytearray(rlen))
             elif len(out_mv) < rlen:
@@ -621,6 +395,3 @@ class DiskStore:
     def __repr__(self) -> str:
         return (f"DiskStore({self.path!r}, num_slots={self.num_slots}, slot_bytes="
                 f"{self.layout.slot_bytes}, direct={self.direct}, free={self.num_free})")
-
-
-# ------------------------------------------------------------------------------------ benchmark

@@ -1,28 +1,25 @@
-"""The KV manager: which pages each request owns, prefix reuse across requests, and the tiers of
-cached pages (no torch).
+"""The KV manager: which pages each request owns and prefix reuse across requests (no torch); the
+tiers of cached pages are its tier manager's (``cache/tier_manager.py``).
 
 NOTE (ownership): the manager is the only writer of the page ledger (``PagePool``: free list and
-reference counts), of the prefix tree and of the tier records (``cache/tiers.py``). The scheduler
-asks it to reserve a request's pages at admission and to release them when the request finishes
-(``publish``: its full pages become cached blocks) or is aborted; the runner only reads the page
-ids of the step plan and carries out the tier ops the manager hands it (``take_ops``), reporting
-back (``ops_done``). A request holds one pool reference on every page of its block table from
-admission to release, so a running batch always fits (never an out-of-memory mid-flight); a
-cached block in L0 holds one more, so a shared page outlives the requests that use it.
+reference counts), of the prefix tree and, through its tier manager, of the tier records
+(``cache/tiers.py``). The scheduler asks it to reserve a request's pages at admission and to
+release them when the request finishes (``publish``: its full pages become cached blocks) or is
+aborted; the runner only reads the page ids of the step plan and carries out the tier ops the
+manager hands it (``take_ops``), reporting back (``ops_done``). A request holds one pool
+reference on every page of its block table from admission to release, so a running batch always
+fits (never an out-of-memory mid-flight); a cached block in L0 holds one more, so a shared page
+outlives the requests that use it.
 
 Prefix reuse (``prefix_reuse=True``): at admission the prompt's page-aligned prefix is matched in
 the tree; reused pages are read-only for the request (its steps never recompute positions below
 ``reused_len``: the bidirectional model's K/V of a prompt depend on what follows it, so reused
-K/V are approximate in the same way as Fast-dLLM's prefix cache). A reused page in L1 or L2 is
+K/V are approximate in the same way as Fast-dLLM's prefix cache). A reused page below L0 is
 loaded (through ``Fetch`` / ``Load`` ops) only when the cost model says loading beats recomputing.
 
 Placement evidence (``observe``): a request's attention mass per page, once per decoded block,
 goes to the placement policy for the cached blocks it reuses now and for its own pages when they
 become blocks at publish.
-
-NOTE (size): a little over 400 lines on purpose: admission with reuse, eviction across three
-tiers, tier-op completion and the placement evidence all read and write the same block set,
-locks and ledger; split, each part would take that state as arguments.
 """
 from __future__ import annotations
 
@@ -32,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flash_dllm.cache.page_pool import PagePool
-from flash_dllm.cache.tiers import (L0, L1, L2, TIER_NAMES, Block, CostModel, Fetch, Load, Spill,
-                                    Store, StoreDisk, make_policy)
+from flash_dllm.cache.tier_manager import TierManager
+from flash_dllm.cache.tiers import L0, L1, L2, MIN_TIERS, Block, CostModel, Load, make_policy
 
 
 @dataclass
@@ -46,8 +43,8 @@ class Allocation:
     loads: list[Load] = field(default_factory=list)      # reused pages that must be loaded first
 
 
-def _stats() -> dict:
-    return {"query_tokens": 0, "hit_tokens": [0, 0, 0], "bytes_moved": {}, "l0_evictions": 0,
+def _stats(tiers: int) -> dict:
+    return {"query_tokens": 0, "hit_tokens": [0] * tiers, "bytes_moved": {}, "l0_evictions": 0,
             "checksum_failures": 0, "load_failures": 0, "dropped_blocks": 0,
             "published_pages": 0,
             # queue-ahead prefetch (``prefetch``), in pages: fetched; in host memory when their
@@ -57,12 +54,15 @@ def _stats() -> dict:
 
 
 class KVCacheManager:
+    """``tier_slots``: slots of each store tier below L0, in stack order (L1 host memory, L2
+    disk, ...: the offloader's ``tier_slots``)."""
+
     # short requests (a canvas of at most this many pages) skip the prefix tree and the tiers:
     # nothing of theirs is worth a lookup or a cached page
     SHORT_PAGES = 2
 
     def __init__(self, num_pages: int, page_size: int, *, prefix_reuse: bool = False,
-                 namespace: bytes = b"", l1_slots: int = 0, l2_slots: int = 0,
+                 namespace: bytes = b"", tier_slots: tuple[int, ...] = (),
                  placement: str = "lru", page_bytes: int = 0, clock=time.monotonic,
                  placement_top_k: int = 8) -> None:
         self.pool = PagePool(num_pages, page_size)
@@ -73,24 +73,17 @@ class KVCacheManager:
         self.prefix_reuse = prefix_reuse
         self.namespace = namespace
         self.trees: dict[str, object] = {}
-        self.policy = make_policy(placement, top_k=placement_top_k)
-        self.cost = CostModel(page_bytes=max(page_bytes, 1), page_size=page_size)
-        self._l1_free = list(range(l1_slots - 1, -1, -1))
-        self._l2_free = list(range(l2_slots - 1, -1, -1))
-        self.l1_slots, self.l2_slots = l1_slots, l2_slots
-        self._blocks: set[Block] = set()            # every cached block with a live node
+        n_tiers = max(MIN_TIERS, 1 + len(tier_slots))
+        self.stats = _stats(n_tiers)
+        self.tiers = TierManager(
+            self.pool, tier_slots, make_policy(placement, top_k=placement_top_k),
+            CostModel(page_bytes=max(page_bytes, 1), page_size=page_size, tiers=n_tiers),
+            self.stats, page_bytes, self._in_use)
         # attention mass per page of a running request's own (not yet cached) pages, handed
         # to the placement policy with the blocks they become at publish (``observe``)
         self._fresh_mass: dict[str, np.ndarray] = {}
-        self._l1_orphans: set[int] = set()          # host slots of failed stores still spilling
-        self._ops: list = []                        # tier ops for the runner's next step
         self.page_bytes = page_bytes
         self.clock = clock
-        self.stats = _stats()
-        # blocks fetched ahead from disk for a waiting request: block -> True once in L1; and
-        # the blocks fetched for each waiting request
-        self._prefetched: dict[Block, bool] = {}
-        self._prefetch_for: dict[str, list[Block]] = {}
 
     # ------------------------------------------------------------------------------- queries
     @property
@@ -116,13 +109,31 @@ class KVCacheManager:
         return self._pages.get(request_id)
 
     def cached_pages(self) -> list[int]:
-        """Cached blocks per tier [L0, L1, L2] (published copies)."""
-        n = [0, 0, 0]
-        for b in self._blocks:
-            for t, where in enumerate((b.l0, b.l1, b.l2)):
-                if where is not None and not (t == L0 and b.loading):
-                    n[t] += 1
-        return n
+        """Cached blocks per tier [L0, L1, ..] (published copies)."""
+        return self.tiers.cached_pages()
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """``("l0", "l1", "l2", ..)``: one metric label per tier."""
+        return self.tiers.tier_names
+
+    @property
+    def l2_slots(self) -> int:
+        """Slots of the first tier below host memory (0: nothing to prefetch from)."""
+        return self.tiers.slots[L2]
+
+    @property
+    def policy(self):
+        """The placement policy (``cache/tiers.py``): the tier manager's."""
+        return self.tiers.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self.tiers.policy = policy
+
+    @property
+    def cost(self) -> CostModel:
+        return self.tiers.cost
 
     # ----------------------------------------------------------------------------- admission
     def tree(self, mode: str):
@@ -146,12 +157,12 @@ class KVCacheManager:
         tree = self.tree(mode) if reuse else None
         nodes = self._match(tree, prompt_ids, admit=True) if reuse else []
         protect = {nd.block for nd in nodes}
-        # a disk hit is fetched into a host slot first: reserve them now (the reuse stops at the
-        # first disk hit that gets none)
+        # a hit below host memory is fetched into a host slot first: reserve them now (the
+        # reuse stops at the first such hit that gets none)
         fetch: dict = {}
         for i, nd in enumerate(nodes):
-            if nd.block.tier == L2:
-                slot = self._l1_slot(protect)
+            if nd.block.tier > L1:
+                slot = self.tiers.slot(L1, protect)
                 if slot is None:
                     nodes = nodes[:i]
                     break
@@ -160,9 +171,9 @@ class KVCacheManager:
         # every reused page not in L0 needs a fresh page to be loaded into
         fresh = n_total - len(nodes) + sum(1 for nd in nodes if nd.block.tier != L0)
         if self.pool.num_free < fresh:
-            self._make_room(fresh - self.pool.num_free, protect)
+            self.tiers.make_room(fresh - self.pool.num_free, protect)
         if self.pool.num_free < fresh:
-            self._l1_free += fetch.values()
+            self.tiers.release(L1, fetch.values())
             return None
         new = self.pool.allocate(fresh * self.page_size) if fresh else []
         alloc = Allocation([], reused_len=len(nodes) * self.page_size)
@@ -170,22 +181,15 @@ class KVCacheManager:
         for nd in nodes:
             b = nd.block
             tier = b.tier
-            if self._prefetched.pop(b, False):
+            if self.tiers.prefetched.pop(b, False):
                 self.stats["prefetch"]["on_time"] += 1
             alloc.hit_tiers.append(tier)
             if tier != L0:
-                page = new.pop()
-                if tier == L2:
-                    slot = fetch[b]
-                    b.pending_l1 = slot
-                    self._ops.append(Fetch(b, b.l2, slot))
-                    src = slot
-                else:
-                    src = b.l1
-                b.l0, b.loading = page, True      # the cache's reference: this allocation
-                load = Load(b, src, page)
-                alloc.loads.append(load)
-                self._ops.append(load)
+                page = new.pop()        # the cache's reference: this allocation
+                if tier > L1:
+                    self.tiers.fetch(b, fetch[b])
+                src = fetch[b] if tier > L1 else b.copies[L1]
+                alloc.loads.append(self.tiers.load(b, src, page))
             self.policy.touch(b, now)
             alloc.pages.append(b.l0)
         self.pool.share(alloc.pages)                # the request's reference on reused pages
@@ -212,7 +216,7 @@ class KVCacheManager:
             return None
         want = self.pool.num_pages
         if self.pool.num_free < want:
-            self._make_room(want - self.pool.num_free, set())
+            self.tiers.make_room(want - self.pool.num_free, set())
         if self.pool.num_free < want:
             return None
         pages = self.pool.allocate(want * self.page_size)
@@ -225,19 +229,19 @@ class KVCacheManager:
         """The reusable prefix: full pages strictly before the last prompt token (the step that
         decodes the first block recomputes from there), stopping at the first block that has no
         usable copy or whose load the cost model says loses to recomputing. ``admit``: for an
-        admission (a prefetch still reading then counts as late). ``prefetching``: a disk copy
-        is judged by the cost of loading it from host memory (the disk read happens while the
+        admission (a prefetch still reading then counts as late). ``prefetching``: a copy below
+        host memory is judged by the cost of loading it from there (the read happens while the
         request waits, off its critical path)."""
         limit = (len(prompt_ids) - 1) // self.page_size
         out = []
         for nd in tree.match(prompt_ids[:limit * self.page_size]):
             b = nd.block
             if b is None or b.lost or b.busy or b.tier is None:
-                if admit and b is not None and self._prefetched.get(b) is False:
-                    del self._prefetched[b]
+                if admit and b is not None and self.tiers.prefetched.get(b) is False:
+                    del self.tiers.prefetched[b]
                     self.stats["prefetch"]["late"] += 1       # still reading: recomputed
                 break
-            tier = L1 if prefetching and b.tier == L2 else b.tier
+            tier = L1 if prefetching and b.tier > L1 else b.tier
             if tier != L0 and not self.cost.worth_loading(1, tier):
                 break
             out.append(nd)
@@ -246,169 +250,26 @@ class KVCacheManager:
     # ------------------------------------------------------------------------------ prefetch
     def prefetch(self, request_id: str, prompt_ids: list[int], mode: str,
                  max_pages: int = 64) -> int:
-        """Queue-ahead prefetch for a request that waits for admission: read the disk copies of
-        its reusable prefix into host memory now (``Fetch`` ops, run in the background), so
-        that admission only has to load them from host memory. Only free host slots, or
-        slots of host copies that also have a disk copy, are used; never L0 pages. Returns the
-        pages fetched (at most ``max_pages``, fewer when host slots run out). What the
-        request's admission does not use (or ``cancel_prefetch``) counts as useless.
+        """Queue-ahead prefetch for a request that waits for admission: read the copies below
+        host memory of its reusable prefix into host memory now (``Fetch`` ops, run in the
+        background), so that admission only has to load them from host memory. Only free host
+        slots, or slots of host copies that also have a copy further down, are used; never L0
+        pages. Returns the pages fetched (at most ``max_pages``, fewer when host slots run
+        out). What the request's admission does not use (or ``cancel_prefetch``) counts as
+        useless.
 
         NOTE: when a background read completes depends on the disk, so what an admission
         reuses does too: not for replicated scheduling (tensor parallelism refuses the tiers)."""
-        if not (self.prefix_reuse and self.l1_slots and self.l2_slots and prompt_ids
+        slots = self.tiers.slots
+        if not (self.prefix_reuse and slots[L1] and any(slots[L2:]) and prompt_ids
                 and self.pool.pages_for(len(prompt_ids)) > self.SHORT_PAGES):
             return 0
-        # NOTE: prefetched pages hold at most half the host slots: the admissions ahead of
-        # them need host slots too (their own disk hits are staged there) and took them back
-        # at once when prefetches could fill the tier (bench multiturn on the CPU, 30 host
-        # slots: 150 pages prefetched, every one evicted before use)
-        budget = min(max_pages, self.l1_slots // 2 - len(self._prefetched))
         nodes = self._match(self.tree(mode), prompt_ids, prefetching=True)
-        # NOTE: never at the cost of another waiting request's prefetched pages (the blocks
-        # this loop prefetches are among the nodes already)
-        protect = {nd.block for nd in nodes} | set(self._prefetched)
-        n = 0
-        mine = self._prefetch_for.setdefault(request_id, [])
-        for nd in nodes:
-            b = nd.block
-            if b.tier != L2:
-                continue
-            if n >= budget:
-                break
-            slot = self._l1_slot_spare(protect)
-            if slot is None:
-                break
-            b.pending_l1 = slot
-            self._ops.append(Fetch(b, b.l2, slot))
-            self._prefetched[b] = False
-            for rid, blocks in self._prefetch_for.items():    # one owner per prefetched block
-                if rid != request_id and b in blocks:
-                    blocks.remove(b)
-            mine.append(b)
-            n += 1
-        self.stats["prefetch"]["issued"] += n
-        return n
+        return self.tiers.prefetch(request_id, nodes, max_pages)
 
     def cancel_prefetch(self, request_id: str, admitted: bool = False) -> None:
-        """The request was admitted (``admitted``) or left the queue: its prefetched pages that
-        its admission did not use are late when still reading at admission, else useless
-        (their host copies stay, as any cached copy)."""
-        for b in self._prefetch_for.pop(request_id, []):
-            ready = self._prefetched.pop(b, None)
-            if ready is not None:
-                self.stats["prefetch"]["late" if admitted and not ready else "useless"] += 1
-
-    def _l1_slot_spare(self, protect: set) -> int | None:
-        """A host slot for a prefetch: a free one, else one whose block keeps a disk copy
-        (a prefetch never drops a block's only copy)."""
-        if not self._l1_free:
-            if not any(b.l1 is not None and b.l2 is not None and not b.busy
-                       and b not in protect for b in self._blocks):
-                return None
-        return self._l1_slot(protect)
-
-    # ------------------------------------------------------------------------------ eviction
-    def _make_room(self, pages: int, protect: set) -> None:
-        """Free ``pages`` L0 pages held only by the cache: demote unused cached blocks, the
-        policy's choice first (to L1 when it has room, else dropped)."""
-        cands = [b for b in self._blocks if b.l0 is not None and not b.busy
-                 and b not in protect and b.node.ref == 0]
-        victims = self.policy.order(cands)[:pages]
-        # NOTE: the host (and disk) slots the demotions need are freed in one pass over the
-        # cached blocks: one pass per demoted page made admitting a long prompt with full tiers
-        # quadratic (8 users x 12K-token histories over a full host tier: 35 s of host time for
-        # 32 requests, more than their GPU time)
-        need = sum(1 for b in victims if b.l1 is None and b.l2 is None)
-        keep = protect | set(victims)
-        self._free_l1(need, keep)
-        if self.l2_slots:
-            self._free_l2(need, keep)
-        for b in victims:
-            self._demote_l0(b, protect)
-
-    def _demote_l0(self, b: Block, protect: set) -> None:
-        page, b.l0 = b.l0, None
-        self.stats["l0_evictions"] += 1
-        if b.l1 is None and b.l2 is None:
-            slot = self._l1_slot(protect)
-            if slot is not None:
-                # NOTE: the runner runs stores before anything else of its next step, so the
-                # pack reads the page before any step or load can write the freed page
-                b.pending_l1 = slot
-                self._ops.append(Store(b, page, slot))
-                disk = self._l2_slot(protect | {b})
-                if disk is not None:       # write-through: a copy on disk too, so the host slot
-                    b.pending_l2 = disk    # can be reused at once later
-                    self._ops.append(Spill(b, slot, disk))
-            else:
-                disk = self._l2_slot(protect | {b})
-                if disk is not None:       # host slots all busy: straight to disk
-                    b.pending_l2 = disk
-                    self._ops.append(StoreDisk(b, page, disk))
-                else:
-                    self._drop(b)
-        self.pool.free([page])
-
-    def _l1_slot(self, protect: set) -> int | None:
-        """A free host slot, evicting a cached block's L1 copy if needed (``_free_l1``)."""
-        self._free_l1(1, protect)
-        return self._l1_free.pop() if self._l1_free else None
-
-    def _free_l1(self, n: int, protect: set) -> None:
-        """Evict cached L1 copies until ``n`` host slots are free (or nothing evictable is
-        left): copies with a disk copy first, else the policy's choice (dropped)."""
-        short = n - len(self._l1_free)
-        if short <= 0:
-            return
-        cands = [b for b in self._blocks if b.l1 is not None and not b.busy
-                 and b not in protect]
-        # a copy that is only here goes last, and before it one prefetched for a waiting
-        # request (it is about to be used)
-        for b in sorted(self.policy.order(cands),
-                        key=lambda b: (b.l2 is None, b in self._prefetched))[:short]:
-            self._l1_free.append(b.l1)
-            b.l1 = None
-            if self._prefetched.pop(b, None) is not None:
-                self.stats["prefetch"]["useless"] += 1
-            if b.l0 is None and b.l2 is None:
-                self._drop(b)
-
-    def _l2_slot(self, protect: set) -> int | None:
-        """A free disk slot, evicting a disk copy if needed (``_free_l2``)."""
-        self._free_l2(1, protect)
-        return self._l2_free.pop() if self._l2_free else None
-
-    def _free_l2(self, n: int, protect: set) -> None:
-        """Evict the policy's choice of the disk copies not in use until ``n`` disk slots are
-        free (or nothing evictable is left)."""
-        short = n - len(self._l2_free)
-        if short <= 0 or not self.l2_slots:
-            return
-        cands = [b for b in self._blocks if b.l2 is not None and not b.busy
-                 and b not in protect]
-        for b in self.policy.order(cands)[:short]:
-            self._l2_free.append(b.l2)
-            b.l2 = None
-            if b.l0 is None and b.l1 is None:
-                self._drop(b)
-
-    def _drop(self, b: Block) -> None:
-        """No copy of ``b`` is left: lookups stop there; its node goes once it is a leaf."""
-        b.lost = True
-        self.stats["dropped_blocks"] += 1
-        self._prune(b)
-
-    def _prune(self, b: Block) -> None:
-        node, tree = b.node, b.tree
-        while (node is not None and node.parent is not None and not node.children
-               and node.ref == 0 and (node.block is None or node.block.lost)):
-            parent = node.parent
-            if node.block is not None:
-                self._blocks.discard(node.block)
-                self._prefetched.pop(node.block, None)
-                self.policy.forget(node.block)
-            tree.remove(node)
-            node = parent
+        """The request was admitted (``admitted``) or left the queue (``TierManager``'s)."""
+        self.tiers.cancel_prefetch(request_id, admitted)
 
     # ------------------------------------------------------------------------------- release
     def free(self, request_id: str, publish: list[int] | None = None) -> bool:
@@ -443,20 +304,20 @@ class KVCacheManager:
         added: list[tuple[int, Block]] = []
         if n <= reused:
             return added
-        fresh = [None] * reused + [Block(b"", l0=pages[i]) for i in range(reused, n)]
+        fresh = [None] * reused + [Block(b"", copies={L0: pages[i]}) for i in range(reused, n)]
         for i, (node, adopted) in enumerate(tree.insert(tokens[:n * self.page_size], fresh)):
             if not adopted:
                 old = node.block
                 if i < reused or old is None or not old.lost:
                     continue
                 # a lost block (every copy gone) under live children: this page replaces it
-                self._blocks.discard(old)
+                self.tiers.blocks.discard(old)
                 node.block = fresh[i]
             b = node.block
             b.key, b.node, b.tree = node.key, node, tree
             self.policy.touch(b, now)
             self.pool.share([b.l0])                 # the cache's own reference
-            self._blocks.add(b)
+            self.tiers.blocks.add(b)
             self.stats["published_pages"] += 1
             added.append((i, b))
         return added
@@ -491,81 +352,12 @@ class KVCacheManager:
     # ------------------------------------------------------------------------------- tier ops
     def take_ops(self) -> list:
         """The tier ops the runner carries out before the next step (stores first)."""
-        ops, self._ops = self._ops, []
-        order = {Store: 0, StoreDisk: 0, Spill: 1, Fetch: 2, Load: 3}
-        return sorted(ops, key=lambda op: order[type(op)])
+        return self.tiers.take_ops()
 
     def ops_done(self, results: list) -> list[str]:
         """Results ``(op, ok, seconds)`` from the runner; publishes what succeeded, drops what
         failed. Returns nothing; failed loads are handled by ``load_failed``."""
-        for op, ok, seconds in results:
-            b = op.block
-            moved = self.page_bytes
-            if isinstance(op, Store):
-                b.pending_l1 = None
-                if ok:
-                    b.l1 = op.slot
-                    self._count_bytes(L1, "down", moved)
-                else:
-                    # a write-through spill may still read the slot: free it when it reports
-                    if b.pending_l2 is not None:
-                        self._l1_orphans.add(op.slot)
-                    else:
-                        self._l1_free.append(op.slot)
-                    if b.l0 is None and b.l2 is None and b.pending_l2 is None:
-                        self._drop(b)
-            elif isinstance(op, (Spill, StoreDisk)):
-                b.pending_l2 = None
-                if isinstance(op, Spill) and op.slot in self._l1_orphans:
-                    self._l1_orphans.discard(op.slot)     # its store failed: nothing to keep
-                    self._l1_free.append(op.slot)
-                    ok = False
-                if ok and not b.lost:
-                    b.l2 = op.disk_slot
-                    self._count_bytes(L2, "down", moved)
-                else:
-                    self._l2_free.append(op.disk_slot)
-                    if b.l0 is None and b.l1 is None and not b.busy and not b.lost:
-                        self._drop(b)
-            elif isinstance(op, Fetch):
-                b.pending_l1 = None
-                if b in self._prefetched:
-                    if ok:
-                        self._prefetched[b] = True
-                    else:
-                        del self._prefetched[b]
-                        self.stats["prefetch"]["useless"] += 1
-                if ok:
-                    b.l1 = op.slot
-                    self._count_bytes(L2, "up", moved)
-                else:
-                    self._l1_free.append(op.slot)
-                    self._l2_free.append(op.disk_slot)
-                    b.l2 = None
-                    self.stats["checksum_failures"] += 1
-                    # a prefetch has no load behind it: a block left without any copy is lost
-                    # (so a recompute can cache its page again); an admission's load still
-                    # runs (``loading``) and fails, and ``load_failed`` drops it
-                    if b.l0 is None and b.l1 is None and not b.busy:
-                        self._drop(b)
-            elif isinstance(op, Load):
-                b.loading = False
-                if ok:
-                    self._count_bytes(L1, "up", moved)
-                    if seconds:
-                        self.cost.observe_load(1, L1 if b.l2 is None else L2, seconds)
-                else:                    # corrupt host copy: never served, never kept
-                    self._prefetched.pop(b, None)
-                    self.stats["checksum_failures"] += 1
-                    self.stats["load_failures"] += 1
-                    if b.l1 is not None:
-                        self._l1_free.append(b.l1)
-                        b.l1 = None
-                    b.l0 = None      # the request's allocation is undone by load_failed
-                    if not any(op.page in pages for pages in self._pages.values()):
-                        self.pool.free([op.page])      # its request already left: the cache's
-                        if b.l2 is None and not b.busy:    # reference goes here
-                            self._drop(b)
+        self.tiers.ops_done(results)
         return []
 
     def load_failed(self, request_id: str) -> None:
@@ -580,9 +372,9 @@ class KVCacheManager:
         self.pool.free(pages + cache_refs)
         for nd in nodes:
             b = nd.block
-            if b.l0 is None and b.l1 is None and b.l2 is None and not b.busy:
-                self._drop(b)
+            if not b.copies and not b.busy:
+                self.tiers.drop(b)
 
-    def _count_bytes(self, tier: int, direction: str, n: int) -> None:
-        key = (TIER_NAMES[tier], direction)
-        self.stats["bytes_moved"][key] = self.stats["bytes_moved"].get(key, 0) + n
+    def _in_use(self, page: int) -> bool:
+        """Whether a request holds pool page ``page``."""
+        return any(page in pages for pages in self._pages.values())

@@ -2,21 +2,30 @@
 what pays.
 
 A cached **block** is one page of KV that a finished request left behind for prefix reuse (a node
-of ``cache/prefix_tree.py``). Copies of it may live in three tiers:
+of ``cache/prefix_tree.py``). Copies of it live in an ordered stack of tiers: **L0** is a page of
+the GPU pool (the cache holds one pool reference on it); **L1, L2, ...** are slots of the
+registered ``TierStore``s in order (``cache/tier_store.py``: today L1 pinned host memory, L2 a
+disk file). ``block.copies[t]`` is its published copy in tier ``t`` (a page for L0, a slot
+below), ``block.pending[t]`` a slot an op is writing.
 
-- **L0** a page of the GPU pool (``block.l0``; the cache holds one pool reference on it);
-- **L1** a slot of the pinned host store (``block.l1``);
-- **L2** a slot of the disk store (``block.l2``).
+This module only records; the tier manager (``cache/tier_manager.py``) decides and the runner's
+offloader (``cache/io/kv_offload.py``) moves the bytes. Every move is an op handed to the runner
+through the step plan, of four kinds, the same for any number of tiers:
 
-This module only decides and records; the runner's offloader (``cache/io/kv_offload.py``) moves
-the bytes. Every move is an op (``Store`` L0 -> L1, ``Load`` L1 -> L0, ``Spill`` L1 -> L2,
-``Fetch`` L2 -> L1, ``StoreDisk`` L0 -> L2 when no host slot is free) handed to the runner
-through the step plan.
+- ``Store``  L0 -> L1 (or straight to a lower tier, a skip, when no host slot is free);
+- ``Load``   L1 -> L0;
+- ``Spill``  L1 -> a lower tier (write-through of a stored page);
+- ``Fetch``  a lower tier -> L1 (before a ``Load``, or ahead of an admission).
 
-NOTE (publish-after-write): a copy becomes visible (``block.l1`` / ``block.l2`` set) only when
-the op that writes it has completed and verified; until then it is ``pending`` and no lookup can
-use it; a failed op never publishes and frees its slot. A block whose every copy is gone or
-corrupt is ``lost``: lookups stop there (a miss that recomputes), never serve it.
+NOTE (L1 is the staging tier): every move below L0 starts or ends in host memory. A store's
+``read``/``write`` take host buffers, and L1's slots are host memory, so each move is one store
+call into or out of an L1 slot: no temporary buffers and no chain of waits through the tiers in
+between (an L3 hit is one read into host memory, not L3 -> L2 -> L1).
+
+NOTE (publish-after-write): a copy becomes visible (``block.copies[t]`` set) only when the op
+that writes it has completed and verified; until then it is ``pending`` and no lookup can use
+it; a failed op never publishes and frees its slot. A block whose every copy is gone or corrupt
+is ``lost``: lookups stop there (a miss that recomputes), never serve it.
 
 Placement is a policy object (``PLACEMENT_POLICIES``): it only orders candidates for eviction
 from a tier; it never moves bytes. ``lru`` orders by recency; ``ema`` and ``kag`` by the
@@ -29,58 +38,78 @@ import time
 from dataclasses import dataclass, field
 
 L0, L1, L2 = 0, 1, 2
-TIER_NAMES = ("l0", "l1", "l2")
+# the ledger always counts the host (l1) and disk (l2) tiers, configured or not, so that stats
+# and metric series keep their shape; a store registered below them is l3, l4, ...
+MIN_TIERS = 3
+
+
+def tier_name(tier: int) -> str:
+    """The metric label of ``tier``: ``l0``, ``l1``, ..."""
+    return f"l{tier}"
 
 
 @dataclass(eq=False)
 class Block:
-    """One cached page and its copies (``None``: no published copy in that tier)."""
+    """One cached page and its copies: ``copies[tier]`` a published copy (a page of L0, a slot
+    below), ``pending[tier]`` a slot an op is writing; a tier absent holds none."""
 
     key: bytes
-    l0: int | None = None
-    l1: int | None = None
-    l2: int | None = None
-    pending_l1: int | None = None     # a Store (or Fetch) writing this host slot is in flight
-    pending_l2: int | None = None     # a Spill writing this disk slot is in flight
-    loading: bool = False             # a Load into ``l0`` is in flight (this step)
+    copies: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)
+    loading: bool = False             # a Load into the L0 copy is in flight (this step)
     lost: bool = False                # no usable copy is left (corrupt or dropped)
     last_access: float = field(default_factory=time.monotonic)
     node: object = field(default=None, repr=False)   # its prefix-tree node
     tree: object = field(default=None, repr=False)   # and that node's tree
 
     @property
+    def l0(self) -> int | None:
+        """Its page of the GPU pool (None: none)."""
+        return self.copies.get(L0)
+
+    @l0.setter
+    def l0(self, page: int | None) -> None:
+        if page is None:
+            self.copies.pop(L0, None)
+        else:
+            self.copies[L0] = page
+
+    @property
     def tier(self) -> int | None:
         """The fastest tier holding a published copy (None: none)."""
-        if self.l0 is not None and not self.loading:
-            return L0
-        if self.l1 is not None:
-            return L1
-        if self.l2 is not None:
-            return L2
-        return None
+        return min((t for t in self.copies if t != L0 or not self.loading), default=None)
+
+    def below(self, tier: int) -> bool:
+        """Whether a copy below ``tier`` is published."""
+        return any(t > tier for t in self.copies)
 
     @property
     def busy(self) -> bool:
-        return self.loading or self.pending_l1 is not None or self.pending_l2 is not None
+        return self.loading or bool(self.pending)
 
 
+# NOTE: every op reads ``src_slot`` of tier ``src`` and writes ``dst_slot`` of tier ``dst``
+# (a page when the tier is L0); the kinds keep their own field names (``page`` the L0 page,
+# ``slot`` the host slot) and answer the generic ones as properties.
 @dataclass(frozen=True)
 class Store:
-    """Copy L0 page ``page`` into host slot ``slot`` (pack page-first, then device -> host)."""
+    """Copy L0 page ``page`` into slot ``slot`` of tier ``dst``: L1 (pack page-first, then
+    device -> host), or a lower tier when no host slot is free (through a temporary host
+    buffer)."""
 
     block: Block
     page: int
     slot: int
+    dst: int = L1
+    src = L0
 
+    @property
+    def src_slot(self) -> int:
+        return self.page
 
-@dataclass(frozen=True)
-class StoreDisk:
-    """Copy L0 page ``page`` straight to disk slot ``disk_slot`` (through a temporary host
-    buffer, when no host slot is free)."""
-
-    block: Block
-    page: int
-    disk_slot: int
+    @property
+    def dst_slot(self) -> int:
+        return self.slot
 
 
 @dataclass(frozen=True)
@@ -90,24 +119,50 @@ class Load:
     block: Block
     slot: int
     page: int
+    src = L1
+    dst = L0
+
+    @property
+    def src_slot(self) -> int:
+        return self.slot
+
+    @property
+    def dst_slot(self) -> int:
+        return self.page
 
 
 @dataclass(frozen=True)
 class Spill:
-    """Write host slot ``slot`` to disk slot ``disk_slot``."""
+    """Write host slot ``slot`` into slot ``dst_slot`` of the lower tier ``dst``."""
 
     block: Block
     slot: int
-    disk_slot: int
+    dst_slot: int
+    dst: int = L2
+    src = L1
+
+    @property
+    def src_slot(self) -> int:
+        return self.slot
 
 
 @dataclass(frozen=True)
 class Fetch:
-    """Read disk slot ``disk_slot`` into host slot ``slot`` (before a Load from it)."""
+    """Read slot ``src_slot`` of the lower tier ``src`` into host slot ``slot`` (before a Load
+    from it, or ahead of an admission)."""
 
     block: Block
-    disk_slot: int
+    src_slot: int
     slot: int
+    src: int = L2
+    dst = L1
+
+    @property
+    def dst_slot(self) -> int:
+        return self.slot
+
+
+OP_ORDER = {Store: 0, Spill: 1, Fetch: 2, Load: 3}   # the runner's order: stores first
 
 
 # ---------------------------------------------------------------------------------- placement
@@ -236,6 +291,12 @@ class CostModel:
     alpha: float = 0.2
     slower_than_recompute: int = 0
     adaptive: bool = True        # False: fixed rates (tensor-parallel replicas must agree)
+    tiers: int = MIN_TIERS       # L0 and the stores below it
+
+    def __post_init__(self) -> None:
+        # a store below the standard tiers starts from the lowest one's guesses (then measured)
+        for v in (self.rate, self.latency):
+            v += [v[-1]] * (self.tiers - len(v))
 
     def load_seconds(self, pages: int, tier: int) -> float:
         if tier == L0 or pages == 0:

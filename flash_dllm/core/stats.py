@@ -39,9 +39,10 @@ class TierStats:
     """Memory tiers and prefix reuse (the KV manager's counters, the offloader's latencies)."""
 
     page_bytes: int                          # bytes of one page (per tier-0 copy)
-    cached_pages: tuple[int, int, int]       # published copies per tier (l0, l1, l2)
+    tier_names: tuple[str, ...]              # "l0", "l1", "l2", ...: one per tier
+    cached_pages: tuple[int, ...]            # published copies per tier
     query_tokens: int                        # prompt tokens looked up in the prefix cache
-    hit_tokens: tuple[int, int, int]         # ... whose KV was reused, by tier
+    hit_tokens: tuple[int, ...]              # ... whose KV was reused, by tier
     bytes_moved: Mapping[tuple[str, str], int]   # (tier, "down" | "up") -> bytes
     checksum_failures: int
     slower_than_recompute: int               # lower-tier hits slower than recomputing

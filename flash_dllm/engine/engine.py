@@ -70,8 +70,7 @@ class Engine:
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, self.config.page_size,
             prefix_reuse=self.config.prefix_reuse, namespace=self.runner.compat,
-            l1_slots=off.host.num_slots if off is not None and self.config.kv_cpu_gb else 0,
-            l2_slots=off.l2_slots if off is not None else 0,
+            tier_slots=off.tier_slots if off is not None else (),
             placement=self.config.kv_placement or "lru", placement_top_k=self.config.kag_top_k,
             page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.kv_manager, cfg.logit_shift,

@@ -16,7 +16,6 @@ from flash_dllm.core.stats import (EngineStats, HistogramStats, OverflowStats, R
                                    TierStats, frozen_map)
 from flash_dllm.worker.compile_watch import KERNEL_COMPILES, graph_counts
 
-TIERS = ("l0", "l1", "l2")
 # ``Engine.stats`` entries with a field of their own; the rest are ``EngineStats.counters``
 _OWN = ("forwards", "tokens_committed", "step_seconds", "last_batch_size", "failed_steps")
 
@@ -46,7 +45,7 @@ def tier_stats(kv, offload) -> TierStats:
     st = kv.stats
     # every (tier, direction) a copy can take, 0 until it happens (dashboards and alerts find
     # the series from the start)
-    moved = {(t, d): 0 for t in TIERS[1:] for d in ("down", "up")}
+    moved = {(t, d): 0 for t in kv.tier_names[1:] for d in ("down", "up")}
     moved.update(st["bytes_moved"])
     latency = {}
     if offload is not None:
@@ -55,7 +54,8 @@ def tier_stats(kv, offload) -> TierStats:
             latency[name] = HistogramStats(tuple((le, int(c)) for le, c in snap["buckets"]),
                                            snap["count"], snap["sum"])
     return TierStats(
-        page_bytes=kv.page_bytes, cached_pages=tuple(kv.cached_pages()),
+        page_bytes=kv.page_bytes, tier_names=tuple(kv.tier_names),
+        cached_pages=tuple(kv.cached_pages()),
         query_tokens=st["query_tokens"], hit_tokens=tuple(st["hit_tokens"]),
         bytes_moved=frozen_map(moved), checksum_failures=st["checksum_failures"],
         slower_than_recompute=kv.cost.slower_than_recompute, l0_evictions=st["l0_evictions"],

@@ -28,7 +28,6 @@ PREFIX = "flash_dllm_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-TIERS = ("l0", "l1", "l2")
 TPF_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0)
 
 
@@ -139,7 +138,7 @@ class _SnapshotCollector:
                               "Cached KV pages (prefix reuse) per tier.", labels=["tier"])
         gb = GaugeMetricFamily(PREFIX + "kv_cached_bytes", "Bytes of cached KV pages per tier.",
                                labels=["tier"])
-        for tier, n in zip(TIERS, t.cached_pages):
+        for tier, n in zip(t.tier_names, t.cached_pages):
             g.add_metric([tier], n)
             gb.add_metric([tier], n * t.page_bytes)
         yield g
@@ -149,7 +148,7 @@ class _SnapshotCollector:
         hits = CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens",
                                    "Prompt tokens whose KV was reused, by the tier it came from.",
                                    labels=["tier"])
-        for tier, n in zip(TIERS, t.hit_tokens):
+        for tier, n in zip(t.tier_names, t.hit_tokens):
             hits.add_metric([tier], n)
         yield hits
         rate = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",

@@ -23,7 +23,7 @@ import hashlib
 import numpy as np
 import torch
 
-from flash_dllm.cache.io.kv_offload import OFFLOAD_DTYPES, KVOffloader, RecordLayout
+from flash_dllm.cache.io.kv_offload import KVOffloader
 from flash_dllm.cache.io.kv_overflow import OverflowKV, OverflowMemoryError, OverflowMetadata
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.cache.tiers import Load
@@ -85,15 +85,8 @@ class ModelRunner:
         self.page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype) // world
         self.compat = self._compat(config)
         self.offload: KVOffloader | None = None
-        if config.kv_cpu_gb or config.kv_tier_stress:
-            record = RecordLayout.for_pool(self.kv, OFFLOAD_DTYPES[config.kv_offload_dtype])
-            slots = int(config.kv_cpu_gb * 2**30) // record.nbytes
-            if config.kv_cpu_gb and slots < 1:
-                raise ValueError(f"kv_cpu_gb={config.kv_cpu_gb} holds no page record of "
-                                 f"{record.nbytes} bytes")
-            self.offload = KVOffloader(self.kv, slots, config.kv_offload_dtype,
-                                       config.kv_disk_path, int(config.kv_disk_gb * 2**30),
-                                       self.compat)
+        if config.kv_cpu_gb or config.kv_tier_stress:    # (the tiers: cache/tier_store.py)
+            self.offload = KVOffloader.from_config(self.kv, config, self.compat)
         # the last plan, its requests' states and the step extensions active on it
         self._last_plan: StepPlan | None = None
         self._last_states: list[SeqState] = []

@@ -1,91 +1,48 @@
-"""The runner's offloader: moves KV pages between the GPU pool (L0), pinned host slots (L1) and
-disk (L2), as the KV manager's tier ops say (``cache/tiers.py``).
+"""The runner's offloader: moves KV pages between the GPU pool (L0) and the stack of tier stores
+below it (L1 pinned host memory, then disk, then whatever is registered: ``cache/tier_store.py``),
+as the tier manager's ops say (``cache/tiers.py``).
 
 A page leaves the GPU page-first (``kernels/kv_pages``: all layers of a page contiguous, one pack
 launch per group of pages), optionally as fp8 / int8 with one scale per (layer, k/v, head), and
-lands in one host slot as one record::
-
-    [ payload (packed page) | scales (quantised only) | key (16 B) | checksum (16 B) | pad ]
-
-padded to a multiple of ``RECORD_ALIGN`` bytes, so that every record of a batch (a row of one
-device tensor) starts 16-byte aligned: the pack kernel writes the payload straight into the
-records, and the checksum and unpack kernels read them in place with vector loads (with odd row
-strides the checksum ran 4x slower and a staging copy of the payload cost as much again).
+lands in one host slot as one record (``cache/io/page_record.py``: payload, scales, key,
+checksum).
 
 The key is the cached block's prefix-chain key: a load compares it with the key it expects, so a
 host slot still holding another block's (valid) record can never be served as this one.
 The checksum is the 128-bit ``cache.checksum.device_checksum`` of payload + scales, computed on
 the GPU at pack time (``kernels/checksum``) and
 recomputed on the GPU when the record comes back up, so verification runs at memory bandwidth
-(xxh3 on the host would cap page moves at hashing speed); disk records additionally carry xxh3
-(``cache/disk_store``). A record that fails either check is a miss: never unpacked, never served.
+(xxh3 on the host would cap page moves at hashing speed); a store may verify its records too (the
+disk store's xxh3, ``cache/disk_store``). A record that fails any check is a miss: never
+unpacked, never served. The records below host memory are the same bytes: a ``Spill`` writes a
+host slot's record to a lower store, a ``Fetch`` reads one back into a host slot (the stores'
+``write_async`` / ``read_async``; nothing here depends on which store it is).
 
 NOTE (streams and publishing): on CUDA, packing runs on the current stream (so it reads a page
 before any later step or load can overwrite it: the KV manager frees a demoted page at once), and
 the device -> host copies run on a side stream behind an event; a store is reported done (and
-only then published by the KV manager) once its event has completed. Loads are needed by the
+only then published by the tier manager) once its event has completed. Loads are needed by the
 step that follows, so they run on the current stream and are verified with one host sync.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from flash_dllm.cache.checksum import device_checksum_rows
-from flash_dllm.cache.disk_store import DiskStore, LatencyHistogram
 from flash_dllm.cache.host_store import HostStore
-from flash_dllm.cache.tiers import Fetch, Load, Spill, Store, StoreDisk
+from flash_dllm.cache.io.page_record import (  # noqa: F401 - RECORD_ALIGN: re-exported
+    OFFLOAD_DTYPES, RECORD_ALIGN, RecordLayout)
+from flash_dllm.cache.latency import LatencyHistogram
+from flash_dllm.cache.tier_store import build_tiers
+from flash_dllm.cache.tiers import L1, Fetch, Load, Spill, Store
 from flash_dllm.kernels import kv_pages
 from flash_dllm.transfer import h2d
 
-OFFLOAD_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-RECORD_ALIGN = 256   # record size multiple: see the module docstring
 MOVE_GROUP_PAGES = 16  # pages per pipelined group of a store or load (see ``_store``, ``load``)
-
-
-@dataclass
-class RecordLayout:
-    """Byte layout of one page record (see the module docstring)."""
-
-    shape: tuple                 # one packed page: [1, layers, 2, page_size, kv_heads, head_dim]
-    dtype: torch.dtype           # payload dtype (the pool's, or fp8 / int8)
-    payload: int
-    scales: int                  # bytes of [1, layers, 2, kv_heads] fp32, 0 when not quantised
-
-    @property
-    def key_at(self) -> int:
-        return self.payload + self.scales
-
-    @property
-    def sums_at(self) -> int:
-        return self.payload + self.scales + 16
-
-    @property
-    def nbytes(self) -> int:
-        return -(-(self.payload + self.scales + 32) // RECORD_ALIGN) * RECORD_ALIGN
-
-    def payload_view(self, rec: torch.Tensor) -> torch.Tensor:
-        """The packed pages of records ``rec [n, nbytes]`` uint8, as the pack / unpack kernels'
-        ``[n, layers, 2, page_size, kv_heads, head_dim]`` buffer: a view (rows strided)."""
-        n = rec.shape[0]
-        return rec[:, :self.payload].view(self.dtype).view(n, *self.shape[1:])
-
-    def scales_view(self, rec: torch.Tensor) -> torch.Tensor:
-        """The scales of records ``rec`` as ``[n, layers, 2, kv_heads]`` fp32 (a copy: the
-        kernels take contiguous scales)."""
-        n = rec.shape[0]
-        return rec[:, self.payload:self.key_at].contiguous().view(torch.float32).view(
-            n, self.shape[1], 2, self.shape[4])
-
-    @classmethod
-    def for_pool(cls, kv: torch.Tensor, offload_dtype: torch.dtype | None) -> RecordLayout:
-        L, _, _, S, H, D = kv.shape
-        dtype = offload_dtype or kv.dtype
-        payload = L * 2 * S * H * D * torch.empty((), dtype=dtype).element_size()
-        scales = L * 2 * H * 4 if offload_dtype is not None else 0
-        return cls((1, L, 2, S, H, D), dtype, payload, scales)
 
 
 @dataclass
@@ -96,9 +53,23 @@ class _Pending:
     t0: float
 
 
+@dataclass
+class _Io:
+    """A store call in flight: ``op``'s ``write_async`` / ``read_async`` on ``store``."""
+
+    op: object
+    store: object
+    fut: Future
+    t0: float
+
+
 class KVOffloader:
-    def __init__(self, kv: torch.Tensor, l1_slots: int, offload_dtype: str = "bf16",
-                 disk_path: str | None = None, disk_bytes: int = 0, compat: bytes = b"",
+    """Page moves for ``kv`` (the pool) through ``stores``, the tiers L1, L2, ... in order (L1
+    host memory: a ``HostStore``); an int builds one host store of that many slots (tests,
+    benchmarks). ``offload_dtype``: how pages travel (``OFFLOAD_DTYPES``); ``group_pages``:
+    pages per pipelined copy group."""
+
+    def __init__(self, kv: torch.Tensor, stores: int | list, offload_dtype: str = "bf16",
                  group_pages: int = MOVE_GROUP_PAGES) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"kv_offload_dtype must be one of {sorted(OFFLOAD_DTYPES)}, got "
@@ -107,15 +78,21 @@ class KVOffloader:
         self.device = kv.device
         self.qdtype = OFFLOAD_DTYPES[offload_dtype]
         self.layout = RecordLayout.for_pool(kv, self.qdtype)
-        self.host = HostStore(max(l1_slots, 1), self.layout.nbytes)
-        self.disk = (DiskStore(disk_path, disk_bytes, self.layout.nbytes, compat)
-                     if disk_path is not None else None)
-        # NOTE: the KV manager hands out slot numbers (it knows which cached page each holds);
-        # the stores' own allocators are taken whole, so every slot is writable here
-        while self.host.alloc() is not None:
-            pass
-        while self.disk is not None and self.disk.alloc() is not None:
-            pass
+        if isinstance(stores, int):
+            stores = [HostStore(stores, self.layout.nbytes)]
+        self.stores = list(stores)
+        if self.stores and not hasattr(self.stores[0], "view"):
+            raise ValueError("the first tier (L1) stages every move: it must be host memory, a "
+                             f"store with view(slot), got a {type(self.stores[0]).__name__}")
+        for t, st in enumerate(self.stores, L1):
+            if st.record_bytes < self.layout.nbytes:
+                raise ValueError(f"tier l{t}'s records hold {st.record_bytes} B, a page record "
+                                 f"needs {self.layout.nbytes} B")
+            # NOTE: the tier manager hands out slot numbers (it knows which cached page each
+            # holds); the stores' own allocators are taken whole, so every slot is writable here
+            while st.alloc() is not None:
+                pass
+        self.host = self.stores[0] if self.stores else None      # L1: the staging tier
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None       # stores
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None  # loads
@@ -126,47 +103,58 @@ class KVOffloader:
         # the reference path; nothing reads it)
         self._bad = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._pending: list[_Pending] = []
-        self._spills: list = []                      # (op, future, t0)
-        self._fetches: list = []                     # (op, future, t0): disk -> host reads
+        self._writes: list[_Io] = []                 # spills and skip stores: host -> a store
+        self._fetches: list[_Io] = []                # a store -> host
         self.stats = {"stores": 0, "loads": 0}
         self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}  # s per page
 
+    @classmethod
+    def from_config(cls, kv: torch.Tensor, config, compat: bytes) -> KVOffloader:
+        """The offloader of an ``EngineConfig``: the tiers it enables (``TIER_STORES``)."""
+        if config.kv_offload_dtype not in OFFLOAD_DTYPES:
+            raise ValueError(f"kv_offload_dtype must be one of {sorted(OFFLOAD_DTYPES)}, got "
+                             f"{config.kv_offload_dtype!r}")
+        layout = RecordLayout.for_pool(kv, OFFLOAD_DTYPES[config.kv_offload_dtype])
+        return cls(kv, build_tiers(config, layout.nbytes, compat), config.kv_offload_dtype)
+
     @property
-    def l2_slots(self) -> int:
-        return 0 if self.disk is None else self.disk.layout.num_slots
+    def tier_slots(self) -> tuple[int, ...]:
+        """Slots per tier L1, L2, ... (the KV manager's ``tier_slots``)."""
+        return tuple(st.num_slots for st in self.stores)
+
+    def store(self, tier: int):
+        """The store of ``tier`` (L1 and below)."""
+        return self.stores[tier - L1]
 
     # ---------------------------------------------------------------------------------- run
     def run(self, ops: list) -> list:
         """Carry out a step's tier ops in order (stores, spills, fetches, loads); returns the
         results ``(op, ok, seconds)`` of every op that completed since the last call."""
         done = self.poll()
-        stores = [op for op in ops if isinstance(op, Store)]
+        stores = [op for op in ops if isinstance(op, Store) and op.dst == L1]
         if stores:
             self._store(stores)
         stored = {op.slot for op in stores}
-        direct = [op for op in ops if isinstance(op, StoreDisk)]
-        if direct:                     # L0 -> a temporary host buffer -> disk
-            rec = self._pack([op.page for op in direct], [op.block.key for op in direct])
+        skips = [op for op in ops if isinstance(op, Store) and op.dst != L1]
+        if skips:                      # L0 -> a temporary host buffer -> a lower store
+            rec = self._pack([op.page for op in skips], [op.block.key for op in skips])
             host = torch.empty(rec.shape, dtype=torch.uint8, pin_memory=self.cuda)
-            host.copy_(rec)            # synchronous: the disk writes read it next
-            for i, op in enumerate(direct):
-                self._spills.append((op, self.disk.write_async(op.disk_slot, op.block.key,
-                                                               host[i]), time.perf_counter()))
+            host.copy_(rec)            # synchronous: the store writes read it next
+            for i, op in enumerate(skips):
+                self._write(op, host[i])
         for op in ops:
             if isinstance(op, Spill):
                 if op.slot in stored and self.cuda:
                     self.stream.synchronize()       # the host record must be there to write
                     stored = set()
-                payload = self.host.view(op.slot)
-                self._spills.append((op, self.disk.write_async(op.disk_slot, op.block.key,
-                                                               payload), time.perf_counter()))
+                self._write(op, self.host.view(op.slot))
             elif isinstance(op, Fetch):
-                # NOTE: reads run on the disk store's I/O threads, all of a step's at once; a
-                # fetch no load of this step waits for (a prefetch for a waiting request)
-                # completes in the background and is reported by a later ``poll``
-                self._fetches.append((op, self.disk.read_async(
-                    op.disk_slot, op.block.key, out=self.host.view(op.slot)),
-                    time.perf_counter()))
+                # NOTE: reads run on the stores' own terms (the disk store's I/O threads), all
+                # of a step's at once; a fetch no load of this step waits for (a prefetch for a
+                # waiting request) completes in the background and is reported by a later poll
+                st = self.store(op.src)
+                self._fetches.append(_Io(op, st, st.read_async(
+                    op.src_slot, op.block.key, self.host.view(op.slot)), time.perf_counter()))
         loads = [op for op in ops if isinstance(op, Load)]
         done += self._poll_fetches(wait_for={op.slot for op in loads})
         # NOTE: a load from a host slot whose fetch failed is never attempted (the slot holds
@@ -175,7 +163,7 @@ class KVOffloader:
         run = [op for op in loads if op.slot not in fetched_bad]
         done += [(op, False, 0.0) for op in loads if op.slot in fetched_bad]
         if run:
-            # NOTE: the KV manager never loads from a slot a store is still writing (such a
+            # NOTE: the tier manager never loads from a slot a store is still writing (such a
             # block is not published yet); should it ever, the load's copies first wait for
             # the store copies in flight
             writing = {op.slot for p in self._pending for op in p.ops}
@@ -185,20 +173,38 @@ class KVOffloader:
                            [op.block.key for op in run])
             t = self._last_load / max(len(run), 1)
             done += [(op, good, t) for op, good in zip(run, ok)]
+            done = self._blame_fetches(done)
         return done + (self.poll() if stores else [])
 
-    @staticmethod
-    def _reap(entries: list, ok_of, wait_for: set | frozenset = frozenset()) -> tuple[list, list]:
-        """Split ``(op, future, t0)`` entries into the finished ``(op, ok, seconds)`` and those
-        still running, waiting first for the ops into a host slot of ``wait_for``."""
+    def _blame_fetches(self, done: list) -> list:
+        """A store that does not verify its records itself (``verifies`` False) leaves that to
+        the device check of the load: a record it returned that fails there is its own bad
+        copy, reported as a failed fetch (so it is dropped, not fetched and refused for ever)."""
+        bad = {op.slot for op, ok, _ in done if isinstance(op, Load) and not ok}
+        return [(op, False, s) if (isinstance(op, Fetch) and ok and op.slot in bad
+                                   and not self.store(op.src).verifies) else (op, ok, s)
+                for op, ok, s in done]
+
+    def _write(self, op, payload: torch.Tensor) -> None:
+        """``op``'s record (host bytes ``payload``) to its destination store."""
+        st = self.store(op.dst)
+        self._writes.append(_Io(op, st, st.write_async(op.dst_slot, op.block.key, payload),
+                                time.perf_counter()))
+
+    def _reap(self, entries: list, ok_of, wait_for: set | frozenset = frozenset()
+              ) -> tuple[list, list]:
+        """Split ``_Io`` entries into the finished ``(op, ok, seconds)`` and those still
+        running, waiting first for the fetches into a host slot of ``wait_for``."""
+        for st in self.stores if wait_for else ():
+            futs = [io.fut for io in entries if io.store is st and io.op.slot in wait_for]
+            if futs:
+                st.poll(futs)                     # a failure is reported, not raised
         done, still = [], []
-        for op, fut, t0 in entries:
-            if wait_for and op.slot in wait_for:   # NOTE: a StoreDisk op has no host slot
-                fut.exception()                   # waits; a failure is reported, not raised
-            if fut.done():
-                done.append((op, ok_of(fut), time.perf_counter() - t0))
+        for io in entries:
+            if io.fut.done():
+                done.append((io.op, ok_of(io.fut), time.perf_counter() - io.t0))
             else:
-                still.append((op, fut, t0))
+                still.append(io)
         return done, still
 
     def _poll_fetches(self, wait_for: set | frozenset = frozenset()) -> list:
@@ -209,7 +215,9 @@ class KVOffloader:
         return done
 
     def poll(self) -> list:
-        """Stores whose copies completed, finished spills and finished fetches."""
+        """Stores whose copies completed, finished writes below host memory and fetches."""
+        for st in self.stores:
+            st.poll()                             # (I/O a store drives itself)
         done = self._poll_fetches()
         still = []
         for p in self._pending:
@@ -221,15 +229,17 @@ class KVOffloader:
             else:
                 still.append(p)
         self._pending = still
-        spilled, self._spills = self._reap(self._spills, lambda f: f.exception() is None)
-        return done + spilled
+        written, self._writes = self._reap(self._writes, lambda f: f.exception() is None)
+        return done + written
 
     def drain(self) -> list:
-        """Wait for every store and spill in flight (shutdown, tests)."""
+        """Wait for every store, write and fetch in flight (shutdown, tests)."""
         if self.cuda:
             self.stream.synchronize()
-        for _, fut, _ in self._spills + self._fetches:
-            fut.exception()
+        for st in self.stores:
+            futs = [io.fut for io in self._writes + self._fetches if io.store is st]
+            if futs:
+                st.poll(futs)
         return self.poll()
 
     # -------------------------------------------------------------------------------- stores
