@@ -166,3 +166,25 @@ def test_the_block_cache_needs_a_block_causal_model():
     with pytest.raises(ValueError, match="cache='block' needs a block-causal model"):
         Engine(model, model.cfg).add_request([1, 2, 3], SamplingParams(max_tokens=8,
                                                                      cache="block"))
+
+
+@pytest.mark.parametrize("cut", [0, 5, 12])
+def test_prefix_reuse_is_exact_and_whole_blocks(cut):
+    """A finished request publishes its complete blocks; a later prompt that starts with them
+    reuses whole blocks only (a prefix matched to the middle of a block is recomputed: its K/V
+    depend on the whole block) and gets exactly the tokens it gets without reuse."""
+    model = block_model("llada", seed=9)
+    params = SamplingParams(max_tokens=24, block_length=BS, decode="threshold", threshold=0.4,
+                            cache="block", early_stop=False)
+    first = PROMPTS[3]
+    eng = Engine(model, model.cfg, EngineConfig(prefix_reuse=True, page_size=4))
+    a = eng.add_request(first, params)
+    while eng.has_unfinished():
+        eng.step()
+    follow = a.tokens[:len(first) + 24 - cut].tolist() + [60, 61, 62]
+    b = eng.add_request(follow, params)
+    while eng.has_unfinished():
+        eng.step()
+    assert b.reused_len > 0 and b.reused_len % BS == 0
+    fresh, _ = run_engine(model, [follow], params, config=EngineConfig(page_size=4))
+    assert torch.equal(b.canvas, fresh[0].canvas)

@@ -19,7 +19,7 @@ from flash_dllm.cache.tier_store import TIER_STORES, TierStore
 from flash_dllm.config import EngineConfig
 from flash_dllm.engine import engine as engine_mod
 from flash_dllm.engine.engine import Engine
-from flash_dllm.server.metrics import _TierCollector
+from flash_dllm.server.metrics import _SnapshotCollector
 from test_sampler import tiny
 from test_tiers import OTHERS, PROMPT, PS, _no_reuse_output, _params, _run, check_ledger
 from toy_tier import DictStore
@@ -165,7 +165,8 @@ def test_toy_tier_below_disk_is_l3_in_stats_and_metrics(toy, tmp_path):
     assert got.reused_len == 36 and st["hit_tokens"][3] > 0, st["hit_tokens"]
     assert got.tokens.tolist() == _reused_from_l0(model, params).tokens.tolist()
     check_ledger(eng)
-    families = {f.name: f for f in _TierCollector(eng).collect()}
+    snapshot = _SnapshotCollector(None)._tiers(eng.stats_snapshot().tiers)  # what /metrics shows
+    families = {f.name: f for f in snapshot}
     labels = {s.labels.get("tier") for s in families["flash_dllm_kv_pages_cached"].samples}
     assert labels == {"l0", "l1", "l2", "l3"}
     moved = {(s.labels["tier"], s.labels["direction"]): s.value

@@ -23,6 +23,7 @@ become blocks at publish.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -145,10 +146,14 @@ class KVCacheManager:
         return t
 
     def allocate(self, request_id: str, n_tokens: int, prompt_ids: list[int] | None = None,
-                 reuse: bool = True, mode: str = "dual") -> Allocation | None:
+                 reuse: bool = True, mode: str = "dual", align: int = 0
+                 ) -> Allocation | None:
         """Reserve pages for a canvas of ``n_tokens`` tokens, reusing cached pages of
         ``prompt_ids``' prefix when ``reuse``; None when they do not fit now (never a partial
-        allocation; cached blocks may have been evicted to make room, which is harmless)."""
+        allocation; cached blocks may have been evicted to make room, which is harmless).
+        ``align``: the reused prefix is a multiple of this many tokens (a block-causal model's
+        block: a position's K/V depend on its whole block, so a prefix matched to the middle of
+        a block is not the same K/V)."""
         if request_id in self._pages:
             raise ValueError(f"request {request_id!r} already holds KV pages")
         n_total = self.pool.pages_for(n_tokens)
@@ -156,6 +161,9 @@ class KVCacheManager:
                  and n_total > self.SHORT_PAGES)
         tree = self.tree(mode) if reuse else None
         nodes = self._match(tree, prompt_ids, admit=True) if reuse else []
+        if align and nodes:
+            q = align // math.gcd(align, self.page_size)     # pages per aligned unit
+            nodes = nodes[:len(nodes) // q * q]
         protect = {nd.block for nd in nodes}
         # a hit below host memory is fetched into a host slot first: reserve them now (the
         # reuse stops at the first such hit that gets none)

@@ -80,11 +80,10 @@ class Scheduler:
                 admitted.append(req)
                 break
             # NOTE: on a block-causal model's grid a position's K/V depend on its whole block:
-            # a prefix matched to the middle of a block is not the same K/V. Until the KV
-            # manager matches whole blocks only, such requests do not reuse
+            # the reused prefix is whole blocks (``align``)
             alloc = self.kv.allocate(req.request_id, req.canvas_len, req.prompt_ids,
-                                     reuse=CACHE_MODES[req.params.cache].reusable
-                                     and not req.grid, mode=req.params.cache)
+                                     reuse=CACHE_MODES[req.params.cache].reusable,
+                                     mode=req.params.cache, align=req.grid)
             if alloc is None:
                 self.waiting.appendleft(req)
                 break
