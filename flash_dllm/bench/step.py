@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from flash_dllm.cache.modes import query_range
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.models.config import ModelConfig
@@ -115,24 +115,56 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> floa
     return 2 * n**3 / best
 
 
-def step_flops(cfg: ModelConfig, reqs) -> float:
-    """FLOPs of the next step: linear layers over every recomputed token, attention over each
-    request's canvas, and the LM head over the masked slots of the active blocks."""
+def linear_flops_per_token(cfg: ModelConfig) -> float:
+    """FLOPs of one token through the linear layers (attention projections, each layer's MLP: a
+    dense SwiGLU, or the router, ``top_k`` experts and the shared expert of a MoE layer)."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    per_token = 2 * (d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-                     + 3 * d * cfg.intermediate_size) * cfg.num_layers
+    total = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.num_layers
+    for i in range(cfg.num_layers):
+        if cfg.layer_mlp_kind(i) == "moe":
+            m = cfg.moe
+            total += m.num_experts * d + 3 * d * m.intermediate_size * (m.top_k
+                                                                       + m.num_shared_experts)
+        else:
+            total += 3 * d * cfg.intermediate_size
+    return 2 * total
+
+
+def step_flops(cfg: ModelConfig, reqs) -> float:
+    """FLOPs of the next step: linear layers over every recomputed token (a MoE layer's active
+    experts only), attention over each request's keys, and the LM head over the masked slots of
+    the active blocks."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_token = linear_flops_per_token(cfg)
     total = 0.0
     for r in reqs:
-        q0, q1 = query_range(r.params.cache, r.canvas_len, r.block_start, r.block_end, r.first_step,
-                             cfg.logit_shift, first_block=r.block == 0)
+        mode = CACHE_MODES[r.params.cache]
+        q0, q1 = mode.query_range(r.canvas_len, r.block_start, r.block_end, r.first_step,
+                                  cfg.logit_shift, first_block=r.block == 0)
         q = q1 - q0
-        if r.params.cache == "flash" and r.num_forwards > 0:    # top-k from the last step's mass
+        if mode.needs_mass and r.num_forwards > 0:    # flash: top-k from the last step's mass
             q += min(r.params.flash_budget, r.canvas_len - q)
-        masked = r.num_masked
+        keys = min(r.canvas_len, r.block_end) if cfg.attention.block_causal else r.canvas_len
         total += q * per_token
-        total += 4 * q * r.canvas_len * cfg.num_heads * hd * cfg.num_layers
-        total += 2 * masked * d * cfg.vocab_size
+        total += 4 * q * keys * cfg.num_heads * hd * cfg.num_layers
+        total += 2 * r.num_masked * d * cfg.vocab_size
     return total
+
+
+def weight_read_bytes(model, cfg: ModelConfig, tokens: int) -> float:
+    """Weight bytes a step of ``tokens`` routed rows reads: every weight, but of a MoE layer's
+    routed experts only those its tokens reach, at uniform routing (E (1 - (1 - k/E)^tokens)
+    distinct experts per layer: random weights route near uniformly). The embedding counts
+    whole, as in the dense shapes' floors."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if cfg.mlp_kind != "moe":
+        return total
+    m = cfg.moe
+    elem = next(model.parameters()).element_size()
+    per_expert = 3 * cfg.hidden_size * m.intermediate_size * elem
+    untouched = m.num_experts * (1 - m.top_k / m.num_experts) ** tokens
+    layers = sum(cfg.layer_mlp_kind(i) == "moe" for i in range(cfg.num_layers))
+    return total - layers * untouched * per_expert
 
 
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
@@ -140,8 +172,10 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
                flash_budget: int | None = None, decode: str = "vanilla", fused_step: bool = True,
                fused_max_rows: int | None = None) -> dict:
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
+    bs = cfg.attention.block_size        # a block-causal model's canvas ends on its grid
+    canvas = -(-(prompt + gen) // bs) * bs if bs else prompt + gen
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
-        (prompt + gen) // 16 + 1), cuda_graphs=cuda_graphs,
+        canvas // 16 + 1), cuda_graphs=cuda_graphs,
         fused_step=fused_step and cuda_graphs and device.type == "cuda", **extra_cfg))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)     # random prompts never hold MASK
@@ -235,7 +269,12 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         if cache == "flash":
             r["flash_budget"] = (flash_budget if flash_budget is not None
                                  else SamplingParams.flash_budget)
-        r["ratio_to_floor"] = r["ms"] / floor_ms
+        if cfg.mlp_kind == "moe":        # the experts this step's rows reach (steady steps)
+            rows_routed = b * (block if cache != "none" else prompt + gen)
+            r["weight_read_bytes"] = weight_read_bytes(model, cfg, rows_routed)
+            r["floor_ms"] = 1e3 * r["weight_read_bytes"] / bw
+            r["active_params"] = cfg.active_params()
+        r["ratio_to_floor"] = r["ms"] / r.get("floor_ms", floor_ms)
         r["mfu"] = r["flops_per_s"] / (rate * world) if r["flops_per_s"] else None
         # the forward alone at the same FLOPs (what the step would reach with no host work)
         r["mfu_forward"] = (r["mfu"] * r["ms"] / r["ms_forward"]
