@@ -98,6 +98,12 @@ class SamplingParams:
     drift_defer: bool = knob(True, "with --drift-min: refresh at the next block's first step "
                                    "(default), or at the next step, mid-block "
                                    "(--no-drift-defer)")
+    # --- decode="edit" (LLaDA2.1's token-to-token editing, ``decoding/policies/edit.py``)
+    edit_threshold: float = knob(0.0, "decode=edit: replace a decoded token of the active block "
+                                      "by the model's prediction when its probability is above "
+                                      "this (default: %(default)s, any disagreement)", ge=0, le=1)
+    max_post_edit_steps: int = knob(16, "decode=edit: steps a block may keep editing once it "
+                                        "has no mask left (default: %(default)s)", ge=0)
 
     def __post_init__(self) -> None:
         # the derived defaults first (they read max_tokens and block_length), then every field

@@ -188,3 +188,69 @@ def test_prefix_reuse_is_exact_and_whole_blocks(cut):
     assert b.reused_len > 0 and b.reused_len % BS == 0
     fresh, _ = run_engine(model, [follow], params, config=EngineConfig(page_size=4))
     assert torch.equal(b.canvas, fresh[0].canvas)
+
+
+@torch.no_grad()
+def reference_edit(model, prompt, gen, tau, edit_tau, max_post):
+    """LLaDA2.1's joint threshold decoding (M2T + T2T, SGLang's ``JointThreshold``) on the dense
+    forward, on the grid of blocks: each step, masked slots above ``tau`` (else the best one)
+    take their prediction, decoded slots of the block (not the prompt's) whose prediction
+    differs with probability above ``edit_tau`` are replaced; a block ends when a step changes
+    nothing or after ``max_post`` steps without a mask. MASK is never a prediction (the
+    engine's one deviation)."""
+    P = len(prompt)
+    L = -(-(P + gen) // BS) * BS
+    x = torch.full((1, L), MASK, dtype=torch.long)
+    x[0, :P] = torch.tensor(prompt)
+    forwards = 0
+    for start in range(P - P % BS, L, BS):
+        prompt_slots = x[0, start:start + BS] != MASK
+        post = 0
+        while True:
+            cur = x[0, start:start + BS]
+            masked = cur == MASK
+            if not masked.any():
+                post += 1
+                if post > max_post:
+                    forwards += 1                  # (the engine's step that changes nothing)
+                    break
+            logits = dense_logits(model, x[:, :start + BS])[0, start:start + BS]
+            forwards += 1
+            p = F.softmax(logits.float(), dim=-1)
+            p_ok = p.clone()
+            p_ok[:, MASK] = -1.0
+            conf, tok = p_ok.max(-1)
+            m2t = masked & (conf > tau)
+            if masked.any() and not m2t.any():
+                m2t[int(torch.where(masked, conf, -1.0).argmax())] = True
+            t2t = ~masked & ~prompt_slots & (tok != cur) & (conf > edit_tau)
+            if not (m2t | t2t).any():
+                break
+            x[0, start:start + BS] = torch.where(m2t | t2t, tok, cur)
+    return x[0], forwards
+
+
+@pytest.mark.parametrize("edit_tau", [0.2, 0.6])
+@pytest.mark.parametrize("cache", ["none", "block"])
+def test_edit_policy_equals_its_reference_and_streams_final_text_only(edit_tau, cache):
+    """decode="edit" token for token and forward for forward against the reference loop; the
+    text streamed step by step is never taken back (a block's edits stay provisional until the
+    block ends)."""
+    model = block_model("llada", seed=3)
+    params = SamplingParams(max_tokens=16, block_length=BS, decode="edit", threshold=0.5,
+                            edit_threshold=edit_tau, max_post_edit_steps=3, cache=cache,
+                            early_stop=False)
+    eng = Engine(model, model.cfg)
+    reqs = [eng.add_request(p, params) for p in PROMPTS]
+    streamed = {r.request_id: [] for r in reqs}
+    provisional_seen = False
+    while eng.has_unfinished():
+        for out in eng.step():
+            streamed[out.request_id] += out.new_token_ids
+        provisional_seen |= any(eng.output(r).provisional_token_ids for r in reqs)
+    assert provisional_seen
+    for prompt, req in zip(PROMPTS, reqs):
+        ref, forwards = reference_edit(model, prompt, 16, 0.5, edit_tau, 3)
+        assert torch.equal(req.canvas, ref), prompt
+        assert req.num_forwards == forwards
+        assert streamed[req.request_id] == eng.output(req).token_ids

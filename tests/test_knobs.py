@@ -144,7 +144,7 @@ def test_choices_are_read_when_used():
     (SamplingParams, dict(gamma=float("inf")), "gamma must be a finite number > 0, got inf"),
     (SamplingParams, dict(early_stop=0), "early_stop must be a bool, got 0"),
     (SamplingParams, dict(decode="greedy"), r"decode must be one of \['vanilla', 'threshold', "
-                                            r"'verify', 'llada2'\], got 'greedy'"),
+                                            r"'verify', 'llada2', 'edit'\], got 'greedy'"),
     (EngineConfig, dict(kv_cache_gb=0), "kv_cache_gb must be a finite number > 0, got 0"),
     (EngineConfig, dict(kv_cpu_gb=-1.0), r"kv_cpu_gb must be in \[0, 1048576\), got -1.0"),
     (EngineConfig, dict(gpu_memory_utilization=1.0),

@@ -36,6 +36,9 @@ class RequestOutput:
     early_stopped: bool = False     # finished before the last block because an answer had ended
     metrics: dict = field(default_factory=dict)
     error: str | None = None        # finish_reason "error": why this request (alone) failed
+    # an editing policy's decoded tokens after the committed prefix (they may still change:
+    # never part of ``token_ids`` or of streamed text until their block ends)
+    provisional_token_ids: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -67,7 +70,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  mask_id: int, stop_ids: tuple[int, ...], prompt: str | None = None,
-                 grid: int = 0) -> None:
+                 grid: int = 0, edits: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = list(prompt_ids)
@@ -90,6 +93,11 @@ class Request:
         # the prompt slots that lead block 0 on a grid) and the committed answer prefix can only
         # end inside the active block
         self.num_masked = self.origin + bl - P     # MASK slots left in the active block
+        # a policy that edits decoded tokens (``DecodePolicy.edits``): a block ends when a step
+        # changes nothing, or after ``max_post_edit_steps`` steps with no mask; its text is
+        # provisional (not in the committed prefix) until then
+        self.edits = edits
+        self.post_edit_steps = 0
         self.step_in_block = 0
         self.block_forwards: tuple[int, ...] = ()  # forwards each finished block took
         self.first_step = True
@@ -142,20 +150,30 @@ class Request:
         bl = self.params.block_length
         b0 = self.block_start
         committed = self.num_masked - masked
+        done = masked == 0
+        if self.edits:
+            if self.num_masked == 0:
+                self.post_edit_steps += 1
+            changed = not np.array_equal(self.tokens[b0:b0 + bl], block[:bl])
+            spent = self.post_edit_steps > self.params.max_post_edit_steps
+            done = done and (not changed or spent)
         self.tokens[b0:b0 + bl] = block[:bl]
         before = self.num_tokens
         start = b0 - self.prompt_len                        # the block, in answer positions
-        if before >= start:            # the committed prefix had reached this block: extend it
+        if before >= start and (done or not self.edits):
+            # the committed prefix had reached this block: extend it (an editing policy's block
+            # only once it ended: until then its tokens may still change)
             self.num_tokens = min(start + first_end, self.params.max_tokens)
         self._advance(committed, first_slot and self.block == 0 and
-                      self.first_token_time is None, stop_in_block)
+                      self.first_token_time is None, stop_in_block, done)
         new = []
         if self.num_tokens > before:
             new = self.tokens[self.prompt_len + before:self.prompt_len + self.num_tokens].tolist()
         return StepOutput(self.request_id, new, self.num_tokens, committed, self.finished,
                           self.finish_reason)
 
-    def _advance(self, committed: int, first_token: bool, stop_in_block: bool) -> None:
+    def _advance(self, committed: int, first_token: bool, stop_in_block: bool,
+                 block_done: bool) -> None:
         self.num_forwards += 1
         self.step_in_block += 1
         if self.first_step or not self.params.drift_defer:
@@ -164,11 +182,12 @@ class Request:
         if first_token and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.num_masked -= committed
-        if self.num_masked > 0:
+        if not block_done:
             return
         self.block_forwards += (self.step_in_block,)
         self.block += 1
         self.step_in_block = 0
+        self.post_edit_steps = 0
         self.first_step = True
         self.num_masked = self.params.block_length
         last = self.block == self.num_blocks
@@ -192,6 +211,16 @@ class Request:
 
     def abort(self) -> None:
         self._finish("abort")
+
+    def provisional_ids(self) -> list[int]:
+        """An editing policy's decoded tokens of the active block after the committed prefix
+        (they may still change; [] for other policies)."""
+        if not self.edits or self.finished:
+            return []
+        a = self.prompt_len + self.num_tokens
+        rest = self.tokens[a:min(self.block_end, self.prompt_len + self.params.max_tokens)]
+        end = np.flatnonzero(rest == self.mask_id)
+        return rest[:end[0] if end.size else rest.size].tolist()
 
     def generated_ids(self) -> list[int]:
         """Committed answer ids: the left-contiguous committed prefix of the generated region, cut

@@ -36,13 +36,14 @@ import torch
 
 from flash_dllm.cache.checksum import device_checksum, xxh3_64
 from flash_dllm.config import SamplingParams
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.core.request import Request
 from flash_dllm.kernels.kv_pages import pack_pages, packed_shape, unpack_pages
 
 # host request fields copied verbatim (see ``Request``)
 _REQ_FIELDS = ("block", "num_masked", "step_in_block", "block_forwards", "first_step", "stale",
                "num_forwards", "num_tokens", "reused_len", "arrival_time", "first_token_time",
-               "early_stopped")
+               "early_stopped", "post_edit_steps")
 # runner device state (``SeqState``) that outlives a step
 _STATE_TENSORS = ("refresh", "kv_history")
 
@@ -219,7 +220,8 @@ def import_request(engine, snap: RequestSnapshot, segment: torch.Tensor,
         unpack_pages(part.to(dev), ids, kv, layers=(l0, l1))
     cfg = engine.cfg
     req = Request(snap.request_id, snap.prompt_ids, snap.params, cfg.mask_token_id,
-                  cfg.eos_token_ids, snap.prompt, grid=cfg.attention.block_size)
+                  cfg.eos_token_ids, snap.prompt, grid=cfg.attention.block_size,
+                  edits=DECODE_POLICIES[snap.params.decode].edits)
     req.tokens[:] = snap.tokens
     for f, v in snap.fields.items():
         setattr(req, f, v)

@@ -38,6 +38,7 @@ from multiprocessing.connection import Listener, wait
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import DisaggStats, EngineStats, WorkerStats
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.disagg import messages as W
 from flash_dllm.disagg.roles import WorkerLoad
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
@@ -190,7 +191,8 @@ class PDEngine:
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else f"pd-{next(self._ids)}"
         req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,
-                      prompt, grid=self.cfg.attention.block_size)
+                      prompt, grid=self.cfg.attention.block_size,
+                      edits=DECODE_POLICIES[params.decode].edits)
         pre = self._pick(PREFILL)
         dec = self._pick(DECODE)
         if pre is None or dec is None:

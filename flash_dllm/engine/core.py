@@ -167,7 +167,8 @@ def request_output(req: Request) -> RequestOutput:
                          prompt_token_ids=req.prompt_ids, text=None,
                          token_ids=req.generated_ids(), num_forwards=req.num_forwards,
                          finish_reason=req.finish_reason, finished=req.finished,
-                         early_stopped=req.early_stopped, metrics=metrics, error=req.error)
+                         early_stopped=req.early_stopped, metrics=metrics, error=req.error,
+                         provisional_token_ids=req.provisional_ids())
 
 
 def _copy_counters(counters: dict) -> dict:

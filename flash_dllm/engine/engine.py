@@ -35,6 +35,7 @@ from flash_dllm.core.counters import merge_counters, new_counters
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import EngineStats
+from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.engine.core import RequestLimits, check_request, request_output
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
@@ -138,7 +139,8 @@ class Engine:
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,
-                      prompt, grid=self.cfg.attention.block_size)
+                      prompt, grid=self.cfg.attention.block_size,
+                      edits=DECODE_POLICIES[params.decode].edits)
         self.scheduler.add(req)
         return req
 

@@ -144,6 +144,14 @@ class _Rows:
     uncached: list = field(default_factory=list)    # extra (policy) row ranges
 
 
+def scored(req) -> int:
+    """The slots of ``req``'s active block whose proposals its policy reads: the masked ones, or
+    every answer slot of the block for a policy that edits decoded tokens."""
+    if req.edits:
+        return req.params.block_length - req.lead
+    return req.num_masked
+
+
 def _pack_rows(batch, states, windows, extras, shift: int) -> _Rows:
     """Each request's window (and extra positions), then its policy's extra rows."""
     out = _Rows()
@@ -152,7 +160,7 @@ def _pack_rows(batch, states, windows, extras, shift: int) -> _Rows:
     cu, uncached = out.cu, out.uncached
     n_tok = s0 = 0
     for b, (req, st) in enumerate(zip(batch, states)):
-        cnt = req.num_masked
+        cnt = scored(req)
         q0, q1 = windows[b]
         extra = extras.get(b)
         # the window is a contiguous slice (a view: the final cat is the only copy), its
@@ -191,7 +199,7 @@ def pack_step(runner, plan, states: list, extensions: list) -> StepInputs:
     batch = plan.requests
     dev, shift = runner.device, runner.cfg.logit_shift
     mask_id = runner.cfg.mask_token_id
-    n_slot = sum(r.num_masked for r in batch)
+    n_slot = sum(scored(r) for r in batch)
     windows = [s.window for s in plan.seqs]
     extras = _extra_positions(batch, states, windows, extensions, dev)
     rows = _pack_rows(batch, states, windows, extras, shift)
@@ -214,6 +222,9 @@ def pack_step(runner, plan, states: list, extensions: list) -> StepInputs:
     # every request's masked slots at once: one nonzero over the active blocks (one gather from
     # the arena), sized by the host-kept MASK counts (no device->host sync)
     masked = runner.arena.view(-1)[blk_t].view(B, max_bl) == mask_id
+    if any(r.edits for r in batch):     # (an editing policy scores every answer slot)
+        lead = np.array([r.lead if r.edits else max_bl for r in batch], dtype=np.int64)
+        masked |= torch.arange(max_bl, device=dev)[None, :] >= h2d(lead, torch.long, dev)[:, None]
     if len(set(lens)) > 1:
         masked &= torch.arange(max_bl, device=dev)[None, :] < per_req[3][:, None]
     where = torch.nonzero_static(masked, size=n_slot)                    # [n_slot, 2]

@@ -41,11 +41,16 @@ def sample_and_commit(model, arena: torch.Tensor, mask_id: int, step: StepInputs
         rows = torch.cat([step.slot_rows] + [p.mask_rows for p in step.plans if p is not None])
         logits = model.logits(hidden[rows])     # [slots + policy rows, V], masked slots only
         tokens, conf = propose(logits[:n], step.groups, forbid=mask_id)
+    # NOTE: every slot is MASK unless a policy edits: then its requests' slots are every answer
+    # slot of their block, and a slot not kept keeps its current token
+    current = (arena.view(-1)[step.slot_flat] if any(p.edits for p in policies) else None)
     ctx = SelectContext(batch, states, [None] * len(batch), tokens, conf, step.slot_pos,
                         step.bounds, torch.zeros_like(conf, dtype=torch.bool), mask_id, logits,
-                        step.plans, [ext for ext, _ in extensions if has_hook(ext, "demote")])
+                        step.plans, [ext for ext, _ in extensions if has_hook(ext, "demote")],
+                        current)
     for policy, members in policies.items():
         policy.select(ctx, members)
-    new = torch.where(ctx.keep, ctx.tokens, torch.full_like(ctx.tokens, mask_id))
+    rest = torch.full_like(ctx.tokens, mask_id) if current is None else current
+    new = torch.where(ctx.keep, ctx.tokens, rest)
     arena.view(-1).index_put_((step.slot_flat,), new)
     return ctx, policies

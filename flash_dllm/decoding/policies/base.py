@@ -34,6 +34,8 @@ class SelectContext:
 
     ``logits`` [n_slot + extra rows, V] when some request's policy ``needs_logits`` or samples
     (None on the greedy path); ``plans``: each request's ``extra_rows`` result (None: none);
+    ``current`` [n_slot]: the slots' tokens before the step when some request's policy edits
+    (its slots are every answer slot of its block, MASK or not; None: every slot is MASK);
     ``demoters``: the step extensions that may demote slots from commit to verification
     (sentinels), each with ``demote(ctx, members, passing, gid) -> bool [n_slot]``."""
 
@@ -49,6 +51,7 @@ class SelectContext:
     logits: torch.Tensor | None = None
     plans: list = field(default_factory=list)
     demoters: list = field(default_factory=list)
+    current: torch.Tensor | None = None
 
     @property
     def n_slot(self) -> int:
@@ -65,6 +68,11 @@ class DecodePolicy:
     # its ``extra_rows`` may add query rows to a step (a request larger than the GPU pool, whose
     # step streams its KV through a stage, cannot carry them)
     adds_rows: bool = False
+    # it may replace decoded tokens of the active block (token-to-token editing): its select sees
+    # every answer slot of the block (``SelectContext.current`` holds their tokens), the block
+    # ends when a step changes nothing (or after ``max_post_edit_steps`` steps without masks),
+    # and the block's text is provisional until then (never streamed as final)
+    edits: bool = False
     # has a graph-safe form (``fused_keep`` or ``fused_body``) for the fused step
     fusable: bool = False
     # its fused index vector depends only on the requests and their blocks (not on the step
