@@ -19,6 +19,7 @@ for _policy in (VanillaPolicy(), ThresholdPolicy(), VerifyPolicy(), LLaDA2Policy
                 EditPolicy()):
     DECODE_POLICIES.register(_policy)
 
-__all__ = ["DECODE_POLICIES", "DecodePolicy", "EditPolicy", "LLaDA2Policy", "SelectContext", "ThresholdPolicy",
+__all__ = ["DECODE_POLICIES", "DecodePolicy", "EditPolicy", "LLaDA2Policy", "SelectContext",
+           "ThresholdPolicy",
            "VanillaPolicy", "VerifyPolicy", "group_ids", "select_threshold", "select_top_k",
            "threshold_rows", "top_k_rows"]
