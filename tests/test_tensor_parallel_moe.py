@@ -75,6 +75,55 @@ def test_tp2_ep2_equals_one_process(folder):
         assert torch.equal(have.argmax(-1), want.argmax(-1))
 
 
+def test_more_ranks_than_kv_heads_replicate_them(tmp_path):
+    """One KV head over two ranks (LLaDA2-flash's 4 over 8 GPUs, scaled down): query heads and
+    experts still split in two, both ranks hold the KV head; the same tokens as one process."""
+    ckpt = write_tiny_llada2_checkpoint(tmp_path / "ckpt", seed=4, num_key_value_heads=1)
+    ps = _params()[:2]                                        # llada2: block and none caches
+    prompts = PROMPTS[:2]
+    ref = [o.token_ids for o in LLM(str(ckpt), device=DEVICE, dtype="float32",
+                                    engine_config=CONFIG).generate(prompts, ps)]
+    with LLM(str(ckpt), device=DEVICE, dtype="float32", engine_config=CONFIG,
+             tensor_parallel_size=2) as llm:
+        attn = llm.engine.model.layers[0].attn
+        assert (attn.num_heads, attn.num_kv_heads, llm.engine.runner.kv_heads) == (2, 1, 1)
+        got = [o.token_ids for o in llm.generate(prompts, ps)]
+    assert got == ref
+
+
+@torch.no_grad()
+def test_four_ranks_partial_sums_equal_one_process(tmp_path):
+    """Four ranks emulated in one process (no collectives: each rank's partial output is taken
+    before its all-reduce): 8 query heads over 2 KV heads split 4 ways (KV heads on two ranks
+    each, by the query heads that read them), 8 experts 2 per rank, the shared expert and the
+    dense layer by width. The partials sum to the one-process layer outputs."""
+    import torch.nn.functional as F
+
+    from flash_dllm.layers.attention import DenseContext
+    ckpt = write_tiny_llada2_checkpoint(tmp_path / "ckpt", seed=2, num_attention_heads=8)
+    full, cfg = load_model(ckpt)
+    x = torch.randn(2, 40, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(40)
+    want = [full.layers[i].attn(x, pos, i, DenseContext()) for i in range(cfg.num_layers)]
+    want += [full.layers[i].mlp(x) for i in range(cfg.num_layers)]
+    got = [torch.zeros_like(w) for w in want]
+    for rank in range(4):
+        model, _ = load_model(ckpt, tp=TPGroup(rank, 4))
+        assert model.tp.kv_heads == 1
+        for i, layer in enumerate(model.layers):
+            a, m = layer.attn, layer.mlp
+            got[i] += F.linear(DenseContext().attention(a, i, x, pos), a.o_proj.weight)
+            if not hasattr(m, "ep"):                           # the dense first layer
+                h = F.silu(m.gate_proj(x)) * m.up_proj(x)
+                got[cfg.num_layers + i] += F.linear(h, m.down_proj.weight)
+            else:
+                assert (m.ep.start, m.ep.end) == (2 * rank, 2 * rank + 2)
+                m.ep.combine = lambda t: t                      # this rank's partial
+                got[cfg.num_layers + i] += m(x)
+    for i, (w, g) in enumerate(zip(want, got)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"output {i}")
+
+
 def test_each_rank_loads_only_its_experts_and_heads(folder, monkeypatch):
     """Rank r's shard equals the slices of the one-process model, and the loader never reads
     the checkpoint tensors of another rank's experts."""
@@ -136,7 +185,8 @@ def _spy_reads(monkeypatch, read: list[str]) -> None:
 
 # ------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("overrides, world, what", [
-    ({}, 4, r"num_kv_heads \(2\)"),
+    ({"num_attention_heads": 12, "num_key_value_heads": 4}, 6,
+     r"num_kv_heads \(4\) or be a multiple of it"),
     ({"num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 6, "n_group": 3,
       "topk_group": 2}, 4, r"num_experts \(6\)"),
     ({"num_key_value_heads": 4, "moe_intermediate_size": 30, "num_experts": 4, "n_group": 1,

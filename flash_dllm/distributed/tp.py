@@ -4,7 +4,7 @@ Each of ``world`` ranks holds a shard of every large weight:
 
 | weights | split | after it |
 |---|---|---|
-| q / k / v projections (and biases) | by attention head (k / v by KV head) | nothing: heads are local |
+| q / k / v projections (and biases) | by attention head (k / v by KV head; N > KV heads: each KV head on N / KV heads ranks) | nothing: heads are local |
 | attention output projection | by input column (the heads') | one all-reduce |
 | gate / up projections | by intermediate row | nothing |
 | down projection | by input column | one all-reduce |
@@ -15,6 +15,11 @@ Each of ``world`` ranks holds a shard of every large weight:
 | LM head | by vocabulary row | a reduction of (max, argmax, logsumexp) per row |
 
 Embeddings and norms (q/k norms included) are replicated.
+
+More ranks than KV heads (LLaDA2-flash's 4 on 8 GPUs): the query heads and the output projection
+still split N ways, and each KV head (its k / v rows and its KV pages) is held by the N / KV
+heads consecutive ranks whose query heads read it (rank r: KV head r // (N / KV heads)). Only the
+k / v projections and the KV pool are duplicated, and the collectives stay one group of N.
 
 Mixture of experts (``ExpertShard``): the experts are split by expert (expert parallelism) over
 the same ranks as the heads. After the attention's all-reduce every rank holds the same hidden
@@ -89,7 +94,12 @@ def check_divisible(cfg, world: int) -> None:
     """Raise before anything starts when ``world`` cannot split this model."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
-    sizes = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
+    if world > cfg.num_kv_heads and world % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {world} must divide the model's num_kv_heads "
+                         f"({cfg.num_kv_heads}) or be a multiple of it")
+    sizes = [("num_heads", cfg.num_heads)]
+    if world <= cfg.num_kv_heads:
+        sizes.append(("num_kv_heads", cfg.num_kv_heads))
     if cfg.mlp_kind == "dense" or cfg.dense_layers:        # (a MoE model may have no dense MLP)
         sizes.append(("intermediate_size", cfg.intermediate_size))
     if cfg.moe is not None:
@@ -124,7 +134,7 @@ def shard_slices(name: str, shape: tuple, cfg, tp: TPGroup) -> tuple[slice, ...]
         a, b = tp.span(cfg.num_heads, "num_heads")
         full[0] = slice(a * D, b * D)
     elif module in ("attn.k_proj", "attn.v_proj"):
-        a, b = tp.span(cfg.num_kv_heads, "num_kv_heads")
+        a, b = kv_head_span(cfg.num_kv_heads, tp)
         full[0] = slice(a * D, b * D)
     elif module == "attn.o_proj" and leaf == "weight":
         a, b = tp.span(cfg.num_heads, "num_heads")
@@ -141,6 +151,19 @@ def shard_slices(name: str, shape: tuple, cfg, tp: TPGroup) -> tuple[slice, ...]
     else:
         return None
     return tuple(full)
+
+
+def kv_head_span(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """This rank's KV heads [start, end): its 1/N share, or, with more ranks than KV heads, the
+    one KV head its query heads read (query heads [r H/N, (r+1) H/N) lie in one group of
+    H / num_kv_heads when N is a multiple of num_kv_heads)."""
+    if tp.world <= num_kv_heads:
+        return tp.span(num_kv_heads, "num_kv_heads")
+    if tp.world % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp.world} must divide the model's "
+                         f"num_kv_heads ({num_kv_heads}) or be a multiple of it")
+    head = tp.rank // (tp.world // num_kv_heads)
+    return head, head + 1
 
 
 class RowParallelLinear(nn.Module):
@@ -212,16 +235,17 @@ def shard_model(model, tp: TPGroup) -> None:
             local = nn.Parameter(p[sl].clone() if p.device.type != "meta" else
                                  torch.empty_like(p[sl]), requires_grad=False)
         setattr(owner, leaf, local)
+    kv0, kv1 = kv_head_span(cfg.num_kv_heads, tp)
     for layer in model.layers:
         a, m = layer.attn, layer.mlp
         a.num_heads //= tp.world
-        a.num_kv_heads //= tp.world
+        a.num_kv_heads = kv1 - kv0
         a.o_proj = RowParallelLinear(a.o_proj.weight, tp)
         if hasattr(m, "w_gate_up"):              # a MoE layer: its forward all-reduces once
             m.ep = ExpertShard(*tp.span(cfg.moe.num_experts, "num_experts"), tp)
         else:
             m.down_proj = RowParallelLinear(m.down_proj.weight, tp)
-    model.tp = TPState(tp, VocabParallel(tp, cfg.vocab_size), full_shapes)
+    model.tp = TPState(tp, VocabParallel(tp, cfg.vocab_size), kv1 - kv0, full_shapes)
 
 
 @dataclass
@@ -243,11 +267,13 @@ class ExpertShard:
 
 @dataclass
 class TPState:
-    """What a sharded model carries: its group, the LM head's vocabulary shard, and the full
-    shape of every sharded parameter (the loader maps checkpoint tensors by full shapes)."""
+    """What a sharded model carries: its group, the LM head's vocabulary shard, its KV heads
+    (what its KV pool holds), and the full shape of every sharded parameter (the loader maps
+    checkpoint tensors by full shapes)."""
 
     group: TPGroup
     vocab: VocabParallel
+    kv_heads: int
     full_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
