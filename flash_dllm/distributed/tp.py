@@ -4,22 +4,25 @@ Each of ``world`` ranks holds a shard of every large weight:
 
 | weights | split | after it |
 |---|---|---|
-| q / k / v projections (and biases) | by attention head (k / v by KV head; N > KV heads: each KV head on N / KV heads ranks) | nothing: heads are local |
+| q / k / v projections (and biases) | by attention head (k / v by KV head) | nothing |
 | attention output projection | by input column (the heads') | one all-reduce |
 | gate / up projections | by intermediate row | nothing |
 | down projection | by input column | one all-reduce |
-| MoE router (and its expert bias) | replicated | nothing: every rank routes every token alike |
-| routed experts (``w_gate_up``, ``w_down``) | by expert: rank r holds [r E/N, (r+1) E/N) | |
-| shared expert | gate / up by intermediate row, down by input column | |
-| (a MoE layer's output) | routed partial + shared partial | one all-reduce of their sum |
+| MoE router (and its expert bias) | replicated: every rank routes alike | nothing |
+| routed experts (``w_gate_up``, ``w_down``) | by expert: [r E/N, (r+1) E/N) on rank r | |
+| shared expert | gate / up by row, down by column | |
+| (a MoE layer's output) | routed partial + shared partial | one all-reduce |
 | LM head | by vocabulary row | a reduction of (max, argmax, logsumexp) per row |
 
-Embeddings and norms (q/k norms included) are replicated.
+Embeddings and norms (q/k norms included) are replicated. A rank's KV pool holds its KV heads
+only; the page ledger, the scheduler and every decision are replicated (every rank runs the same
+plan), so decisions that depend on attention (``flash``'s top-k, the KV sentinel) use reductions
+of the per-head statistics (``reduce_heads``) and all ranks agree.
 
 More ranks than KV heads (LLaDA2-flash's 4 on 8 GPUs): the query heads and the output projection
 still split N ways, and each KV head (its k / v rows and its KV pages) is held by the N / KV
 heads consecutive ranks whose query heads read it (rank r: KV head r // (N / KV heads)). Only the
-k / v projections and the KV pool are duplicated, and the collectives stay one group of N.
+k / v projections and the KV pool are duplicated; the collectives stay one group of N.
 
 Mixture of experts (``ExpertShard``): the experts are split by expert (expert parallelism) over
 the same ranks as the heads. After the attention's all-reduce every rank holds the same hidden
@@ -28,10 +31,7 @@ runs its own experts on the pairs routed to them (the ids of other ranks' expert
 [0, E/N) once shifted by the rank's first expert, and ``fused_moe`` skips such ids), adds its
 slice of the shared expert, and one all-reduce sums the ranks' partial outputs: the same
 collective, and the same bytes, as a dense layer's down projection. The all-to-all alternative
-(send each token only to the ranks of its experts) is described in ``docs/scaling.md``. A rank's KV pool holds its KV heads only; the page ledger,
-the scheduler and every decision are replicated (every rank runs the same plan), so decisions that
-depend on attention (``flash``'s top-k, the KV sentinel) use reductions of the per-head
-statistics (``reduce_heads``) and all ranks agree.
+(send each token only to the ranks of its experts) and when it would pay: ``docs/scaling.md``.
 
 The greedy proposal never gathers the logits: each rank reduces its vocabulary slice to (best
 logit, its index, logsumexp) per row and one all-gather of those three numbers per row combines
