@@ -150,7 +150,7 @@ def _spy_reads(monkeypatch, read: list[str]) -> None:
     """Record the names of the checkpoint tensors whose data the loader reads."""
     from contextlib import contextmanager
 
-    import flash_dllm.models.loader as loader
+    from flash_dllm.models import loader
     real = loader._open_weights
 
     class Spy:
