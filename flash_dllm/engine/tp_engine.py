@@ -59,6 +59,18 @@ class TPEngine(Engine):
             self._cmds.append(("abort", request_id))
         return done
 
+    def dense_logits(self, ids: torch.Tensor, pattern=None) -> torch.Tensor:
+        """``LLM.logits`` on a sharded model: every rank runs the dense forward of ``ids``
+        [B, L] (with ``pattern``), whose collectives need them all; rank 0 gets [B, L, V].
+        Requests added since the last step are sent first, so every rank's engine still holds
+        the same requests; no rank steps for this command."""
+        if self.closed:
+            raise RuntimeError("this tensor-parallel engine was closed (its other ranks stopped)")
+        self.check_workers()
+        cmds, self._cmds = self._cmds, []
+        self._broadcast(cmds + [("logits", ids.cpu(), pattern)])
+        return self.model(ids, pattern=pattern)
+
     def graphs_ready(self) -> None:
         super().graphs_ready()
         self._cmds.append(("graphs_ready",))    # every rank stops capturing at the same step
@@ -127,6 +139,7 @@ def follow(engine: Engine, control=None) -> None:
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=control)
+        step = True
         for cmd in box[0]:
             if cmd[0] == STOP:
                 return
@@ -135,7 +148,13 @@ def follow(engine: Engine, control=None) -> None:
                 engine.add_request(ids, params, request_id=rid, prompt=prompt)
             elif cmd[0] == "graphs_ready":
                 engine.graphs_ready()
+            elif cmd[0] == "logits":            # rank 0's ``dense_logits``: a forward, no step
+                _, ids, pattern = cmd
+                with torch.inference_mode():
+                    engine.model(ids.to(engine.device), pattern=pattern)
+                step = False
             else:
                 engine.abort(cmd[1])
-        with torch.inference_mode():
-            engine.step()
+        if step:
+            with torch.inference_mode():
+                engine.step()

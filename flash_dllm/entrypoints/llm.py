@@ -127,10 +127,10 @@ class LLM:
                 raise ValueError(f"block_length must be an integer >= 1 or None, got "
                                  f"{block_length!r}")
             pattern = block_causal(block_length)
-        if getattr(self._model, "tp", None) is not None:
-            raise ValueError("LLM.logits runs on one device: this LLM is split over "
-                             "tensor-parallel ranks (load it with tensor_parallel_size=1)")
-        out = self._model(ids.to(self.device), pattern=pattern)     # [B, L, V]
+        if getattr(self._model, "tp", None) is not None:   # every rank runs the forward
+            out = self.engine.dense_logits(ids.to(self.device), pattern)
+        else:
+            out = self._model(ids.to(self.device), pattern=pattern)     # [B, L, V]
         if self.cfg.logit_shift:
             out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
         return out if batched else out[0]

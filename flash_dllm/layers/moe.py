@@ -124,6 +124,10 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, hidden, I))
         self.shared = (SwiGLU(hidden, cfg.shared_intermediate_size)
                        if cfg.num_shared_experts else None)
+        # expert parallelism (``distributed/tp.ExpertShard``, set by ``shard_model``): this
+        # rank's experts [ep.start, ep.end) are the packed weights above, and ``ep.combine``
+        # sums the ranks' partial outputs; None on one device
+        self.ep = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -158,9 +162,17 @@ class MoE(nn.Module):
         lead, d = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, d)                                           # [T, d]
         ids, w = self.route(flat)
+        if self.ep is not None:
+            # NOTE (expert parallelism): every rank routes every token alike (same input, same
+            # replicated router); shifted by this rank's first expert, the ids of the experts
+            # another rank holds fall outside [0, E / N), which ``fused_moe`` skips, so this
+            # rank computes exactly its experts' share of each token's weighted sum
+            ids = ids - self.ep.start
         out = fused_moe.op(flat, self.w_gate_up, self.w_down, ids, w)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            out = out + self.shared(flat)      # (under EP: this rank's slice of its width)
+        if self.ep is not None:
+            out = self.ep.combine(out)         # one all-reduce: routed + shared partials
         return out.view(*lead, d)
 
 

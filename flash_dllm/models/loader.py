@@ -129,10 +129,6 @@ def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
     else:
         family = registry.by_name(cfg.arch)
     dtype = parse_dtype(dtype, device)
-    if tp is not None and tp.world > 1 and (cfg.moe is not None or family.split is not None):
-        raise ValueError(f"tensor parallelism does not support {family.name} models yet "
-                         "(mixture-of-experts layers, tensors split at load): use "
-                         "tensor_parallel_size=1")
     model = family.build(cfg, "meta", dtype)
     if tp is not None and tp.world > 1:
         from flash_dllm.distributed.tp import shard_model
@@ -160,11 +156,15 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     if sharded:
         from flash_dllm.distributed.tp import shard_slices
     params = dict(model.named_parameters())
+    # the full (unsharded) shape of each parameter: checkpoint tensors map to full shapes
+    full_shapes = {ours: tuple(p.shape) for ours, p in params.items()}
+    if sharded:
+        full_shapes.update(model.tp.full_shapes)
     # what each checkpoint tensor fills: (engine parameter, piece) pairs, from the engine side,
     # so the set of tensors a checkpoint must hold is known before any is read
     plan: dict[str, list[tuple[str, Piece]]] = {}
-    for ours, p in params.items():
-        for piece in family.pieces(ours, tuple(p.shape), cfg):
+    for ours in params:
+        for piece in family.pieces(ours, full_shapes[ours], cfg):
             plan.setdefault(piece.ckpt, []).append((ours, piece))
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -175,13 +175,23 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
                 if targets is None:
                     unexpected.append(name)
                     continue
-                if len(targets) == 1 and targets[0][1].whole:
-                    ours = targets[0][0]
-                    sl = None
-                    if sharded:
-                        full = tuple(f.get_slice(name).get_shape())
+                if sharded:
+                    handle = f.get_slice(name)
+                    _check_shape(name, path, tuple(handle.get_shape()), targets[0][1].shape)
+                    for ours, piece in targets:
+                        full = full_shapes[ours]
                         sl = shard_slices(ours, full, cfg, tp)
-                    t = f.get_tensor(name) if sl is None else f.get_slice(name)[sl]
+                        part = local_piece(piece, full, sl)
+                        if part is None:            # another rank's (another rank's expert)
+                            continue
+                        dest, src = part
+                        p = params[ours]
+                        with torch.no_grad():
+                            target = p[dest]
+                            target.copy_(handle[src].reshape(target.shape).to(dtype=p.dtype))
+                elif len(targets) == 1 and targets[0][1].whole:
+                    ours = targets[0][0]
+                    t = f.get_tensor(name)
                     _check_shape(name, path, tuple(t.shape), tuple(params[ours].shape))
                     with torch.no_grad():
                         params[ours].copy_(t.to(dtype=params[ours].dtype))
@@ -201,6 +211,43 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
         raise CheckpointError(f"missing tensors in {folder}: {missing[:8]}"
                               f"{' ...' if len(missing) > 8 else ''}")
     return model.eval(), cfg
+
+
+def local_piece(piece: Piece, full: tuple[int, ...],
+                shard: tuple[slice, ...] | None) -> tuple[tuple, tuple] | None:
+    """The part of ``piece`` that lies in this rank's ``shard`` (slices of a parameter of full
+    shape ``full``; None: the whole parameter) as (index into the rank's parameter, slices of the
+    checkpoint tensor, read with ``get_slice``), or None when none of it does.
+
+    NOTE: a piece's ``dest`` (into the parameter) and ``src`` (into the checkpoint tensor) drop
+    the dimensions that they index with an integer (an expert, say); the slices left pair up in
+    order and have equal lengths. Integer entries of ``src`` are read as length-1 slices and
+    reshaped away by the caller."""
+    dest = tuple(piece.dest) + (slice(None),) * (len(full) - len(piece.dest))
+    src_index = tuple(piece.src) + (slice(None),) * (len(piece.shape) - len(piece.src))
+    src = [slice(i, i + 1) if isinstance(i, int) else slice(*i.indices(n)[:2])
+           for i, n in zip(src_index, piece.shape)]
+    pairs = iter([j for j, i in enumerate(src_index) if not isinstance(i, int)])
+    shard = shard if shard is not None else (slice(None),) * len(full)
+    local = []
+    for d, s, n in zip(dest, shard, full):
+        s0, s1, _ = s.indices(n)
+        if isinstance(d, int):
+            if not s0 <= d < s1:
+                return None
+            local.append(d - s0)
+            continue
+        d0, d1, step = d.indices(n)
+        if step != 1:
+            raise ValueError(f"Piece {piece.ckpt}: strided dest {d} is not supported")
+        lo, hi = max(d0, s0), min(d1, s1)
+        if lo >= hi:
+            return None
+        local.append(slice(lo - s0, hi - s0))
+        j = next(pairs)                                  # the checkpoint dimension it maps to
+        c0 = src[j].start
+        src[j] = slice(c0 + lo - d0, c0 + hi - d0)
+    return tuple(local), tuple(src)
 
 
 def _check_shape(name: str, path: Path, got: tuple, expected: tuple) -> None:

@@ -58,12 +58,13 @@ class ModelRunner:
         # tensor parallelism: this rank's pool holds its KV heads only (the ledger is replicated)
         self.tp = getattr(model, "tp", None)
         world = 1 if self.tp is None else self.tp.world
-        self.kv_heads = cfg.num_kv_heads // world
+        # (more ranks than KV heads: a rank holds one KV head, see distributed/tp.py)
+        self.kv_heads = cfg.num_kv_heads if self.tp is None else self.tp.kv_heads
+        kv_token = cfg.kv_bytes_per_token(self.dtype) * self.kv_heads // cfg.num_kv_heads
         self.table_width = -(-cfg.max_position // config.page_size)
         self.overflow = self._make_overflow(cfg, config)
         self.overflow_state = None              # the running one's OverflowState
-        self.num_pages = config.num_pages(cfg.kv_bytes_per_token(self.dtype) // world,
-                                          self._kv_budget())
+        self.num_pages = config.num_pages(kv_token, self._kv_budget())
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
             self.num_pages = self.tp.group.min_int(self.num_pages, self.device)
         self.page_size = config.page_size
@@ -82,7 +83,7 @@ class ModelRunner:
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
         # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
-        self.page_bytes = self.page_size * cfg.kv_bytes_per_token(self.dtype) // world
+        self.page_bytes = self.page_size * kv_token
         self.compat = self._compat(config)
         self.offload: KVOffloader | None = None
         if config.kv_cpu_gb or config.kv_tier_stress:    # (the tiers: cache/tier_store.py)
