@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from flash_dllm.bench.step import SHAPES, run_bench, shape_config, step_flops
 
@@ -61,3 +62,46 @@ def test_cli_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(out.read_text())
     assert rep["rows"][0]["cache"] == "dual" and "floor" in proc.stdout
+
+
+def test_moe_floor_counts_the_experts_the_step_reaches(tmp_path):
+    """On a MoE model the floor reads the routed experts the step's rows reach, counted from the
+    router's own choices: independently recounted here by routing the active blocks' rows."""
+    from conftest import write_tiny_llada2_checkpoint
+
+    from flash_dllm import LLM
+    from flash_dllm.bench.step import bench_case, touched_experts, weight_read_bytes
+    from flash_dllm.config import EngineConfig
+    from flash_dllm.layers.moe import MoE
+
+    # 128 experts, 2 per token: 32 rows of a block reach some of them, not all
+    llm = LLM(str(write_tiny_llada2_checkpoint(tmp_path / "m", num_experts=128)),
+              dtype="float32",
+              engine_config=EngineConfig(fused_step=False))
+    model, cfg = llm._model, llm.cfg
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    E, k = cfg.moe.num_experts, cfg.moe.top_k
+    r = bench_case(model, cfg, 2, "block", 8, 32, 32, 3, 1, torch.device("cpu"),
+                   cuda_graphs=False)
+    touched = r["experts_touched"]
+    assert len(touched) == len(moes) and all(k <= t <= E for t in touched)
+    assert not any("route" in vars(m) for m in moes)        # the recorder is gone
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_read_bytes(model, cfg, 16, [E] * len(moes)) == full
+    per_expert = 3 * cfg.hidden_size * cfg.moe.intermediate_size * 4
+    assert weight_read_bytes(model, cfg, 16, touched) == full - sum(
+        E - t for t in touched) * per_expert
+
+    class Req:                  # one active block: rows [32, 64) of a 96-slot canvas
+        block_start, block_end = 32, 64
+        canvas = torch.randint(0, 50, (96,))
+
+    hidden = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, i=i: hidden.__setitem__(i, a[0]))
+             for i, m in enumerate(moes)]
+    counts = touched_experts(model, [Req], "block")
+    for h in hooks:
+        h.remove()
+    for i, m in enumerate(moes):        # MoE.route on the layer's input rows of the block
+        ids, _ = MoE.route(m, hidden[i].reshape(-1, cfg.hidden_size)[32:64])
+        assert counts[i] == len(set(ids.reshape(-1).tolist())) < E

@@ -19,6 +19,7 @@ import torch
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
+from flash_dllm.layers.moe import MoE
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.loader import build_model, read_json
 
@@ -151,20 +152,53 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
     return total
 
 
-def weight_read_bytes(model, cfg: ModelConfig, tokens: int) -> float:
+def weight_read_bytes(model, cfg: ModelConfig, tokens: int,
+                      touched: list[int] | None = None) -> float:
     """Weight bytes a step of ``tokens`` routed rows reads: every weight, but of a MoE layer's
-    routed experts only those its tokens reach, at uniform routing (E (1 - (1 - k/E)^tokens)
-    distinct experts per layer: random weights route near uniformly). The embedding counts
-    whole, as in the dense shapes' floors."""
+    routed experts only those its tokens reach: ``touched`` (measured, one count per MoE
+    layer), or at uniform routing (E (1 - (1 - k/E)^tokens) distinct experts per layer). The
+    embedding counts whole, as in the dense shapes' floors."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if cfg.mlp_kind != "moe":
         return total
     m = cfg.moe
     elem = next(model.parameters()).element_size()
     per_expert = 3 * cfg.hidden_size * m.intermediate_size * elem
+    if touched is not None:
+        return total - sum(m.num_experts - t for t in touched) * per_expert
     untouched = m.num_experts * (1 - m.top_k / m.num_experts) ** tokens
     layers = sum(cfg.layer_mlp_kind(i) == "moe" for i in range(cfg.num_layers))
     return total - layers * untouched * per_expert
+
+
+@torch.no_grad()
+def touched_experts(model, reqs, cache: str) -> list[int]:
+    """Distinct routed experts each MoE layer reads in one step of ``reqs`` as they stand,
+    measured: each request's canvas through the model's dense forward (its own attention
+    pattern, so a block-causal row sees what the step's row sees), the router's choices kept
+    for the rows the step computes (the active block; every row with ``cache="none"``)."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    hit = [torch.zeros(m.cfg.num_experts, dtype=torch.bool) for m in moes]
+    rows = [slice(0, 0)]
+
+    def recorder(i, route):
+        def record(x):
+            ids, w = route(x)
+            hit[i][ids[rows[0]].reshape(-1).cpu()] = True
+            return ids, w
+        return record
+
+    for i, m in enumerate(moes):
+        m.route = recorder(i, m.route)           # an instance attribute over the method
+    try:
+        dev = next(model.parameters()).device
+        for r in reqs:
+            rows[0] = slice(0, None) if cache == "none" else slice(r.block_start, r.block_end)
+            model(r.canvas[None].to(dev))
+    finally:
+        for m in moes:
+            del m.route
+    return [int(h.sum()) for h in hit]
 
 
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
@@ -209,6 +243,8 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
         if not (first and cache != "none"):
             flops.append(f / t)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    touched = (touched_experts(model, reqs, cache)
+               if cfg.mlp_kind == "moe" and getattr(model, "tp", None) is None else None)
     for r in reqs:
         engine.abort(r.request_id)
     graphs = None
@@ -232,7 +268,7 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
             "decode": decode,
             "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
             "flops_per_s": statistics.median(flops) if flops else None,
-            "peak_bytes": peak}
+            "peak_bytes": peak, "experts_touched": touched}
 
 
 def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dtype: str,
@@ -271,7 +307,11 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                                  else SamplingParams.flash_budget)
         if cfg.mlp_kind == "moe":        # the experts this step's rows reach (steady steps)
             rows_routed = b * (block if cache != "none" else prompt + gen)
-            r["weight_read_bytes"] = weight_read_bytes(model, cfg, rows_routed)
+            uniform = weight_read_bytes(model, cfg, rows_routed)
+            r["floor_ms_uniform_routing"] = 1e3 * uniform / bw
+            r["weight_read_bytes"] = (weight_read_bytes(model, cfg, rows_routed,
+                                                        r["experts_touched"])
+                                      if r["experts_touched"] is not None else uniform)
             r["floor_ms"] = 1e3 * r["weight_read_bytes"] / bw
             r["active_params"] = cfg.active_params()
         r["ratio_to_floor"] = r["ms"] / r.get("floor_ms", floor_ms)
