@@ -5,7 +5,8 @@ replicated, not sent: each rank holds an ``Engine`` whose inputs are identical, 
 the same ``StepPlan`` and, because the forward's collectives (``distributed/tp.py``) give every
 rank the same hidden states and the same greedy proposals, the same ``StepResult``. Rank 0 takes
 requests; before each step it broadcasts the commands it applied since the last one (add, abort),
-and the other ranks apply them in the same order, then step. What could make the replicas drift
+and the other ranks apply them in the same order, then step (``LLM.logits`` sends a dense forward
+instead of a step: ``dense_logits``). What could make the replicas drift
 is pinned down here: request ids and sampling seeds are chosen on rank 0 and sent; the KV manager
 ticks on a step counter (not a wall clock) and its cost model does not adapt to local timings.
 """
