@@ -242,8 +242,8 @@ def test_metrics_present_and_moving(ckpt):
 
 def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
     """Every SamplingParams field but max_tokens is a body knob, and each arrives at the engine
-    with the value sent (all non-default; drift runs without verify, so in a second request);
-    the sentinels then run and the text equals the offline API's with the same params. Out of
+    with the value sent (all non-default; drift runs without verify and edit is a policy of its
+    own, so in further requests); the sentinels then run and the text equals the offline API's with the same params. Out of
     range is a 400 naming the field, a wrong type too."""
     from dataclasses import fields
     from flash_dllm.server.protocol import DLLMKnobs
@@ -259,22 +259,24 @@ def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
               "top_k": 5, "top_p": 0.9, "seed": 7}
     drift = {"max_tokens": 16, "block_length": 8, "decode": "threshold", "cache": "prefix",
              "drift_min": 0.9, "drift_defer": False}
+    edit = {"max_tokens": 16, "block_length": 8, "decode": "edit", "cache": "dual",
+            "edit_threshold": 0.5, "max_post_edit_steps": 2}
     defaults = SamplingParams()
-    for body in (verify, drift):
+    for body in (verify, drift, edit):
         assert all(v != getattr(defaults, k) for k, v in body.items()), body
     # a new knob is a new body field (generated): send it here too
-    assert set(verify) | set(drift) == {f.name for f in fields(SamplingParams)}
+    assert set(verify) | set(drift) | set(edit) == {f.name for f in fields(SamplingParams)}
 
     async def go():
         async with client(app) as c:
             ok = [await c.post("/v1/completions", json={"prompt": "Hello", **kw})
-                  for kw in (verify, drift)]
+                  for kw in (verify, drift, edit)]
             bad = [await c.post("/v1/completions", json={"prompt": "Hello", **kw})
                    for kw in ({"kv_jaccard_min": 1.5}, {"max_verify": 0, "decode": "verify"},
                               {"verify_rule": "majority"}, {"drift_min": "0.9"})]
             return ok, bad, metrics_of((await c.get("/metrics")).text)
     ok, bad, m = run(go())
-    for r, body, params in zip(ok, (verify, drift), seen):
+    for r, body, params in zip(ok, (verify, drift, edit), seen):
         assert r.status_code == 200, r.text
         assert {k: getattr(params, k) for k in body} == body
         ref = llm.generate("Hello", SamplingParams(**body))[0].text
