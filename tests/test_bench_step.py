@@ -105,3 +105,38 @@ def test_moe_floor_counts_the_experts_the_step_reaches(tmp_path):
     for i, m in enumerate(moes):        # MoE.route on the layer's input rows of the block
         ids, _ = MoE.route(m, hidden[i].reshape(-1, cfg.hidden_size)[32:64])
         assert counts[i] == len(set(ids.reshape(-1).tolist())) < E
+
+
+def test_uniform_routing_spreads_rows_and_counts_the_table(tmp_path):
+    """``--routing uniform``: each row's experts are distinct and drawn from the whole range, the
+    step runs with them, the floor counts the table's experts for the step's rows, and the
+    recorder leaves the table in place."""
+    from conftest import write_tiny_llada2_checkpoint
+
+    from flash_dllm import LLM
+    from flash_dllm.bench.step import (UNIFORM_TABLE_ROWS, bench_case, install_uniform_routing,
+                                       uniform_touched)
+    from flash_dllm.config import EngineConfig
+    from flash_dllm.layers.moe import MoE
+
+    llm = LLM(str(write_tiny_llada2_checkpoint(tmp_path / "m", num_experts=128)),
+              dtype="float32", engine_config=EngineConfig(fused_step=False))
+    model, cfg = llm._model, llm.cfg
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    E, k = cfg.moe.num_experts, cfg.moe.top_k
+    assert install_uniform_routing(model) == len(moes)
+    x = torch.randn(UNIFORM_TABLE_ROWS + 5, cfg.hidden_size)
+    for m in moes:
+        ids, w = m.route(x)
+        assert ids.shape == (x.shape[0], k) and w.shape == (x.shape[0], k)
+        assert all(len(set(row)) == k for row in ids[:64].tolist())       # distinct per row
+        assert torch.equal(ids[UNIFORM_TABLE_ROWS:], ids[:5])              # the table wraps
+        assert len(set(ids.reshape(-1).tolist())) == E                     # every expert used
+        assert torch.allclose(w.sum(-1), torch.full((x.shape[0],), cfg.moe.routed_scaling_factor))
+    # 2 requests x 32 rows: the floor's count is the table's distinct experts over 64 rows
+    want = uniform_touched(model, 64)
+    assert want == [len(set(m.route.table[:64].reshape(-1).tolist())) for m in moes]
+    r = bench_case(model, cfg, 2, "block", 8, 32, 32, 3, 1, torch.device("cpu"),
+                   cuda_graphs=False)
+    assert r["ms"] > 0 and all(k <= t <= E for t in r["experts_touched"])
+    assert all("route" in vars(m) for m in moes)         # the table stays installed

@@ -171,6 +171,41 @@ def weight_read_bytes(model, cfg: ModelConfig, tokens: int,
     return total - layers * untouched * per_expert
 
 
+ROUTINGS = ("model", "uniform")
+UNIFORM_TABLE_ROWS = 4096     # distinct choices per row; row r uses entry r mod this
+
+
+def install_uniform_routing(model, seed: int = 0) -> int:
+    """``--routing uniform``: every MoE layer's router is replaced by a fixed table of choices,
+    each row's ``top_k`` experts drawn uniformly without replacement (row ``r`` of a step takes
+    entry ``r mod UNIFORM_TABLE_ROWS``), mixing weights equal. What a balanced router reads,
+    which random router weights do not: their rows, all alike, crowd onto a few experts, so a
+    step reads fewer experts than a trained model's would. Static tensors indexed by the step's
+    row count: capturable in a CUDA graph. Returns the number of layers changed."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    g = torch.Generator().manual_seed(seed)
+    for m in moes:
+        E, k = m.cfg.num_experts, m.cfg.top_k
+        dev = m.w_down.device
+        table = torch.rand(UNIFORM_TABLE_ROWS, E, generator=g).argsort(dim=1)[:, :k].to(dev)
+        weight = torch.full((1, k), m.cfg.routed_scaling_factor / k, device=dev)
+
+        def route(x, table=table, weight=weight):
+            rows = torch.arange(x.shape[0], device=x.device) % UNIFORM_TABLE_ROWS
+            ids = table[rows]
+            return ids, weight.expand(ids.shape[0], -1)
+        route.table = table
+        m.route = route                      # an instance attribute over the method
+    return len(moes)
+
+
+def uniform_touched(model, rows: int) -> list[int]:
+    """Distinct experts each MoE layer's installed uniform table gives a step of ``rows`` rows
+    (the step's rows take table entries 0..rows-1, whatever request they belong to)."""
+    return [int(m.route.table[torch.arange(rows) % UNIFORM_TABLE_ROWS].unique().numel())
+            for m in model.modules() if isinstance(m, MoE)]
+
+
 @torch.no_grad()
 def touched_experts(model, reqs, cache: str) -> list[int]:
     """Distinct routed experts each MoE layer reads in one step of ``reqs`` as they stand,
@@ -188,6 +223,7 @@ def touched_experts(model, reqs, cache: str) -> list[int]:
             return ids, w
         return record
 
+    before = [m.__dict__.get("route") for m in moes]     # an installed routing, if any
     for i, m in enumerate(moes):
         m.route = recorder(i, m.route)           # an instance attribute over the method
     try:
@@ -196,8 +232,11 @@ def touched_experts(model, reqs, cache: str) -> list[int]:
             rows[0] = slice(0, None) if cache == "none" else slice(r.block_start, r.block_end)
             model(r.canvas[None].to(dev))
     finally:
-        for m in moes:
-            del m.route
+        for m, b in zip(moes, before):
+            if b is None:
+                del m.route
+            else:
+                m.route = b
     return [int(h.sum()) for h in hit]
 
 
@@ -255,7 +294,14 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     del engine, reqs, runner
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        # NOTE: no torch.cuda.empty_cache() here. With it, the LLaDA2-mini shape's next case
+        # (batch 64 after 1 and 8, a new engine in the same process) stopped with an illegal
+        # memory access, 3 runs of 3 on an H100, also cut to 3 layers and with cuBLAS's
+        # workspace off (CUBLAS_WORKSPACE_CONFIG=:0:0); without it, and under compute-sanitizer
+        # (which serialises the GPU), it ran clean. Something outside this code still uses
+        # memory of the torn-down engine that empty_cache gives back to the driver
+        # (benchmarks/findings/moe.md); the cases now share the cached blocks instead
+        torch.cuda.synchronize()
     ms = 1e3 * statistics.median(cached)
     return {"batch": batch, "cache": cache,
             "cuda_graphs": graphs is not None, "graph_stats": graphs,
@@ -276,7 +322,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               cuda_graphs: bool = True,
               flash_budget: int | None = None, decode: str = "vanilla",
               fused_step: bool = True, fused_max_rows: int | None = None,
-              tensor_parallel_size: int = 1, tp=None) -> dict:
+              tensor_parallel_size: int = 1, tp=None, routing: str = "model") -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
     forward includes the collectives. ``tp``: this rank's group (set by the launcher)."""
@@ -285,12 +331,19 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             shape=shape, batches=batches, caches=caches, device=device, dtype=dtype,
             prompt=prompt, gen=gen, block=block, steps=steps, warmup=warmup,
             cuda_graphs=cuda_graphs, flash_budget=flash_budget, decode=decode,
-            fused_step=fused_step, fused_max_rows=fused_max_rows), progress)
+            fused_step=fused_step, fused_max_rows=fused_max_rows, routing=routing), progress)
     world = 1 if tp is None else tp.world
     dev = torch.device(device) if tp is None else _tp_device(device, tp.rank, world)
     cfg_dict = shape_config(shape)
     model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0, tp=tp)
     cfg = model.cfg
+    if routing not in ROUTINGS:
+        raise ValueError(f"--routing must be one of {ROUTINGS}, got {routing!r}")
+    if routing == "uniform":
+        if cfg.mlp_kind != "moe":
+            raise ValueError(f"--routing uniform needs a mixture-of-experts shape, "
+                             f"got {shape!r}")
+        install_uniform_routing(model)
     tdtype = next(model.parameters()).dtype
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27)
@@ -309,6 +362,10 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             rows_routed = b * (block if cache != "none" else prompt + gen)
             uniform = weight_read_bytes(model, cfg, rows_routed)
             r["floor_ms_uniform_routing"] = 1e3 * uniform / bw
+            if routing == "uniform" and r["experts_touched"] is not None:
+                # the table, not each request's dense forward alone: in the step, request j's
+                # rows take other table entries than request 0's
+                r["experts_touched"] = uniform_touched(model, rows_routed)
             r["weight_read_bytes"] = (weight_read_bytes(model, cfg, rows_routed,
                                                         r["experts_touched"])
                                       if r["experts_touched"] is not None else uniform)
@@ -334,6 +391,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         rows.append(r)
         progress(row_line(r))
     return {"model_shape": shape, "device": str(dev), "tensor_parallel_size": world,
+            "routing": routing if cfg.mlp_kind == "moe" else None,
             # per rank under tensor parallelism (what one GPU reads: the floor's numerator)
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(tdtype).replace("torch.", ""), "torch": torch.__version__,
