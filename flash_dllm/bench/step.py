@@ -294,14 +294,7 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     del engine, reqs, runner
     gc.collect()
     if device.type == "cuda":
-        # NOTE: no torch.cuda.empty_cache() here. With it, the LLaDA2-mini shape's next case
-        # (batch 64 after 1 and 8, a new engine in the same process) stopped with an illegal
-        # memory access, 3 runs of 3 on an H100, also cut to 3 layers and with cuBLAS's
-        # workspace off (CUBLAS_WORKSPACE_CONFIG=:0:0); without it, and under compute-sanitizer
-        # (which serialises the GPU), it ran clean. Something outside this code still uses
-        # memory of the torn-down engine that empty_cache gives back to the driver
-        # (benchmarks/findings/moe.md); the cases now share the cached blocks instead
-        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     ms = 1e3 * statistics.median(cached)
     return {"batch": batch, "cache": cache,
             "cuda_graphs": graphs is not None, "graph_stats": graphs,
