@@ -219,7 +219,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", required=True, help="checkpoint folder")
     ap.add_argument("--init-from", default="",
-                    help="a dense LLaDA-format proxy to upcycle (its tokenizer is kept)")
+                    help="a dense LLaDA-format proxy to upcycle, or a LLaDA2 proxy of the same "
+                         "dims to continue (its tokenizer is kept either way)")
     ap.add_argument("--minutes", type=float, default=7.0,
                     help="wall-clock budget from start to the end of training (the LR schedule "
                          "follows it); saving and the engine eval come on top")
@@ -292,7 +293,14 @@ def main(argv=None) -> dict:
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     upcycle_report = None
     if args.init_from:
-        dense, _ = load_model(args.init_from, device=device, dtype=torch.float32)
+        dense, start_cfg = load_model(args.init_from, device=device, dtype=torch.float32)
+    if args.init_from and start_cfg.arch == "llada2":
+        # NOTE: a second command continues a LLaDA2 proxy (same dims; fresh optimizer and
+        # schedule), as train_proxy's --init-from does
+        model.load_state_dict(dense.state_dict())
+        del dense
+        print(f"continuing {args.init_from}", flush=True)
+    elif args.init_from:
         target, key_mask, _ = clean_batch(pool, 32, EVAL_GEN_LENGTH, args, ids, gen)
         upcycle_report = llada2_upcycle.upcycle(dense, model, target, key_mask,
                                                 router_scale=args.router_scale, seed=args.seed)
