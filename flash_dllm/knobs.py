@@ -126,6 +126,10 @@ class Knob:
     def check(self, value: Any) -> None:
         """Raise ``ValueError`` naming the field and what it accepts unless ``value`` is valid."""
         if not self.accepts(value):
+            if isinstance(value, float) and not math.isfinite(value):
+                # NOTE: NaN fails every comparison: "must be in (0, 1]" would be the wrong reason
+                raise ValueError(f"{self.name} must be a finite number ({self.describe()}), "
+                                 f"got {value!r}")
             raise ValueError(f"{self.name} must be {self.describe()}, got {value!r}")
 
 
