@@ -173,3 +173,27 @@ def test_empty_prompt_over_http(app, path, body):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "prompt" and "empty" in err["message"]
+
+
+# ------------------------------------------------------------------- 6. the waiting queue
+def test_max_waiting_one_lets_one_request_wait(ckpt):
+    """--max-num-seqs 1 --max-waiting 1, four requests at once: one runs, one waits and is
+    served after it, two get 429."""
+    app, aeng = make_app(ckpt, EngineConfig(num_kv_pages=64, max_num_seqs=1, max_waiting=1))
+    body = {"prompt": "hello there", "max_tokens": 64, "block_length": 32}
+    seen_waiting = []
+
+    async def go():
+        async with client(app) as c:
+            async def watch():
+                while True:
+                    seen_waiting.append(aeng.num_waiting)
+                    await asyncio.sleep(0.005)
+            watcher = asyncio.create_task(watch())
+            rs = await asyncio.gather(*[c.post(CMPL, json=body) for _ in range(4)])
+            watcher.cancel()
+            return rs
+    rs = asyncio.run(go())
+    codes = sorted(r.status_code for r in rs)
+    assert codes == [200, 200, 429, 429], [r.text[:200] for r in rs]
+    assert 1 in seen_waiting
