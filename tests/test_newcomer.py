@@ -197,3 +197,45 @@ def test_max_waiting_one_lets_one_request_wait(ckpt):
     codes = sorted(r.status_code for r in rs)
     assert codes == [200, 200, 429, 429], [r.text[:200] for r in rs]
     assert 1 in seen_waiting
+
+
+# ------------------------------------------------------------- 7. --version, usage errors
+def test_version_does_not_import_torch():
+    code = ("import sys\nfrom flash_dllm.entrypoints.cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=ENV)
+    assert r.returncode == 0, r.stderr
+    version, imported = r.stdout.split()[-3:-1], r.stdout.split()[-1]
+    assert version[0] == "flash-dllm" and imported == "False"
+
+
+def test_unknown_flag_names_the_subcommand(capsys):
+    rc, err = usage_error(capsys, "generate", "--bogus", "hi")
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("usage: flash-dllm generate") and len(lines) == 2, err
+    assert lines[1] == "flash-dllm generate: error: unrecognized arguments: --bogus"
+
+
+def test_bad_choice_is_two_lines(capsys):
+    rc, err = usage_error(capsys, "generate", "--decode", "nope", "hi")
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith("usage: flash-dllm generate") and "--help" in lines[0]
+    assert "argument --decode: invalid choice: 'nope'" in lines[1]
+    rc, err = usage_error(capsys, "bench", "step", "--bogus")
+    assert len(err.strip().splitlines()) == 2 and "flash-dllm bench step: error" in err
+
+
+def test_bench_serve_json_prints_a_summary(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc, stdout, err = run_cli(capsys, "bench", "serve", "--requests", "2", "--concurrency", "1",
+                              "--max-tokens", "4", "--no-client-process", "--json", str(out))
+    assert rc == 0, err
+    report = json.loads(out.read_text())
+    assert report["ok"] == 2
+    assert not stdout.lstrip().startswith("{") and len(stdout.strip().splitlines()) <= 4, stdout
+    assert "2 requests" in stdout and str(out) in stdout + err
