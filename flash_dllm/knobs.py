@@ -128,8 +128,9 @@ class Knob:
         if not self.accepts(value):
             if isinstance(value, float) and not math.isfinite(value):
                 # NOTE: NaN fails every comparison: "must be in (0, 1]" would be the wrong reason
-                raise ValueError(f"{self.name} must be a finite number ({self.describe()}), "
-                                 f"got {value!r}")
+                what = self.describe()
+                what = what if what.startswith("a finite number") else f"a finite number {what}"
+                raise ValueError(f"{self.name} must be {what}, got {value!r}")
             raise ValueError(f"{self.name} must be {self.describe()}, got {value!r}")
 
 
