@@ -239,3 +239,52 @@ def test_bench_serve_json_prints_a_summary(tmp_path, capsys):
     assert report["ok"] == 2
     assert not stdout.lstrip().startswith("{") and len(stdout.strip().splitlines()) <= 4, stdout
     assert "2 requests" in stdout and str(out) in stdout + err
+
+
+# ------------------------------------------------------- a failed engine step, over HTTP
+def _fail_next_steps(aeng, times: int) -> None:
+    """Fault injection: the runner's next ``times`` steps raise."""
+    eng = aeng.engine
+    real, left = eng.runner.execute, [times]
+
+    def execute(plan):
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("injected fault")
+        return real(plan)
+    eng.runner.execute = execute
+
+
+def test_a_failed_step_over_http(ckpt):
+    """A failed step fails its request (a 500 error body naming it; a stream's error event then
+    [DONE]), the server goes on (/health ok, the next request answers) and /metrics counts it."""
+    app, aeng = make_app(ckpt)
+    body = {"prompt": "hi", "max_tokens": 8}
+
+    async def go():
+        async with client(app) as c:
+            _fail_next_steps(aeng, 1)
+            plain = await c.post(CMPL, json=body)
+            between = await c.post(CMPL, json=body)   # (3 failed steps in a row: a dead engine)
+            _fail_next_steps(aeng, 1)
+            streamed = await c.post(CMPL, json={**body, "stream": True})
+            _fail_next_steps(aeng, 1)
+            chat_streamed = await c.post(CHAT, json={"messages": [{"role": "user",
+                                                                  "content": "hi"}],
+                                                     "max_tokens": 8, "stream": True})
+            return (plain, between, streamed, chat_streamed, await c.get("/health"),
+                    await c.post(CMPL, json=body), await c.get("/metrics"))
+    plain, between, streamed, chat_streamed, health, after, metrics = asyncio.run(go())
+    assert plain.status_code == 500, plain.text
+    err = plain.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "request_failed"
+    assert "injected fault" in err["message"]
+    for r in (streamed, chat_streamed):
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        assert "injected fault" in events[-2]["error"]["message"], events[-2]
+        assert events[-2]["error"]["code"] == "request_failed"
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert after.status_code == between.status_code == 200
+    assert "flash_dllm_failed_steps_total 3.0" in metrics.text

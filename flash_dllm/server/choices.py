@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 
 from flash_dllm.core.request import RequestOutput
 from flash_dllm.engine.async_engine import EngineUnavailableError, RequestStream
+from flash_dllm.engine.streams import RequestFailed
 from flash_dllm.server.context import ServerContext, make_params, new_request_id
 from flash_dllm.server.detokenize import IncrementalDetokenizer
 from flash_dllm.server.drain import RETRY_AFTER, Drain
@@ -155,6 +156,8 @@ async def run_choices(choices: list[Choice], receive: Receive, drain: Drain) -> 
             pending -= done
         if any(not ch.done for ch in choices):
             raise APIError(503, "the request ended without output", "server_error")
+    except RequestFailed as e:       # this request alone: the server is fine (/health ok)
+        raise APIError(500, str(e), "server_error", code="request_failed") from None
     except EngineUnavailableError as e:
         raise APIError(503, str(e), "server_error", code="unavailable") from None
     finally:
@@ -238,7 +241,8 @@ def sse_choices(choices: list[Choice], opening: list[dict],
             for ev in closing():
                 yield _data(ev)
         except EngineUnavailableError as e:
-            yield _data(error_body(str(e), "server_error"))
+            yield _data(error_body(str(e), "server_error", code="request_failed" if isinstance(
+                e, RequestFailed) else "unavailable"))
         except APIError as e:
             yield _data(error_body(e.message, e.type, e.param, e.code))
         finally:
