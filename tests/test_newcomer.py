@@ -288,3 +288,66 @@ def test_a_failed_step_over_http(ckpt):
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     assert after.status_code == between.status_code == 200
     assert "flash_dllm_failed_steps_total 3.0" in metrics.text
+
+
+# ------------------------------------------------------------- 1. a second Ctrl-C mid-stream
+@pytest.mark.slow
+def test_second_sigint_while_streaming_exits_at_once_and_cleanly(tmp_path):
+    """Two SIGINTs while a long stream is in flight: the client's stream ends with an error
+    event then [DONE], the process exits within seconds with status 130 (interrupted), and
+    nothing aborts (no SIGABRT, no traceback)."""
+    import signal
+    import threading
+    import time
+
+    from flash_dllm.bench.serve import free_port
+
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", "llada", max_sequence_length=2048)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "flash_dllm", "serve", "--model", str(ckpt),
+                             "--port", str(port), "--log-level", "warning"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    got: dict = {}
+
+    def stream():
+        try:
+            with httpx.stream("POST", url + CMPL, json={"prompt": "long one", "max_tokens": 1024,
+                                                        "block_length": 32, "stream": True},
+                              timeout=60) as r:
+                got["lines"] = [ln for ln in r.iter_lines() if ln]
+        except httpx.HTTPError as e:
+            got["error"] = repr(e)
+
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        t = threading.Thread(target=stream)
+        t.start()
+        while "flash_dllm_requests_running 1.0" not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        t_second = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+        exited_after = time.monotonic() - t_second
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read().decode(errors="replace")
+    assert rc == 130, (rc, out)
+    assert exited_after < 10
+    assert "Traceback" not in out and "terminate called" not in out, out
+    assert "error" not in got, got
+    lines = got["lines"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["code"] == "interrupted"

@@ -218,6 +218,12 @@ class AsyncEngine:
             self._inbox.append(AbortRequest(request_id))
             self._cv.notify()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (thread-safe; applied before the next step)."""
+        with self._cv:
+            self._inbox.extend(AbortRequest(rid) for rid in list(self._ids))
+            self._cv.notify()
+
     # ---------------------------------------------------------------------------------- counters
     @property
     def num_running(self) -> int:

@@ -38,8 +38,9 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help="after SIGTERM/SIGINT: seconds in-flight requests get to finish while "
                         "/ready, /health and new requests answer 503 with Retry-After; at the "
                         "limit the rest end with an error (an OpenAI error body; streams an error "
-                        "event, then [DONE]) and the server exits; a second signal exits at "
-                        "once (default: 30)")
+                        "event, then [DONE]) and the server exits (status 0); a second signal "
+                        "exits at once, cutting the requests in flight the same way (status "
+                        "130) (default: 30)")
     s.add_argument("--strict-params", action="store_true",
                    help="refuse (400) every OpenAI parameter the engine does not use, instead "
                         "of ignoring the harmless ones (user, store, metadata, ...) and "
@@ -252,5 +253,10 @@ def run(a: argparse.Namespace) -> int:
             f"{snap.pages_total} KV pages of {snap.page_size} tokens")
     print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} ({what}, "
           f"max_num_seqs={aeng.config.max_num_seqs})", file=sys.stderr, flush=True)
-    make_uvicorn_server(app, aeng, a.host, a.port, a.log_level).run()
+    server = make_uvicorn_server(app, aeng, a.host, a.port, a.log_level)
+    server.run()
+    if server.interrupted_at is not None:
+        print("error: interrupted (a second signal): the requests in flight were cut",
+              file=sys.stderr)
+        return 130
     return 0

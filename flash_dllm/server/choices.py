@@ -148,7 +148,7 @@ async def run_choices(choices: list[Choice], receive: Receive, drain: Drain) -> 
             if watcher in done:
                 raise APIError(499, "client disconnected", code="client_closed_request")
             if cut in done:
-                raise APIError(503, drain.message(), "server_error", code="drain_timeout",
+                raise APIError(503, drain.message(), "server_error", code=drain.code,
                                headers={"Retry-After": RETRY_AFTER})
             for e in [t.exception() for t in done]:
                 if e is not None:
@@ -227,7 +227,7 @@ def sse_choices(choices: list[Choice], opening: list[dict],
             while left:
                 ch, item = await queue.get()
                 if ch is None:
-                    raise APIError(503, drain.message(), "server_error", code="drain_timeout")
+                    raise APIError(503, drain.message(), "server_error", code=drain.code)
                 if ch.done:
                     continue                     # outputs after a stop string: ignored
                 if isinstance(item, EngineUnavailableError):

@@ -98,7 +98,7 @@ class Guard:
                 reading.cancel()
         if not reading.done() or reading.cancelled():
             return await self._error(send, 503, error_body(self.drain.message(), "server_error",
-                                                           None, "drain_timeout"),
+                                                           None, self.drain.code),
                                      [(b"retry-after", RETRY_AFTER.encode()),
                                       (b"connection", b"close")])
         body = reading.result()
