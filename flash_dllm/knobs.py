@@ -126,6 +126,11 @@ class Knob:
     def check(self, value: Any) -> None:
         """Raise ``ValueError`` naming the field and what it accepts unless ``value`` is valid."""
         if not self.accepts(value):
+            if isinstance(value, float) and not math.isfinite(value):
+                # NOTE: NaN fails every comparison: "must be in (0, 1]" would be the wrong reason
+                what = self.describe()
+                what = what if what.startswith("a finite number") else f"a finite number {what}"
+                raise ValueError(f"{self.name} must be {what}, got {value!r}")
             raise ValueError(f"{self.name} must be {self.describe()}, got {value!r}")
 
 

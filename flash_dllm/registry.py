@@ -17,9 +17,20 @@ class Registry(Generic[T]):
     ``ValueError`` that lists the known ones (it is what a bad option value reports).
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, builtins: str | None = None) -> None:
+        """``builtins``: a module that registers the built-in implementations, imported the
+        first time the registry is read (so that importing the registry stays light)."""
         self.what = what
-        self._items: dict[str, T] = {}
+        self._builtins = builtins
+        self._all: dict[str, T] = {}
+
+    @property
+    def _items(self) -> dict[str, T]:
+        if self._builtins is not None:
+            module, self._builtins = self._builtins, None     # (its import registers here)
+            import importlib
+            importlib.import_module(module)
+        return self._all
 
     def register(self, item: T, name: str | None = None) -> T:
         """Add ``item`` under ``name`` (default: its ``name`` attribute); returns it."""

@@ -138,7 +138,7 @@ def test_choices_are_read_when_used():
     (SamplingParams, dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
     (SamplingParams, dict(max_tokens=8.0), "max_tokens must be an integer >= 1, got 8.0"),
     (SamplingParams, dict(top_k=True), "top_k must be an integer >= 0, got True"),
-    (SamplingParams, dict(temperature=float("nan")), r"temperature must be in \[0, 100\], got nan"),
+    (SamplingParams, dict(temperature=float("nan")), r"temperature must be a finite number in \[0, 100\], got nan"),
     (SamplingParams, dict(seed=2**64), r"seed must be an integer in \[0, 18446744073709551615\] "
                                        r"or None, got 18446744073709551616"),
     (SamplingParams, dict(gamma=float("inf")), "gamma must be a finite number > 0, got inf"),

@@ -96,6 +96,9 @@ class AsyncEngine:
         self._ids: set[str] = set()                  # ids submitted and not yet finished
         self._pending_adds = 0                       # adds in the inbox (guarded by _cv)
         self._engine_waiting = 0                     # engine.counts() after each step
+        # requests added to the engine since its last step: in its waiting queue, but not yet
+        # through an admission pass (guarded by _cv)
+        self._fresh_adds = 0
         self._engine_running = 0
         # NOTE: built here before the engine thread starts; later only by the engine thread
         self.stats: EngineStats = engine.stats_snapshot()
@@ -215,6 +218,12 @@ class AsyncEngine:
             self._inbox.append(AbortRequest(request_id))
             self._cv.notify()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (thread-safe; applied before the next step)."""
+        with self._cv:
+            self._inbox.extend(AbortRequest(rid) for rid in list(self._ids))
+            self._cv.notify()
+
     # ---------------------------------------------------------------------------------- counters
     @property
     def num_running(self) -> int:
@@ -222,10 +231,17 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued for admission: the engine's queue, plus inbox requests beyond the free
-        running slots (those will start at the next step unless pages run out)."""
+        """Requests queued for admission: those the engine's last admission pass left waiting,
+        plus the requests not yet through one (in the inbox, or added since the last step)
+        beyond the free running slots (those will start at the next step unless pages run out).
+
+        NOTE: a request added to the engine sits in its waiting queue until the next step admits
+        it; counting it as waiting refused the next request with 429 while a slot was free
+        (issue 42: --max-waiting 1 let none wait)."""
         free_slots = max(0, self.engine.config.max_num_seqs - self._engine_running)
-        return self._engine_waiting + max(0, self._pending_adds - free_slots)
+        fresh = min(self._fresh_adds, self._engine_waiting)
+        return (self._engine_waiting - fresh
+                + max(0, fresh + self._pending_adds - free_slots))
 
     @property
     def num_unfinished(self) -> int:
@@ -252,9 +268,10 @@ class AsyncEngine:
                     cmds = list(self._inbox)
                     self._inbox.clear()
                 aborted: list[tuple[_Live, RequestOutput]] = []
+                added = 0
                 for cmd in cmds:
                     if isinstance(cmd, AddRequest):
-                        self._add_now(cmd)
+                        added += self._add_now(cmd)
                     else:
                         self._abort_now(cmd.request_id, aborted)
                 adds = sum(1 for c in cmds if isinstance(c, AddRequest))
@@ -262,6 +279,7 @@ class AsyncEngine:
                 with self._cv:   # moved from the inbox to the engine's queue: count them there
                     self._engine_running, self._engine_waiting = running, waiting
                     self._pending_adds -= adds
+                    self._fresh_adds += added
                 self._stats_stale = self._stats_stale or bool(cmds)
                 if aborted:      # NOTE: the snapshot first (if idle now), then their outputs
                     self._refresh_stats()
@@ -282,12 +300,13 @@ class AsyncEngine:
             with self._cv:
                 streams += [c.stream for c in self._inbox if isinstance(c, AddRequest)]
                 self._inbox.clear()
-                self._pending_adds = 0
+                self._pending_adds = self._fresh_adds = 0
                 self._ids.clear()
             post_many([(stream, e) for stream in streams])
             raise
 
-    def _add_now(self, cmd: AddRequest) -> None:
+    def _add_now(self, cmd: AddRequest) -> bool:
+        """Add ``cmd``'s request to the engine; False (its stream told) if that failed."""
         try:
             req = self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id,
                                           prompt=cmd.prompt)
@@ -295,8 +314,9 @@ class AsyncEngine:
             post(cmd.stream, e)
             with self._cv:
                 self._ids.discard(cmd.request_id)
-            return
+            return False
         self._live[cmd.request_id] = _Live(req, cmd.stream)
+        return True
 
     def _abort_now(self, rid: str, aborted: list[tuple[_Live, RequestOutput]]) -> None:
         """Abort ``rid`` in the engine (its pages are freed now); its output goes to
@@ -330,7 +350,10 @@ class AsyncEngine:
         # NOTE: counts and stats first: a client that got its final output must already see it
         # gone from requests_running (the step has removed finished requests from the running
         # list), and its pages freed in the snapshot once the engine is idle
-        self._engine_running, self._engine_waiting = self.engine.counts()
+        running, waiting = self.engine.counts()
+        with self._cv:                 # the step's admission pass saw every request added
+            self._engine_running, self._engine_waiting = running, waiting
+            self._fresh_adds = 0
         self._refresh_stats()
         posts, tokens = [], 0
         try:

@@ -30,6 +30,12 @@ class RequestFailedError(RuntimeError):
     """One request failed (e.g. its KV transfer between workers timed out); others go on."""
 
 
+class RequestFailed(EngineUnavailableError):
+    """What a request's stream raises when that request alone failed (``RequestFailedError``:
+    a failed step, a KV transfer timeout) while the engine goes on: the server answers 500, not
+    503. A subclass, so that callers treating every failure alike still catch it."""
+
+
 class StepObserver(Protocol):
     """Receives engine events (on the engine thread); the server's metrics implement it."""
 
@@ -72,7 +78,7 @@ class RequestStream:
         item = await self._s.queue.get()
         if isinstance(item, RequestFailedError):
             self._s.finished = True
-            raise EngineUnavailableError(f"request failed: {item}") from item
+            raise RequestFailed(f"request failed: {item}") from item
         if isinstance(item, BaseException):
             self._s.finished = True
             raise EngineUnavailableError(f"engine step failed: {item!r}") from item

@@ -48,7 +48,9 @@ def add_parser(sub) -> None:
                    help="the in-process server runs a random-init model of this shape "
                         "(llada-8b, dream-7b, demo) instead of --model: real costs, noise "
                         "answers")
-    s.add_argument("--json", default=None, help="also write the report here")
+    s.add_argument("--json", default=None,
+                   help="write the report here (stdout then shows a one-line summary per run "
+                        "instead of the report)")
     s.add_argument("--warmup", choices=WARMUP_LEVELS, default=None,
                    help="the in-process server's warm-up before ready (see 'serve --help'; "
                         "default: full on a GPU, none on the CPU)")
@@ -231,10 +233,22 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
             report["dtype"] = str(aeng.engine.dtype).removeprefix("torch.")
         report["server"] = "in-process"
         report["client"] = "in-process" if in_process_client else "own process"
-    print(json.dumps(report, indent=2))
-    if write_report(report, a.json):
-        print(f"wrote {a.json}", file=sys.stderr)
+    if write_report(report, a.json):        # the file has it all: a summary on stdout
+        for run in report.get("runs", [report]):
+            print(serve_summary(run))
+        print(f"wrote {a.json}")
+    else:
+        print(json.dumps(report, indent=2))
     return 0 if report["errors"] == 0 else 1
+
+
+def serve_summary(run: dict) -> str:
+    """One line of a ``bench serve`` run: what ran, how fast, how many failed."""
+    lat, ttft = run.get("latency_s") or {}, run.get("ttft_s") or {}
+    return (f"{run['requests']} requests at concurrency {run['concurrency']}: "
+            f"{run['errors']} errors, {run['throughput_rps']:.2f} req/s, "
+            f"{run['output_tokens_per_s']:.1f} tokens/s, latency p50 {lat.get('p50') or 0:.3f} s, "
+            f"TTFT p50 {ttft.get('p50') or 0:.3f} s")
 
 
 # ---------------------------------------------------------------------------------- multiturn

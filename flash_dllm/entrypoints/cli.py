@@ -4,7 +4,11 @@ Each command lives in its own module of this package (``generate``, ``eval``, ``
 ``bench``) with ``add_parser(subparsers)`` and ``run(args)``; nothing here does work of its own
 beyond what every command shares: the CPU thread count, and turning the failures a user can
 cause into one ``error: ...`` line and an exit status (2 bad input, 1 a failure while running,
-130 Ctrl-C) instead of a traceback.
+130 Ctrl-C) instead of a traceback. A usage error is two lines: the (sub-)command's short usage
+and the error.
+
+NOTE: the command modules (and with them torch) are imported when the parser is built, not when
+this module is: ``--version`` answers without them.
 """
 from __future__ import annotations
 
@@ -14,10 +18,8 @@ import re
 import sys
 
 from flash_dllm import __version__
-from flash_dllm.entrypoints import bench, eval as eval_cmd, generate, serve
-from flash_dllm.entrypoints.args import CommandError, apply_threads
 
-COMMANDS = (generate, eval_cmd, serve, bench)
+COMMAND_MODULES = ("generate", "eval", "serve", "bench")      # in flash_dllm.entrypoints
 
 _RST_LITERAL = re.compile(r"``(.+?)``")
 _RST_ROLE = re.compile(r":[a-z]+:`([^`]+)`")
@@ -57,13 +59,49 @@ def _polish_help(parser: argparse.ArgumentParser) -> None:
             a.help = plain_text(a.help)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with short usage errors: the (sub-)command's one-line usage, then the error
+    (argparse prints the whole usage, 40 lines for ``generate``); an unknown flag is reported
+    by the sub-command that was given it (argparse reports it from the top-level parser)."""
+
+    _LEAF = "_flash_dllm_leaf_parser"
+
+    def error(self, message: str):
+        positionals = []
+        for a in self._actions:
+            if a.option_strings:
+                continue
+            name = "{%s} ..." % ",".join(a.choices) if isinstance(
+                a, argparse._SubParsersAction) else (a.metavar or a.dest)
+            positionals.append(f"[{name}]" if a.nargs in ("?", "*") else name)
+        self.exit(2, f"usage: {self.prog} [options] {' '.join(positionals)}".rstrip()
+                  + f"  ({self.prog} --help lists them)\n{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if not hasattr(ns, self._LEAF):         # the innermost sub-command returns first
+            setattr(ns, self._LEAF, self)
+        return ns, extras
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        leaf = getattr(ns, self._LEAF)
+        delattr(ns, self._LEAF)
+        if extras:
+            leaf.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    import importlib
+
+    parser = Parser(
         prog="flash-dllm",
         description="Fast inference and serving for diffusion LLMs (LLaDA, Dream).")
     parser.add_argument("--version", action="version", version=f"flash-dllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
+    for name in COMMAND_MODULES:
+        command = importlib.import_module(f"flash_dllm.entrypoints.{name}")
         before = set(sub.choices)
         command.add_parser(sub)
         for name in set(sub.choices) - before:
@@ -74,7 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--version"]:          # without building the parser: no torch import
+        print(f"flash-dllm {__version__}")
+        raise SystemExit(0)
     args = build_parser().parse_args(argv)
+    from flash_dllm.entrypoints.args import CommandError, apply_threads
     try:
         if hasattr(args, "threads"):         # the commands that load a model (EngineArgs)
             apply_threads(args.threads, args.device)

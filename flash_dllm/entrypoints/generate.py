@@ -29,6 +29,9 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError("give exactly one prompt: PROMPT, --prompt TEXT or --chat TEXT")
     if a.chat is not None and texts:
         raise ValueError("--chat and a plain prompt are exclusive")
+    if "" in texts or a.chat == "":
+        # the tokenizer's BOS alone is a prompt the engine would run in full, answering noise
+        raise ValueError("the prompt is empty: give some text to continue")
     params = sampling_from_args(a)
     args = EngineArgs.from_cli_args(a)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,

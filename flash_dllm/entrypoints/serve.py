@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import sys
 
 from flash_dllm.config import EngineConfig
-from flash_dllm.entrypoints.args import EngineArgs, positive_int
+from flash_dllm.entrypoints.args import CommandError, EngineArgs, positive_int
 from flash_dllm.worker.warmup import WARMUP_LEVELS
 
 
@@ -25,7 +26,7 @@ SERVE_DEFAULTS = {"prefix_reuse": True, "kv_cache_gb": None}
 
 def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port_number, default=8000, help="TCP port (default: 8000)")
     s.add_argument("--api-key", default=os.environ.get("FLASH_DLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
                         "(default: $FLASH_DLLM_API_KEY, else none)")
@@ -37,8 +38,9 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help="after SIGTERM/SIGINT: seconds in-flight requests get to finish while "
                         "/ready, /health and new requests answer 503 with Retry-After; at the "
                         "limit the rest end with an error (an OpenAI error body; streams an error "
-                        "event, then [DONE]) and the server exits; a second signal exits at "
-                        "once (default: 30)")
+                        "event, then [DONE]) and the server exits (status 0); a second signal "
+                        "exits at once, cutting the requests in flight the same way (status "
+                        "130) (default: 30)")
     s.add_argument("--strict-params", action="store_true",
                    help="refuse (400) every OpenAI parameter the engine does not use, instead "
                         "of ignoring the harmless ones (user, store, metadata, ...) and "
@@ -86,6 +88,41 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                         "as the load shifts (drained first; at least one of each)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def port_number(text: str) -> int:
+    """argparse ``type``: a TCP port, 1-65535 (a bad one is a usage error naming --port, not a
+    traceback after the model loaded)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port number in 1-65535, got {text!r}")
+    return value
+
+
+def check_port_free(host: str, port: int) -> None:
+    """``CommandError`` (exit 1) when ``host:port`` cannot be bound: checked before the model
+    loads, so a busy port costs a second, not a load and then uvicorn's own message and status.
+    NOTE: a check, not a reservation: another process may still take the port before uvicorn
+    binds it (uvicorn then reports it)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CommandError(f"cannot serve on host {host!r}: {e.strerror}", exit_code=2) from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        # as uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT after a restart is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise CommandError(f"port {port} is in use on {host}") from None
+            raise CommandError(f"cannot bind {host}:{port}: {e.strerror or e}") from None
 
 
 def _positive_seconds(text: str) -> float:
@@ -206,6 +243,7 @@ def attach_warmup(aeng, tokenizer, level: str | None) -> str:
 def run(a: argparse.Namespace) -> int:
     from flash_dllm.server.launch import make_uvicorn_server
 
+    check_port_free(a.host, a.port)
     app, aeng, name = build_server_app(a)
     if a.host not in ("127.0.0.1", "localhost", "::1") and a.api_key is None:
         print(f"warning: serving on {a.host} without --api-key", file=sys.stderr)
@@ -215,5 +253,10 @@ def run(a: argparse.Namespace) -> int:
             f"{snap.pages_total} KV pages of {snap.page_size} tokens")
     print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} ({what}, "
           f"max_num_seqs={aeng.config.max_num_seqs})", file=sys.stderr, flush=True)
-    make_uvicorn_server(app, aeng, a.host, a.port, a.log_level).run()
+    server = make_uvicorn_server(app, aeng, a.host, a.port, a.log_level)
+    server.run()
+    if server.interrupted_at is not None:
+        print("error: interrupted (a second signal): the requests in flight were cut",
+              file=sys.stderr)
+        return 130
     return 0

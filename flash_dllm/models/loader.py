@@ -372,7 +372,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     except RuntimeError:
         raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+        raise ValueError(f"device {device!r} requested but CUDA is not available; run on the "
+                         "CPU instead (--device cpu)")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {device!r}")
     return dev

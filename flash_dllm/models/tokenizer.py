@@ -64,12 +64,23 @@ class Tokenizer:
         if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
             from transformers import Qwen2TokenizerFast
             return Qwen2TokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        if not (folder / "tokenizer.model").is_file():
+            # NOTE: nothing AutoTokenizer could load either; its own error ends in advice to
+            # install sentencepiece or tiktoken, which is not the fix: the files are missing
+            have = [n for n in ("vocab.json", "merges.txt") if (folder / n).is_file()]
+            other = "merges.txt" if have == ["vocab.json"] else "vocab.json"
+            lacks = (f"tokenizer.json, and {other} to go with its {have[0]}" if have
+                     else "tokenizer.json (or vocab.json + merges.txt)")
+            raise FileNotFoundError(f"no tokenizer in {folder}: it lacks {lacks}; copy the "
+                                    "checkpoint's tokenizer files into it")
         try:
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                                  trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - rewrap with the folder named
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise FileNotFoundError(f"no usable tokenizer in {folder} (expected tokenizer.json, "
-                                    f"or vocab.json + merges.txt): {e}") from None
+                                    f"or vocab.json + merges.txt; its tokenizer.model did not "
+                                    f"load: {first})") from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text)["input_ids"])

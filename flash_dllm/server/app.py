@@ -50,8 +50,9 @@ def build_app(async_engine: AsyncEngine, tokenizer, served_model_name: str,
     async def lifespan(app: FastAPI):
         async_engine.start()
         yield
-        # SIGTERM: the drain ran first; what it cut ends within the grace period
-        await async_engine.shutdown(timeout=GRACE)
+        # SIGTERM: the drain ran first; what it cut ends within the grace period (a second
+        # signal aborted every request: nothing to wait for)
+        await async_engine.shutdown(timeout=0 if drain.interrupted else GRACE)
 
     app = FastAPI(title="flash-dllm", version="0.1.0", lifespan=lifespan)
     app.state.context = ctx

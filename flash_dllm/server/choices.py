@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 
 from flash_dllm.core.request import RequestOutput
 from flash_dllm.engine.async_engine import EngineUnavailableError, RequestStream
+from flash_dllm.engine.streams import RequestFailed
 from flash_dllm.server.context import ServerContext, make_params, new_request_id
 from flash_dllm.server.detokenize import IncrementalDetokenizer
 from flash_dllm.server.drain import RETRY_AFTER, Drain
@@ -147,7 +148,7 @@ async def run_choices(choices: list[Choice], receive: Receive, drain: Drain) -> 
             if watcher in done:
                 raise APIError(499, "client disconnected", code="client_closed_request")
             if cut in done:
-                raise APIError(503, drain.message(), "server_error", code="drain_timeout",
+                raise APIError(503, drain.message(), "server_error", code=drain.code,
                                headers={"Retry-After": RETRY_AFTER})
             for e in [t.exception() for t in done]:
                 if e is not None:
@@ -155,6 +156,8 @@ async def run_choices(choices: list[Choice], receive: Receive, drain: Drain) -> 
             pending -= done
         if any(not ch.done for ch in choices):
             raise APIError(503, "the request ended without output", "server_error")
+    except RequestFailed as e:       # this request alone: the server is fine (/health ok)
+        raise APIError(500, str(e), "server_error", code="request_failed") from None
     except EngineUnavailableError as e:
         raise APIError(503, str(e), "server_error", code="unavailable") from None
     finally:
@@ -224,7 +227,7 @@ def sse_choices(choices: list[Choice], opening: list[dict],
             while left:
                 ch, item = await queue.get()
                 if ch is None:
-                    raise APIError(503, drain.message(), "server_error", code="drain_timeout")
+                    raise APIError(503, drain.message(), "server_error", code=drain.code)
                 if ch.done:
                     continue                     # outputs after a stop string: ignored
                 if isinstance(item, EngineUnavailableError):
@@ -238,7 +241,8 @@ def sse_choices(choices: list[Choice], opening: list[dict],
             for ev in closing():
                 yield _data(ev)
         except EngineUnavailableError as e:
-            yield _data(error_body(str(e), "server_error"))
+            yield _data(error_body(str(e), "server_error", code="request_failed" if isinstance(
+                e, RequestFailed) else "unavailable"))
         except APIError as e:
             yield _data(error_body(e.message, e.type, e.param, e.code))
         finally:

@@ -86,6 +86,11 @@ class ServerContext:
             prompt = prompt[0]
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
+            if not prompt:
+                # NOTE: the tokenizer's BOS alone would make it a one-token prompt: the engine
+                # would run every step of the canvas and answer noise
+                raise APIError(400, "prompt is empty: send some text to continue",
+                               param="prompt")
             return self.tokenizer.encode(prompt), prompt
         return list(prompt), None
 

@@ -42,6 +42,7 @@ class Drain:
         self.timeout = float(timeout)
         self.active = 0                  # API requests in flight (Guard), refused ones excluded
         self.expired = False
+        self.interrupted = False         # a second signal: cut everything now
         self._waiters: set[asyncio.Future] = set()
 
     @property
@@ -52,7 +53,15 @@ class Drain:
     def busy(self) -> bool:
         return self.active > 0 or self.async_engine.num_unfinished > 0
 
+    @property
+    def code(self) -> str:
+        """The error code of a response the drain cut."""
+        return "interrupted" if self.interrupted else "drain_timeout"
+
     def message(self) -> str:
+        if self.interrupted:
+            return ("the server was interrupted (a second Ctrl-C / signal) and stopped at once; "
+                    "retry the request")
         return (f"the server is shutting down and the request did not finish within the drain "
                 f"limit of {self.timeout:g} s (--drain-timeout); retry it")
 
@@ -91,6 +100,14 @@ class Drain:
         while self.active and time.monotonic() < end:
             await asyncio.sleep(POLL)
         return False
+
+    def interrupt(self) -> None:
+        """A second signal: cut every response now (its client gets an error body, a stream an
+        error event then [DONE]) and abort every engine request. Safe from a signal handler."""
+        self.interrupted = True
+        self.async_engine.begin_drain()
+        self.async_engine.abort_all()
+        self.expire()
 
     def expire(self) -> None:
         """Cut every running response now (and any that asks later)."""

@@ -1,10 +1,11 @@
 """``Guard``: the ASGI layer in front of the app, for what must happen before any routing.
 
 In order: the API key (401), the drain (503 with ``Retry-After`` for new API requests), the body
-size limit (413), and a JSON body whatever its ``Content-Type`` (curl's ``-d`` sends
-``application/x-www-form-urlencoded``; other OpenAI-compatible servers parse JSON anyway). It
-counts the API requests in flight for the drain, and adds the ``X-Flash-DLLM-Ignored`` header that
-lists the parameters a handler ignored (``request.state.ignored_params``).
+size limit (413), a body in UTF-8 (400 naming the first bad byte), and a JSON body whatever its
+``Content-Type`` (curl's ``-d`` sends ``application/x-www-form-urlencoded``; other
+OpenAI-compatible servers parse JSON anyway). It counts the API requests in flight for the drain,
+and adds the ``X-Flash-DLLM-Ignored`` header that lists the parameters a handler ignored
+(``request.state.ignored_params``).
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class Guard:
                 reading.cancel()
         if not reading.done() or reading.cancelled():
             return await self._error(send, 503, error_body(self.drain.message(), "server_error",
-                                                           None, "drain_timeout"),
+                                                           None, self.drain.code),
                                      [(b"retry-after", RETRY_AFTER.encode()),
                                       (b"connection", b"close")])
         body = reading.result()
@@ -105,6 +106,14 @@ class Guard:
             return
         if body is False:
             return await self._too_big(send)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            # NOTE: FastAPI would say only "There was an error parsing the body"; name the byte,
+            # as the CLI does for a file that is not UTF-8 (models/loader.py)
+            return await self._error(send, 400, error_body(
+                f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset "
+                f"{e.start}): send JSON encoded as UTF-8", code="invalid_encoding"))
         await self.app(self._as_json(scope, headers), _replay(body, receive),
                        self._add_ignored(scope, send))
 

@@ -207,10 +207,30 @@ class TextPart(_Strict):
     text: str
 
 
+# what an OpenAI content part of another modality is called, by its type
+MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
+               "input_audio": "audio", "audio": "audio", "file": "file", "input_file": "file"}
+
+
+class MediaPart(BaseModel):
+    """A content part this text model cannot read (an image, audio, a file): parsed so that the
+    400 says so (``ChatMessage.media_part``) instead of calling its fields unknown."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal[tuple(MEDIA_PARTS)]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]    # developer: a system message
-    content: str | list[TextPart]
+    content: str | list[TextPart | MediaPart]
     name: str | None = None
+
+    def media_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first content part that is not text, or None."""
+        if isinstance(self.content, str):
+            return None
+        return next(((i, p.type) for i, p in enumerate(self.content)
+                     if isinstance(p, MediaPart)), None)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -24,7 +24,7 @@ from flash_dllm.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
                                         ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                         ChatMessageOut, CompletionChoice, CompletionChunk,
                                         CompletionRequest, CompletionResponse, GenerateRequest,
-                                        GenerateResponse)
+                                        GenerateResponse, MEDIA_PARTS)
 
 router = APIRouter()
 Ctx = Annotated[ServerContext, Depends(server_context)]
@@ -82,6 +82,12 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx):
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, ctx: Ctx):
     ctx.check_request(body, request)
+    for i, m in enumerate(body.messages):
+        if (media := m.media_part()) is not None:
+            j, kind = media
+            raise APIError(400, f"messages[{i}].content[{j}] is a part of type {kind!r}: "
+                                f"{MEDIA_PARTS[kind]} inputs are not supported by this text "
+                                "model; send text parts only", param=f"messages[{i}].content[{j}]")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in body.messages]
     for i, m in enumerate(messages):
