@@ -351,3 +351,38 @@ def test_second_sigint_while_streaming_exits_at_once_and_cleanly(tmp_path):
     lines = got["lines"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "interrupted"
+
+
+# ------------------------------------------------------------ 9. figures with perfect scores
+def _matrix_reports(acc):
+    return [{"suite": "arith", "n": 10, "model": "demo", "device": "cpu",
+             "params": {"cache": c, "decode": d}, "accuracy": acc(i),
+             "forwards_per_sample": 64.0 if d == "vanilla" else 3.0 + i % 2, "seconds": 1.0 + i}
+            for i, (c, d) in enumerate([(c, d) for c in ("none", "prefix", "dual", "flash")
+                                        for d in ("vanilla", "threshold", "verify")])]
+
+
+def test_matrix_figure_when_every_accuracy_is_100():
+    """Every configuration at 100 %: the y-axis spans more than a sliver, with room above the
+    top tick for the markers and their labels; no tick reads above 100; the axis label and every
+    point label lie inside the figure and inside their axes, none overlapping another."""
+    pytest.importorskip("matplotlib")
+    from flash_dllm.evals.report import matrix_figure
+
+    fig = matrix_figure(_matrix_reports(lambda i: 1.0))
+    fig.canvas.draw()                        # as savefig does: the layout is final
+    renderer = fig.canvas.get_renderer()
+    whole = fig.bbox
+    for ax in fig.axes[:2]:
+        lo, hi = ax.get_ylim()
+        assert hi > 100 and hi - lo >= 10, (lo, hi)
+        assert max(t for t in ax.get_yticks() if lo <= t <= hi) <= 100
+        label = ax.yaxis.label.get_window_extent(renderer)
+        assert label.x0 >= whole.x0 and label.y0 >= whole.y0, "the y label is clipped"
+        frame = ax.get_window_extent(renderer)
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        assert boxes
+        for i, b in enumerate(boxes):
+            assert frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 \
+                and b.y1 <= frame.y1, ax.texts[i].get_text()
+            assert not any(b.overlaps(o) for o in boxes[i + 1:]), ax.texts[i].get_text()

@@ -74,3 +74,33 @@ def test_frontier_takes_an_exact_accuracy_measured_elsewhere():
     assert g["exact_from"] is None and "best" not in g
     assert [v.get("forwards_ratio") for v in g["verify"]] == [None, 0.6]
     assert g["verify"][0]["threshold_reaches"] is False
+
+
+def test_gamma_labels_of_coinciding_points_do_not_overlap():
+    """Issue 42's newcomer list: verify points that land on the same spot (same accuracy and
+    forwards, other gammas) get labels that neither overlap each other nor the threshold's, and
+    stay inside their axes."""
+    import pytest
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [_run("exact", 0.80, 256, 5.0, cache="none"),
+            _run("threshold", 0.78, 60, 1.0, tau=0.9), _run("threshold", 0.80, 80, 1.4, tau=0.99)]
+    rows += [_run(f"verify-agree-{g}", 0.78, 60, 1.0, tau=0.9, rule="agree", gamma=g)
+             for g in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)]
+    for r in rows:
+        r.update(forwards_floor_per_sample=8.0, params={})
+    fig = vc.figure(rows)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    try:
+        for ax in fig.axes:
+            frame = ax.get_window_extent(renderer)
+            boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts]
+            assert len(boxes) == 8
+            for i, (text, b) in enumerate(boxes):
+                assert frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 \
+                    and b.y1 <= frame.y1, text
+                assert not any(b.overlaps(o) for _, o in boxes[i + 1:]), text
+    finally:
+        plt.close(fig)

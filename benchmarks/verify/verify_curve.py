@@ -237,6 +237,17 @@ def _place_labels(ax, used: dict) -> None:
 
 
 def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, exact_given)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(rows: list[dict], exact_given: dict | None = None):
+    """The sweep's figure: per (suite, cache) panel, accuracy against forwards and against
+    seconds, every point labelled (``_place_labels``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -303,9 +314,7 @@ def _plot(rows: list[dict], path: Path, exact_given: dict | None = None) -> None
     fig.tight_layout()
     for ax, used in todo:        # once the layout has fixed each panel's size
         _place_labels(ax, used)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:

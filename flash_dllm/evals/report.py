@@ -43,6 +43,23 @@ def _limits(values: list[float], log: bool, lower: float | None = None,
     return lo, hi
 
 
+ACC_MIN_SPAN = 10.0      # accuracy axes span at least this many points
+ACC_HEADROOM = 6.0       # above 100 %: room for the markers and labels of perfect scores
+
+
+def _accuracy_limits(ys: list[float]) -> tuple[float, float]:
+    """The accuracy axis: the data with padding, at least ``ACC_MIN_SPAN`` points tall (grown
+    downwards from a top at 100), never below 0, and up to ``ACC_HEADROOM`` above 100 so that a
+    point at 100 % and its label sit inside the axes (the ticks stop at 100)."""
+    lo, hi = _limits(ys, False, lower=0.0)
+    hi = min(hi, 100.0 + ACC_HEADROOM)
+    if max(ys) >= 100.0 - 1e-9:
+        hi = 100.0 + ACC_HEADROOM
+    if hi - lo < ACC_MIN_SPAN:
+        lo = max(0.0, hi - ACC_MIN_SPAN)
+    return lo, hi
+
+
 def _panel(ax, reports: list[dict], key, xlabel: str) -> list[tuple[float, float, int]]:
     """One scatter of accuracy against ``key(report)``; its points as (x, y, number)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -62,7 +79,10 @@ def _panel(ax, reports: list[dict], key, xlabel: str) -> list[tuple[float, float
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlim(*_limits(xs, log, lower=None if log else 0.0))
-    ax.set_ylim(*_limits(ys, False, lower=0.0, upper=100.0))
+    lo, hi = _accuracy_limits(ys)
+    ax.set_ylim(lo, hi)
+    ax.set_yticks([t for t in ax.get_yticks() if lo <= t <= 100.0])   # no tick reads > 100 %
+    ax.set_ylim(lo, hi)
     ax.set_xlabel(xlabel + (" (log scale)" if log else ""))
     ax.set_ylabel("accuracy (%)")
     ax.grid(alpha=0.3)
@@ -114,7 +134,7 @@ def matrix_figure(reports: list[dict]):
     fig = Figure(figsize=(13, 5.2), dpi=110)
     FigureCanvasAgg(fig)
     # fixed margins (no tight_layout after the labels are placed: it would move the axes)
-    grid = fig.add_gridspec(1, 3, width_ratios=[1, 1, 0.72], left=0.055, right=0.99,
+    grid = fig.add_gridspec(1, 3, width_ratios=[1, 1, 0.72], left=0.065, right=0.99,
                             bottom=0.12, top=0.88, wspace=0.22)
     ax_f, ax_s, ax_t = (fig.add_subplot(grid[0, i]) for i in range(3))
     points = {ax_f: _panel(ax_f, reports, lambda r: r["forwards_per_sample"],
