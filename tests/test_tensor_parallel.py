@@ -23,6 +23,7 @@ from flash_dllm.config import DECODE_POLICIES, EngineConfig
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import load_engine
 from flash_dllm.models.loader import default_model_path
+from conftest import EXACT
 
 # FLASH_DLLM_TP_DEVICE=cuda runs the equality tests on 2 GPUs (NCCL, CUDA graphs capturing the
 # collectives); the default is the CPU with gloo
@@ -110,7 +111,7 @@ def _dead_worker_is_named(llm: LLM) -> None:
     worker.wait(timeout=30)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 .* exited"):
-        llm.generate("What is 3+4?", SamplingParams(max_tokens=8, block_length=8))
+        llm.generate("What is 3+4?", SamplingParams(max_tokens=8, block_length=8, **EXACT))
     assert time.monotonic() - t0 < 30
 
 
