@@ -137,11 +137,14 @@ def test_default_block_length_divides_odd_max_tokens(app):
     assert r.status_code == 200, r.text
 
 
+# (the exact sampler where the answer must arrive over several steps)
 @pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 32, "block_length": 16}),
+    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 32, "block_length": 16,
+                         **EXACT}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32,
                               "cache": "dual", "block_length": 16}),
-    ("/generate", {"prompt": "Hello there", "max_new_tokens": 32, "block_length": 16}),
+    ("/generate", {"prompt": "Hello there", "max_new_tokens": 32, "block_length": 16,
+                   **EXACT}),
 ])
 def test_streaming_concatenates_to_non_streamed(app, path, body):
     async def go():

@@ -189,20 +189,33 @@ def is_cuda(device: str) -> bool:
 
 
 # --------------------------------------------------------------------------------- sampling
-# the sampling flags' group title: where a knob left out comes from (flash_dllm/defaults.py)
-SAMPLING_GROUP = ("sampling (mirrors SamplingParams; a flag left out comes from the checkpoint's "
-                  "generation_config.json, else the recommended default: threshold decoding at "
-                  "0.9 with the model family's fast cache. Exact reference sampler: --decode "
-                  "vanilla --cache none)")
+# what the default mode costs in accuracy, from the committed reports (docs/sampling.md#the-
+# default-mode: benchmarks/results/accuracy/eval_chat_*_h200.json, eval_exact_*_h200.json,
+# benchmarks/results/verify/eval_*_dual_b1_h200.json, pareto_*_h200.json)
+DEFAULT_MODE_EVIDENCE = (
+    "Measured (H200, greedy): on the demo model within a point of exact (arith 98% vs 96.8%, "
+    "code 99% vs 99.8%) at ~1 forward per 32-slot block instead of 32; NOT on the trained "
+    "proxies' long answers: 3.5-14.5 points below exact (LLaDA proxy chain 79.5% vs 89.5%, "
+    "Dream proxy code-long 84.5% vs 99%) at 3.3-7.6 forwards per block; --threshold 0.99 comes "
+    "within 2.5 points there for 1.2-1.4x the forwards (docs/sampling.md#the-default-mode)")
+# the sampling flags' group: where a knob left out comes from (flash_dllm/defaults.py)
+SAMPLING_GROUP = ("sampling (mirrors SamplingParams)",
+                  "A flag left out comes from the checkpoint's generation_config.json, else the "
+                  "recommended default: threshold decoding at 0.9 with the model family's fast "
+                  "cache, dual for LLaDA / Dream, the exact block cache for block-causal "
+                  "families. Exact reference sampler: --decode vanilla --cache none. "
+                  + DEFAULT_MODE_EVIDENCE + ".")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | None = None,
-                       cls: type = SamplingParams, title: str = SAMPLING_GROUP) -> None:
+                       cls: type = SamplingParams,
+                       group: tuple[str, str] = SAMPLING_GROUP) -> None:
     """The sampling flags, one per knob of ``cls``, all None when not given (a flag given is a
     layer above the checkpoint's generation_config.json: ``flash_dllm.defaults``); the help
     shows the knob's own default. ``max_tokens_default`` (a description): what --max-tokens
-    falls back to instead, as ``eval`` fills it in from the suite."""
-    g = p.add_argument_group(title)
+    falls back to instead, as ``eval`` fills it in from the suite. ``group``: the help's
+    (title, description)."""
+    g = p.add_argument_group(*group)
     described = {k.name: str(k.default) for k in knobs(cls) if k.cli}
     if max_tokens_default is not None:
         described["max_tokens"] = max_tokens_default

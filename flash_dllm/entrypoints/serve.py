@@ -8,8 +8,8 @@ import sys
 
 from flash_dllm.config import EngineConfig
 from flash_dllm.defaults import SamplingDefaults
-from flash_dllm.entrypoints.args import (EngineArgs, add_sampling_flags, positive_int,
-                                         sampling_flags)
+from flash_dllm.entrypoints.args import (DEFAULT_MODE_EVIDENCE, EngineArgs, add_sampling_flags,
+                                         positive_int, sampling_flags)
 from flash_dllm.worker.warmup import WARMUP_LEVELS
 
 
@@ -17,16 +17,17 @@ def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     add_server_flags(s)
     EngineArgs.add_cli_args(s, defaults=SERVE_DEFAULTS)
-    add_sampling_flags(s, title=SERVE_SAMPLING_GROUP)
+    add_sampling_flags(s, group=SERVE_SAMPLING_GROUP)
     s.set_defaults(func=run)
 
 
 SERVE_SAMPLING_GROUP = (
-    "request defaults (mirror SamplingParams): what a request gets for a knob it does not send "
-    "(a body field wins; a flag left out comes from the checkpoint's generation_config.json, "
-    "else the recommended default: threshold decoding at 0.9 with the model family's fast "
-    "cache, dual for LLaDA / Dream, the exact block cache for block-causal families; "
-    "GET /v1/models shows the result). Exact reference sampler: --decode vanilla --cache none")
+    "request defaults (mirror SamplingParams)",
+    "What a request gets for a knob it does not send (a body field wins; a flag left out comes "
+    "from the checkpoint's generation_config.json, else the recommended default: threshold "
+    "decoding at 0.9 with the model family's fast cache, dual for LLaDA / Dream, the exact block "
+    "cache for block-causal families; GET /v1/models shows the result). Exact reference "
+    "sampler: --decode vanilla --cache none. " + DEFAULT_MODE_EVIDENCE + ".")
 
 
 # serving turns prefix reuse on (multi-turn chat reuses its history's KV pages; elsewhere off)
