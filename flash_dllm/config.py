@@ -42,6 +42,12 @@ class SamplingParams:
     longest prefix of up to ``max_verify`` drafts that passes ``verify_rule`` at ``gamma`` in the
     next forward (see ``flash_dllm.decoding.verify``). Sentinels (``entropy_max``,
     ``perturb_sigma``: verify only; ``kv_jaccard_min``: any policy) are off when None.
+
+    The defaults are the recommended mode: ``decode="threshold"`` at 0.9 with ``cache=None``,
+    which the engine resolves to the model family's fast cache (``Family.default_cache``: dual
+    for LLaDA and Dream, the exact block cache for block-causal families). The exact reference
+    sampler is ``decode="vanilla", cache="none"``. What the entry points put below a request's
+    own fields (flags, generation_config.json): ``flash_dllm.defaults``.
     """
 
     # the endpoints carry their own (max_tokens, max_completion_tokens, max_new_tokens)

@@ -215,3 +215,16 @@ def test_v1_models_shows_the_effective_defaults(ckpt, tmp_path):
     assert src["decode"] == "recommended" and src["cache"].startswith("recommended")
     # a request without knobs gets those defaults: 16 slots; the exact one a forward per slot
     assert len(gen["token_ids"]) <= 16 and exact["num_forwards"] >= gen["num_forwards"]
+
+
+def test_serve_refuses_a_default_request_that_cannot_run(ckpt):
+    from flash_dllm.entrypoints.serve import build_server_app
+
+    bad = build_parser().parse_args(["serve", "--model", str(ckpt), "--threshold", "2"])
+    with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+        build_server_app(bad)                  # before the model loads
+    block = build_parser().parse_args(["serve", "--model", str(ckpt), "--cache", "block",
+                                       "--kv-cache-gb", "0.01"])
+    with pytest.raises(ValueError, match="the default request .* cannot run on this model: "
+                                         "cache='block' needs a block-causal model"):
+        build_server_app(block)

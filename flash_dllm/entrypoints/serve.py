@@ -134,6 +134,8 @@ def build_server_app(a: argparse.Namespace):
     from flash_dllm.server.app import build_app
 
     shape = getattr(a, "model_shape", None)
+    flags = sampling_flags(a)
+    SamplingDefaults.of(flags).params()   # bad flags fail before the model loads
     if getattr(a, "disaggregate", False):
         aeng, tok, folder = load_disaggregated(a, shape)
     elif shape:                        # benchmarks: a random-init model of a real shape
@@ -147,9 +149,13 @@ def build_server_app(a: argparse.Namespace):
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
     # what a request gets for the knobs it leaves out: the flags given, then the checkpoint's
     # generation_config.json, then the recommended defaults (flash_dllm/defaults.py)
-    defaults = SamplingDefaults.of(sampling_flags(a), None if shape else folder,
-                                   flags_source="serve flags")
-    default = defaults.params()           # a bad combination of flags fails before serving
+    defaults = SamplingDefaults.of(flags, None if shape else folder, flags_source="serve flags")
+    default = defaults.params()
+    try:                                  # e.g. --cache block for a bidirectional model
+        aeng.engine.validate([0], default)
+    except ValueError as e:
+        raise ValueError(f"the default request (serve's sampling flags, the checkpoint's "
+                         f"generation_config.json) cannot run on this model: {e}") from None
     if not getattr(a, "disaggregate", False):
         attach_warmup(aeng, tok, getattr(a, "warmup", None), default)
     name = getattr(a, "served_model_name", None) or folder.name
