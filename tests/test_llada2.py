@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from conftest import (EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, llada2_tensors, tiny_llada2_config,
-                      write_tiny_llada2_checkpoint)
+from conftest import (EOS_ID, EOT_ID, EXACT, MASK_ID, TINY_VOCAB_SIZE, llada2_tensors,
+                      tiny_llada2_config, write_tiny_llada2_checkpoint)
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.bench.step import SHAPES
 from flash_dllm.kernels import fused_moe
@@ -26,7 +26,6 @@ from flash_dllm.layers.attention import block_causal
 from flash_dllm.layers.moe import MoE, MoEConfig
 from flash_dllm.models.loader import CheckpointError, load_model, read_json, save_checkpoint
 from flash_dllm.models.registry import resolve
-from conftest import EXACT
 
 TOL = 1e-4
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import write_tiny_checkpoint
+from conftest import EXACT, write_tiny_checkpoint
 
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.cache.modes import CACHE_MODES
@@ -23,7 +23,6 @@ from flash_dllm.config import DECODE_POLICIES, EngineConfig
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import load_engine
 from flash_dllm.models.loader import default_model_path
-from conftest import EXACT
 
 # FLASH_DLLM_TP_DEVICE=cuda runs the equality tests on 2 GPUs (NCCL, CUDA graphs capturing the
 # collectives); the default is the CPU with gloo

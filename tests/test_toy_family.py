@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import (BOS_ID, EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, randomize_,
+from conftest import (EXACT, BOS_ID, EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, randomize_,
                       tiny_llada_config, write_tiny_tokenizer)
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.layers.attention import BIDIRECTIONAL, block_causal
@@ -19,7 +19,6 @@ from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, as_id_tuple, require
 from flash_dllm.models.loader import build_model, load_model, save_checkpoint
 from flash_dllm.models.transformer import DiffusionTransformer
-from conftest import EXACT
 
 
 # ------------------------------------------------------------------------- the toy family
