@@ -41,6 +41,10 @@ EOS_ID = TINY_VOCAB["<|endoftext|>"]      # 0: eos and pad
 BOS_ID = TINY_VOCAB["<|startoftext|>"]    # 1
 MASK_ID = TINY_VOCAB["<|mdm_mask|>"]      # 2
 EOT_ID = TINY_VOCAB["<|eot_id|>"]         # 3: end of turn (generation_config eos)
+# the exact reference sampler (one token per forward over the whole canvas): what a test about
+# the sampler's exactness names, since SamplingParams defaults to threshold decoding with the
+# family's fast cache (issue 42)
+EXACT = {"decode": "vanilla", "cache": "none"}
 UNK_ID = TINY_VOCAB["<|unk|>"]
 TINY_VOCAB_SIZE = 128                     # model rows; > len(TINY_VOCAB) like real checkpoints
 assert len(TINY_VOCAB) <= TINY_VOCAB_SIZE

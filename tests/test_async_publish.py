@@ -52,9 +52,10 @@ def test_a_failure_while_publishing_still_ends_every_stream():   # thread dies, 
 
     async def main():
         short = aeng.submit(LONG[0], SamplingParams(max_tokens=8, block_length=8,
-                                                    decode="threshold", threshold=0.05))
+                                                    decode="threshold", threshold=0.05,
+                                                    cache="none"))
         long = aeng.submit(LONG[1], SamplingParams(max_tokens=64, block_length=8,
-                                                   decode="vanilla"))
+                                                   decode="vanilla", cache="none"))
         return await asyncio.wait_for(asyncio.gather(_collect(short), _collect(long)), 30)
 
     (short_outs, short_err), (long_outs, long_err) = asyncio.run(main())

@@ -12,7 +12,7 @@ import torch
 
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from conftest import randomize_, tiny_dream_config, tiny_llada_config, tiny_model
+from conftest import EXACT, randomize_, tiny_dream_config, tiny_llada_config, tiny_model
 from flash_dllm.config import SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.layers.attention import (BIDIRECTIONAL, Attention, AttentionPattern,
@@ -253,7 +253,7 @@ def test_the_paged_engine_computes_what_the_dense_loop_computes(change):
     model.init_weights(std=0.3, seed=4)
     prompts = [[1, 5, 6, 7, 8, 9], [1, 20, 21]]
     reqs, _ = run_engine(model, prompts, SamplingParams(max_tokens=16, block_length=8,
-                                                        early_stop=False))
+                                                        early_stop=False, **EXACT))
     for prompt, req in zip(prompts, reqs):
         ref, _ = reference_vanilla(model, prompt, 16, 8, 16)      # the generated ids
         assert req.canvas[len(prompt):].tolist() == ref

@@ -155,6 +155,10 @@ def test_compare_runs_both_servers(tmp_path, monkeypatch, capsys):
     rep = json.loads(out.read_text())
     assert rep["errors"] == 0
     assert rep["reuse_on"]["prefix_reuse"] is True and rep["reuse_off"]["prefix_reuse"] is False
+    # no cache flag: the default request (the family's fast cache) keeps K/V, so the second
+    # turn reuses the first one's pages (issue 42: the exact default showed 0 query tokens)
+    on = rep["reuse_on"]["server_metrics"]
+    assert on["prefix_cache_query_tokens"] > 0 and on["prefix_cache_hit_tokens"]["total"] > 0
     assert [r["turn"] for r in rep["compare"]] == [1, 2]
     for r in rep["compare"]:
         assert r["ttft_mean_on"] > 0 and r["ttft_mean_off"] > 0 and r["ttft_mean_off_over_on"] > 0

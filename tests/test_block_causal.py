@@ -15,6 +15,7 @@ from flash_dllm.core.request import Request
 from flash_dllm.engine.engine import Engine
 from flash_dllm.layers.attention import block_causal
 from flash_dllm.models.transformer import DiffusionTransformer
+from conftest import EXACT
 
 BS = 8
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21, 22], [1, 2, 3, 4, 5, 6, 7, 9],
@@ -84,7 +85,7 @@ def reference_grid(model, prompt, gen, rule, steps=None, tau=0.5):
 
 
 def test_request_grid():
-    p = SamplingParams(max_tokens=16, block_length=BS)
+    p = SamplingParams(max_tokens=16, block_length=BS, **EXACT)
     r = Request("a", list(range(1, 12)), p, MASK, (EOS,), grid=BS)        # prompt 11
     assert (r.origin, r.canvas_len, r.num_blocks, r.block_start, r.lead) == (8, 32, 3, 8, 3)
     assert r.num_masked == 5 and (r.tokens[11:] == MASK).all()
@@ -165,7 +166,8 @@ def test_the_block_cache_needs_a_block_causal_model():
     model = tiny("llada")
     with pytest.raises(ValueError, match="cache='block' needs a block-causal model"):
         Engine(model, model.cfg).add_request([1, 2, 3], SamplingParams(max_tokens=8,
-                                                                     cache="block"))
+                                                                     cache="block",
+                                                                       decode="vanilla"))
 
 
 @pytest.mark.parametrize("cut", [0, 5, 12])

@@ -28,6 +28,7 @@ from flash_dllm.distributed.fake_transport import FakeNetwork
 from flash_dllm.engine.engine import Engine, run_to_completion
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import load_engine
+from conftest import EXACT
 
 # FLASH_DLLM_PD_DEVICE=cuda runs the process tests on the GPU (workers sharing one GPU read each
 # other's staging over CUDA IPC; NCCL when each has its own); the default is the CPU with gloo
@@ -102,7 +103,7 @@ def test_disaggregated_equals_colocated_token_for_token(pd):
 
 
 def test_abort_in_every_phase_frees_everything(pd):
-    p = SamplingParams(max_tokens=256, block_length=32, decode="vanilla", steps=256)
+    p = SamplingParams(max_tokens=256, block_length=32, decode="vanilla", steps=256, cache="none")
     rids = [pd.add_request(PROMPTS[i % 4], p).request_id for i in range(3)]
     pd.step()
     pd.abort(rids[0])                       # probably still on the prefill worker
@@ -116,8 +117,8 @@ def test_abort_in_every_phase_frees_everything(pd):
 
 def test_bad_request_is_a_named_error_and_others_go_on(pd):
     with pytest.raises(ValueError, match="vocabulary"):
-        pd.add_request([10**9], SamplingParams(max_tokens=8, block_length=8))
-    ok = pd.add_request(PROMPTS[1], SamplingParams(max_tokens=8, block_length=8))
+        pd.add_request([10**9], SamplingParams(max_tokens=8, block_length=8, **EXACT))
+    ok = pd.add_request(PROMPTS[1], SamplingParams(max_tokens=8, block_length=8, **EXACT))
     _drain(pd)
     assert ok.finished and ok.error is None
 
@@ -255,7 +256,8 @@ class _Pair:
 
     def add(self, rid: str, tag: int, max_tokens: int = 16) -> None:
         self.to[0].append(W.Add(rid, [5, 17, 3, 42, 8], SamplingParams(
-            max_tokens=max_tokens, block_length=8, decode="vanilla", steps=max_tokens), None,
+            max_tokens=max_tokens, block_length=8, decode="vanilla", steps=max_tokens,
+                                                                       cache="none"), None,
             1, tag * 16, self.groups))
 
     def held(self) -> list:
@@ -373,7 +375,7 @@ def test_role_switching_moves_a_worker_and_requests_still_finish():
     try:
         pd.controller = RoleController(queue_high=2, cooldown_s=0.0)
         pd.wait_ready(300)
-        p = SamplingParams(max_tokens=16, block_length=8)
+        p = SamplingParams(max_tokens=16, block_length=8, **EXACT)
         reqs = [pd.add_request(PROMPTS[i % 4], p) for i in range(10)]
         _drain(pd)
         assert all(r.finished and r.error is None for r in reqs)

@@ -33,14 +33,14 @@ def test_query_range_refresh_choice():
 
 def test_drift_min_is_validated():
     with pytest.raises(ValueError, match="drift_min needs cache"):
-        SamplingParams(max_tokens=16, cache="none", drift_min=0.9)
+        SamplingParams(max_tokens=16, cache="none", drift_min=0.9, decode="vanilla")
     with pytest.raises(ValueError, match="drift_min"):
-        SamplingParams(max_tokens=16, cache="dual", drift_min=1.5)
-    SamplingParams(max_tokens=16, cache="prefix", drift_min=0.9, drift_defer=True)
+        SamplingParams(max_tokens=16, cache="dual", drift_min=1.5, decode="vanilla")
+    SamplingParams(max_tokens=16, cache="prefix", drift_min=0.9, drift_defer=True, decode="vanilla")
     with pytest.raises(ValueError, match="decode='verify'"):
         SamplingParams(max_tokens=16, cache="dual", decode="verify", drift_min=0.9)
     with pytest.raises(ValueError, match="drift_defer must be a bool"):
-        SamplingParams(max_tokens=16, cache="dual", drift_min=0.9, drift_defer=1)
+        SamplingParams(max_tokens=16, cache="dual", drift_min=0.9, drift_defer=1, decode="vanilla")
 
 
 def _req(L, block=1, kv_top_k=2, drift_min=0.9):

@@ -25,6 +25,7 @@ from flash_dllm.engine.core import EngineCore
 from flash_dllm.engine.engine import Engine
 from flash_dllm.engine.tp_engine import TPEngine
 from flash_dllm.server.metrics import ServerMetrics
+from conftest import EXACT
 
 CONTRACT = {name for name, _ in inspect.getmembers(EngineCore) if not name.startswith("_")} \
     | set(EngineCore.__annotations__)
@@ -69,7 +70,7 @@ def test_the_router_fakes_no_engine_part_and_validates_against_its_smallest_work
     pd = _router(eng)
     for name in ("pool", "kv_manager", "scheduler", "runner"):
         assert not hasattr(pd, name), name
-    params = SamplingParams(max_tokens=16, block_length=8)
+    params = SamplingParams(max_tokens=16, block_length=8, **EXACT)
     pd.validate(PROMPTS[0], params)
     with pytest.raises(ValueError, match="needs 5 KV pages of 16 tokens, but the pool has only "
                                          "4; requests larger than the pool are not supported"):
@@ -105,7 +106,7 @@ def test_the_router_snapshot_comes_from_its_workers_reports():
 def test_a_snapshot_is_immutable_and_never_changes_after_it_was_built():
     eng = _engine()
     before = eng.stats_snapshot()
-    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8))
+    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, **EXACT))
     with torch.inference_mode():
         eng.step()
     during = eng.stats_snapshot()
@@ -138,7 +139,7 @@ def test_metrics_render_only_the_published_snapshot():
 
     async def go():
         return [o async for o in aeng.generate(PROMPTS[0], SamplingParams(max_tokens=16,
-                                                                          block_length=8))]
+                                                                          block_length=8, **EXACT))]
     outs = asyncio.run(go())
     assert outs[-1].finished
     live = aeng.engine

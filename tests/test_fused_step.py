@@ -42,7 +42,7 @@ def test_fused_vanilla_groups_and_schedules(steps):
     """vanilla with several tokens per step (k > 1, uneven schedules) over requests of different
     canvas lengths: the (canvas length, k) groups of select_top_k."""
     model = tiny("llada", seed=5)
-    params = [SamplingParams(max_tokens=m, block_length=8, steps=s, cache="dual")
+    params = [SamplingParams(max_tokens=m, block_length=8, steps=s, cache="dual", decode="vanilla")
               for m, s in [(24, steps), (16, min(steps, 16) - min(steps, 16) % 2),
                            (24, steps), (8, 8)]]
     _compare(model, LONG, params)
@@ -104,7 +104,8 @@ def test_eligibility():
     # mixed policies: the general path
     e = Engine(model, model.cfg, EngineConfig(fused_step=True))
     rs = [e.add_request(PROMPTS[0], ok),
-          e.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, cache="dual"))]
+          e.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, cache="dual",
+                                                   decode="vanilla"))]
     e.step()
     assert e.runner.fused.eligible(rs[1:]) and not e.runner.fused.eligible(rs)
 

@@ -8,6 +8,7 @@ import torch
 
 from flash_dllm.cache.io.kv_offload import RECORD_ALIGN, KVOffloader
 from flash_dllm.cache.tiers import Block, Store
+from conftest import EXACT
 
 
 def _pool(pages=12, seed=0):
@@ -102,7 +103,7 @@ def test_the_data_path_never_prints_a_tensor(monkeypatch):
     off.drain()
     off.host.view(0)[3] ^= 0x01
     assert off.load([0, 1, 2, 3], [8, 9, 10, 11], [b.key for b in blocks]) == [False] + [True] * 3
-    req = eng.add_request(list(range(3, 23)), SamplingParams(max_tokens=8, block_length=8))
+    req = eng.add_request(list(range(3, 23)), SamplingParams(max_tokens=8, block_length=8, **EXACT))
     while eng.has_unfinished():
         eng.step()
     assert req.finish_reason in ("length", "stop")

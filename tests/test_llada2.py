@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from conftest import (EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, llada2_tensors, tiny_llada2_config,
-                      write_tiny_llada2_checkpoint)
+from conftest import (EOS_ID, EOT_ID, EXACT, MASK_ID, TINY_VOCAB_SIZE, llada2_tensors,
+                      tiny_llada2_config, write_tiny_llada2_checkpoint)
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.bench.step import SHAPES
 from flash_dllm.kernels import fused_moe
@@ -182,7 +182,7 @@ def test_llm_without_an_engine(llada2_folder, llada2_llm, monkeypatch):
     with LLM(str(llada2_folder), dtype="float32") as llm:
         assert llm._engine is None and llm.cfg.mask_token_id == MASK_ID
         with pytest.raises(ValueError, match="no pages for you; LLM.logits"):
-            llm.generate("hi", SamplingParams(max_tokens=8))
+            llm.generate("hi", SamplingParams(max_tokens=8, **EXACT))
         with pytest.raises(ValueError, match="no pages for you"):
             llm.engine
         ids = _ids(1, 20, seed=9)

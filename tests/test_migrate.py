@@ -14,6 +14,7 @@ from flash_dllm.config import DECODE_POLICIES, EngineConfig, SamplingParams
 from flash_dllm.disagg import migrate
 from flash_dllm.engine.engine import Engine
 from flash_dllm.kernels.kv_pages import packed_shape
+from conftest import EXACT
 
 CFG = EngineConfig(max_num_seqs=32, num_kv_pages=256, page_size=4)
 
@@ -52,7 +53,8 @@ def test_migrated_requests_finish_as_if_they_stayed(family, after):
     ref = _colocated(model, prompts, ps)
     a, b = Engine(model, model.cfg, CFG), Engine(model, model.cfg, CFG)
     # b already runs a request of its own: imports join a live batch
-    other = b.add_request(PROMPTS[1], SamplingParams(max_tokens=8, block_length=8), "other")
+    other = b.add_request(PROMPTS[1], SamplingParams(max_tokens=8, block_length=8,
+                                                     **EXACT), "other")
     b.step()
     for i, (p, q) in enumerate(zip(prompts, ps)):
         a.add_request(p, q, request_id=str(i))
@@ -85,8 +87,9 @@ def test_migrated_requests_finish_as_if_they_stayed(family, after):
 def test_segment_round_trip_is_bit_exact():
     model = tiny("dream", seed=5)
     a, b = Engine(model, model.cfg, CFG), Engine(model, model.cfg, CFG)
-    a.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8), "r")
-    b.add_request(PROMPTS[0], SamplingParams(max_tokens=32, block_length=8), "pad")  # other pages
+    a.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, **EXACT), "r")
+    b.add_request(PROMPTS[0], SamplingParams(max_tokens=32, block_length=8,
+                                             **EXACT), "pad")  # other pages
     with torch.inference_mode():
         a.step()
         b.step()
@@ -107,7 +110,7 @@ def test_bad_moves_are_named_errors():
     b = Engine(model, model.cfg, EngineConfig(max_num_seqs=8, num_kv_pages=64, page_size=8))
     with pytest.raises(migrate.MigrationError, match="not running"):
         migrate.export_request(a, "nope")
-    a.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8), "r")
+    a.add_request(PROMPTS[0], SamplingParams(max_tokens=16, block_length=8, **EXACT), "r")
     with torch.inference_mode():
         a.step()
         snap, seg = migrate.export_request(a, "r")
@@ -120,8 +123,8 @@ def test_import_waits_when_pages_do_not_fit():
     model = tiny("llada", seed=6)
     a = Engine(model, model.cfg, CFG)
     b = Engine(model, model.cfg, EngineConfig(max_num_seqs=8, num_kv_pages=8, page_size=4))
-    b.add_request(PROMPTS[0], SamplingParams(max_tokens=24, block_length=8), "big")
-    a.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8), "r")
+    b.add_request(PROMPTS[0], SamplingParams(max_tokens=24, block_length=8, **EXACT), "big")
+    a.add_request(PROMPTS[1], SamplingParams(max_tokens=16, block_length=8, **EXACT), "r")
     with torch.inference_mode():
         a.step()
         b.step()

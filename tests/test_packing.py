@@ -16,7 +16,7 @@ from flash_dllm.worker import inputs
 def _engine_with_running(page_size=4):
     model = tiny("llada", seed=1)
     eng = Engine(model, model.cfg, EngineConfig(page_size=page_size))
-    params = SamplingParams(max_tokens=16, block_length=8, cache="dual")
+    params = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="vanilla")
     reqs = [eng.add_request(p, params) for p in PROMPTS[:3]]
     eng.scheduler.admit()
     states = [eng.runner.seq(r, eng.kv_manager.pages(r.request_id)) for r in reqs]

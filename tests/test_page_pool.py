@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_dllm.cache.page_pool import PagePool
+from conftest import EXACT
 
 
 def test_allocate_rounds_up_and_never_partial():
@@ -124,7 +125,7 @@ def test_engine_admits_by_pages_and_frees_on_finish_and_abort():
     from flash_dllm.config import SamplingParams
 
     eng = _engine(num_pages=6)                        # 4 + 16 = 20 tokens = 3 pages of 8
-    p = SamplingParams(max_tokens=16, block_length=8, early_stop=False)
+    p = SamplingParams(max_tokens=16, block_length=8, early_stop=False, **EXACT)
     reqs = [eng.add_request([1, 10, 11, 12], p) for _ in range(3)]
     eng.step()
     assert [eng.kv_manager.pages(r.request_id) is not None for r in reqs] == [True, True, False]   # the third waits
@@ -144,7 +145,7 @@ def test_engine_rejects_request_larger_than_pool():
 
     eng = _engine(num_pages=2)
     with pytest.raises(ValueError, match=r"needs 3 KV pages of 8 tokens, but the pool has only 2"):
-        eng.add_request([1, 10, 11, 12], SamplingParams(max_tokens=16, block_length=8))
+        eng.add_request([1, 10, 11, 12], SamplingParams(max_tokens=16, block_length=8, **EXACT))
 
 
 def test_pool_size_from_kv_cache_gb():

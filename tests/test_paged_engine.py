@@ -15,6 +15,7 @@ from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from dense_oracle import use_dense_oracle
 from test_sampler import PROMPTS, run_engine, tiny
+from conftest import EXACT
 
 LONG = [[(7 * i + 3) % 90 + 5 for i in range(n)] for n in (3, 21, 40, 9)]
 
@@ -68,7 +69,7 @@ def test_sentinels_on_paged():
 def test_pages_hold_the_canvas_kv():
     """After a step, the request's pages hold exactly the K/V the dense path keeps for it."""
     model = tiny("llada", seed=4)
-    params = SamplingParams(max_tokens=16, block_length=8, cache="dual")
+    params = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="vanilla")
     engines = {lay: Engine(model, model.cfg, EngineConfig(page_size=4))
                for lay in ("dense", "paged")}
     use_dense_oracle(engines["dense"])
@@ -90,7 +91,7 @@ def test_pool_is_the_storage_and_frees():
     model = tiny("llada")
     eng = Engine(model, model.cfg, EngineConfig(num_kv_pages=8, page_size=4))
     assert eng.runner.kv.shape == (2, 2, 8, 4, model.cfg.num_kv_heads, model.cfg.head_dim)
-    r = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=8, block_length=8))
+    r = eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=8, block_length=8, **EXACT))
     eng.step()
     assert eng.pool.num_used == 3
     assert eng.runner._states[r.request_id].page_row.dtype == torch.int32

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.models.loader import build_model
+from conftest import EXACT
 
 MASK, EOS = 99, 98
 
@@ -109,7 +110,8 @@ PROMPTS = [[5, 17, 3, 42, 8], [11, 2, 9, 33, 71, 64, 12, 7, 1, 90, 4], [60]]
 @pytest.mark.parametrize("gen,block,steps", [(16, 8, 16), (16, 8, 8), (24, 8, 6), (16, 16, 16)])
 def test_vanilla_matches_reference(family, gen, block, steps):
     model = tiny(family)
-    params = SamplingParams(max_tokens=gen, block_length=block, steps=steps, early_stop=False)
+    params = SamplingParams(max_tokens=gen, block_length=block, steps=steps, early_stop=False,
+                            **EXACT)
     reqs, outs = run_engine(model, PROMPTS, params)
     for prompt, req, out in zip(PROMPTS, reqs, outs):
         ref, nfe = reference_vanilla(model, prompt, gen, block, steps)
@@ -122,7 +124,7 @@ def test_vanilla_matches_reference(family, gen, block, steps):
 def test_threshold_matches_reference(family, tau):
     model = tiny(family)
     params = SamplingParams(max_tokens=16, block_length=8, decode="threshold", threshold=tau,
-                            early_stop=False)
+                            early_stop=False, cache="none")
     reqs, outs = run_engine(model, PROMPTS, params)
     for prompt, req, out in zip(PROMPTS, reqs, outs):
         ref, nfe = reference_threshold(model, prompt, 16, 8, tau)
@@ -138,8 +140,9 @@ def test_cached_modes_first_step_is_exact(family, cache):
     """With one step per block every step is a block's first step (a full refresh): the cached
     modes must then equal the exact mode token for token."""
     model = tiny(family)
-    exact = SamplingParams(max_tokens=24, block_length=8, steps=3, early_stop=False)
-    cached = SamplingParams(max_tokens=24, block_length=8, steps=3, cache=cache, early_stop=False)
+    exact = SamplingParams(max_tokens=24, block_length=8, steps=3, early_stop=False, **EXACT)
+    cached = SamplingParams(max_tokens=24, block_length=8, steps=3, cache=cache, early_stop=False,
+                            decode="vanilla")
     r1, _ = run_engine(model, PROMPTS, exact)
     r2, _ = run_engine(model, PROMPTS, cached)
     for a, b in zip(r1, r2):
@@ -175,7 +178,8 @@ def test_cached_mode_reuses_cache_between_steps():
     outs = {}
     for cache in ("none", "dual"):
         reqs, _ = run_engine(model, PROMPTS * 3, SamplingParams(max_tokens=32, block_length=16,
-                                                                 cache=cache, early_stop=False))
+                                                                 cache=cache, early_stop=False,
+                                                                decode="vanilla"))
         outs[cache] = [r.canvas.tolist() for r in reqs]
     assert outs["none"] != outs["dual"]
 
@@ -194,9 +198,10 @@ def test_batched_equals_solo(cache, decode):
 
 def test_mixed_params_in_one_batch_equal_solo():
     model = tiny("llada")
-    plist = [SamplingParams(max_tokens=16, block_length=8, early_stop=False),
+    plist = [SamplingParams(max_tokens=16, block_length=8, early_stop=False, **EXACT),
              SamplingParams(max_tokens=8, block_length=8, decode="threshold", cache="dual"),
-             SamplingParams(max_tokens=24, block_length=8, steps=12, cache="prefix")]
+             SamplingParams(max_tokens=24, block_length=8, steps=12, cache="prefix",
+                            decode="vanilla")]
     batched, _ = run_engine(model, PROMPTS, plist)
     for prompt, p, b in zip(PROMPTS, plist, batched):
         solo, _ = run_engine(model, [prompt], p)
@@ -206,7 +211,7 @@ def test_mixed_params_in_one_batch_equal_solo():
 def test_continuous_batching_small_max_num_seqs_equals_solo():
     from flash_dllm.config import EngineConfig
     model = tiny("llada")
-    params = SamplingParams(max_tokens=16, block_length=8, early_stop=False)
+    params = SamplingParams(max_tokens=16, block_length=8, early_stop=False, **EXACT)
     batched, _ = run_engine(model, PROMPTS * 2, params, config=EngineConfig(max_num_seqs=2))
     for prompt, b in zip(PROMPTS * 2, batched):
         solo, _ = run_engine(model, [prompt], params)
@@ -233,8 +238,8 @@ def test_early_stop_after_block_with_eos():
         model.lm_head.weight[EOS] = model.lm_head.weight.abs().max() * 5
         model.layers[-1].mlp.down_proj.weight.zero_()
     full, fo = run_engine(model, PROMPTS, SamplingParams(max_tokens=24, block_length=8,
-                                                         early_stop=False))
-    early, eo = run_engine(model, PROMPTS, SamplingParams(max_tokens=24, block_length=8))
+                                                         early_stop=False, **EXACT))
+    early, eo = run_engine(model, PROMPTS, SamplingParams(max_tokens=24, block_length=8, **EXACT))
     for f, e in zip(fo, eo):
         assert e.token_ids == f.token_ids
         assert e.finish_reason == "stop" and e.early_stopped
@@ -248,7 +253,8 @@ def test_abort_frees_request(layout):
     eng = Engine(model, model.cfg)
     if layout == "dense":
         use_dense_oracle(eng)
-    r = eng.add_request([1, 2, 3], SamplingParams(max_tokens=16, block_length=8, cache="dual"))
+    r = eng.add_request([1, 2, 3], SamplingParams(max_tokens=16, block_length=8, cache="dual",
+                                                  decode="vanilla"))
     eng.step()
     held = (eng.runner._states.get(r.request_id) if layout == "paged"
             else eng.runner.backend.caches.get(r.request_id))
@@ -289,8 +295,8 @@ def test_prompt_too_long_rejected():
     model = tiny("llada")
     eng = Engine(model, model.cfg)
     with pytest.raises(ValueError, match="maximum length 256"):
-        eng.add_request([1] * 250, SamplingParams(max_tokens=16))
+        eng.add_request([1] * 250, SamplingParams(max_tokens=16, **EXACT))
     with pytest.raises(ValueError, match="empty"):
-        eng.add_request([], SamplingParams(max_tokens=16))
+        eng.add_request([], SamplingParams(max_tokens=16, **EXACT))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        eng.add_request([1, 500], SamplingParams(max_tokens=16))
+        eng.add_request([1, 500], SamplingParams(max_tokens=16, **EXACT))

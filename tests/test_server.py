@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import write_tiny_checkpoint
+from conftest import EXACT, write_tiny_checkpoint
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.config import EngineConfig
 from flash_dllm.server.app import build_app
@@ -123,10 +123,11 @@ def test_chat_matches_llm(app, llm):
 
 
 def test_generate_endpoint_maps_knobs(app, llm):
+    # (num_inference_steps is vanilla's step count: the exact sampler, named)
     r = run(post(app, "/generate", {"prompt": "abc", "max_new_tokens": 24, "num_inference_steps": 12,
-                                    "block_length": 8, "temperature": 0.0}))
+                                    "block_length": 8, "temperature": 0.0, **EXACT}))
     assert r.status_code == 200, r.text
-    ref = llm.generate("abc", SamplingParams(max_tokens=24, block_length=8, steps=12))[0]
+    ref = llm.generate("abc", SamplingParams(max_tokens=24, block_length=8, steps=12, **EXACT))[0]
     assert r.json()["token_ids"] == ref.token_ids and r.json()["text"] == ref.text
     assert r.json()["num_forwards"] == ref.num_forwards
 
@@ -136,11 +137,14 @@ def test_default_block_length_divides_odd_max_tokens(app):
     assert r.status_code == 200, r.text
 
 
+# (the exact sampler where the answer must arrive over several steps)
 @pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 32, "block_length": 16}),
+    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 32, "block_length": 16,
+                         **EXACT}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32,
                               "cache": "dual", "block_length": 16}),
-    ("/generate", {"prompt": "Hello there", "max_new_tokens": 32, "block_length": 16}),
+    ("/generate", {"prompt": "Hello there", "max_new_tokens": 32, "block_length": 16,
+                   **EXACT}),
 ])
 def test_streaming_concatenates_to_non_streamed(app, path, body):
     async def go():
@@ -257,7 +261,7 @@ def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
               "max_verify": 4, "entropy_max": 0.5, "perturb_sigma": 0.25, "kv_jaccard_min": 0.9,
               "kv_top_k": 4, "flash_budget": 3, "early_stop": False, "temperature": 0.5,
               "top_k": 5, "top_p": 0.9, "seed": 7}
-    drift = {"max_tokens": 16, "block_length": 8, "decode": "threshold", "cache": "prefix",
+    drift = {"max_tokens": 16, "block_length": 8, "decode": "vanilla", "cache": "prefix",
              "drift_min": 0.9, "drift_defer": False}
     edit = {"max_tokens": 16, "block_length": 8, "decode": "edit", "cache": "dual",
             "edit_threshold": 0.5, "max_post_edit_steps": 2}

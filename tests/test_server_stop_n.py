@@ -18,6 +18,7 @@ from flash_dllm.config import EngineConfig
 from flash_dllm.entrypoints.serve import load_async_engine
 from flash_dllm.server.stops import (MAX_STOP_STRINGS, StopBuffer, find_stop, partial_stop_len,
                                      stop_strings, tokens_covering)
+from conftest import EXACT
 from test_server import ckpt, client, make_app, metrics_of, run, sse_events  # noqa: F401
 
 QUESTION = "Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have in all?"
@@ -181,8 +182,11 @@ PATHS = ["/v1/completions", "/v1/chat/completions"]
 def test_stop_cuts_text_and_saves_forwards(demo, path):
     app, aeng = demo
     aborts = _metrics(app).get(ABORTS, 0)
-    full, cut, cut2 = run(_posts(app, (path, _request(path)), (path, _request(path, stop="."),),
-                                 (path, _request(path, stop=["34", "="]))))
+    # the exact sampler: the answer commits over many steps, so a stop string is seen (and the
+    # request aborted) before the end (threshold commits the demo's answer in 1-2 forwards)
+    full, cut, cut2 = run(_posts(app, (path, _request(path, **EXACT)),
+                                 (path, _request(path, stop=".", **EXACT)),
+                                 (path, _request(path, stop=["34", "="], **EXACT))))
     assert full.status_code == cut.status_code == cut2.status_code == 200, cut.text
     text = _text(path, full.json()["choices"][0])
     assert text == ANSWER

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import (BOS_ID, EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, randomize_,
+from conftest import (EXACT, BOS_ID, EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, randomize_,
                       tiny_llada_config, write_tiny_tokenizer)
 from flash_dllm import LLM, SamplingParams
 from flash_dllm.layers.attention import BIDIRECTIONAL, block_causal
@@ -159,7 +159,7 @@ def test_toy_generates_exactly_as_the_same_weights_in_llada_layout(tmp_path):
     twin.load_state_dict(model.state_dict())
     llada_folder = write_folder(tmp_path / "llada", twin, llada_hf)
     prompts = ["The quick brown fox", "2 + 2 ="]
-    params = SamplingParams(max_tokens=16, block_length=8, temperature=0.0)
+    params = SamplingParams(max_tokens=16, block_length=8, temperature=0.0, **EXACT)
     outs = {}
     for name, path in (("toy", folder), ("llada", llada_folder)):
         with LLM(str(path), dtype="float32") as llm:
@@ -184,7 +184,8 @@ def test_block_causal_family_runs_dense_and_in_the_engine(tmp_path):
     assert (la[0, 8:] - lb[0, 8:]).abs().max() > 1e-3
     # the paged engine runs it on its grid of blocks (tests/test_block_causal.py: exactness)
     out = LLM(str(folder), dtype="float32").generate(
-        [[3, 4, 5, 6, 7]], SamplingParams(max_tokens=8, block_length=4, cache="block"))[0]
+        [[3, 4, 5, 6, 7]], SamplingParams(max_tokens=8, block_length=4, cache="block",
+                                          decode="vanilla"))[0]
     assert 0 < len(out.token_ids) <= 8
 
 

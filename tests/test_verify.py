@@ -210,7 +210,8 @@ def test_mask_view_cannot_see_its_own_draft(leak, monkeypatch):
     eng = Engine(model, model.cfg)
     prompt = [A_TOK] * 6 + [B_TOK] * 2
     req = eng.add_request(prompt, SamplingParams(max_tokens=4, block_length=4, decode="verify",
-                                                 threshold=1.0, gamma=0.01, early_stop=False))
+                                                 threshold=1.0, gamma=0.01, early_stop=False,
+                                                 cache="none"))
     eng.scheduler.admit()
     P = len(prompt)
     st = eng.runner.seq(req, eng.kv_manager.pages(req.request_id))
@@ -312,7 +313,8 @@ def reference_verify(model, prompt, gen, block, tau, gamma, rule, max_verify):
 def test_verify_matches_reference(family, rule, gamma, max_verify):
     model = tiny(family)
     params = SamplingParams(max_tokens=16, block_length=8, decode="verify", threshold=0.7,
-                            gamma=gamma, verify_rule=rule, max_verify=max_verify, early_stop=False)
+                            gamma=gamma, verify_rule=rule, max_verify=max_verify, early_stop=False,
+                            cache="none")
     reqs, outs = run_engine(model, PROMPTS, params)
     accepted = 0
     for prompt, req, out in zip(PROMPTS, reqs, outs):
@@ -412,7 +414,7 @@ def test_entropy_sentinel_demotes_and_counts():
     verified either, so each forward commits exactly one slot (the progress rule)."""
     model = tiny("llada")
     params = SamplingParams(max_tokens=16, block_length=8, decode="verify", threshold=0.5,
-                            gamma=2.0, entropy_max=1e-6, early_stop=False)
+                            gamma=2.0, entropy_max=1e-6, early_stop=False, cache="none")
     eng = Engine(model, model.cfg)
     reqs = [eng.add_request(p, params) for p in PROMPTS]
     while eng.has_unfinished():
@@ -428,7 +430,7 @@ def test_entropy_sentinel_demotes_and_counts():
 def test_perturbation_sentinel_counts_and_is_seeded():
     model = tiny("dream")
     params = SamplingParams(max_tokens=16, block_length=8, decode="verify", threshold=0.3,
-                            gamma=0.5, perturb_sigma=1.0, early_stop=False)
+                            gamma=0.5, perturb_sigma=1.0, early_stop=False, cache="none")
     a, oa = run_engine(model, PROMPTS, params)
     b, _ob = run_engine(model, PROMPTS, params)
     assert all(torch.equal(x.canvas, y.canvas) for x, y in zip(a, b))
@@ -501,7 +503,7 @@ def test_verify_seeded_sampling_batched_equals_solo():
     request decodes the same alone and in a batch."""
     model = tiny("llada")
     p = SamplingParams(max_tokens=16, block_length=8, decode="verify", temperature=0.7, seed=5,
-                       threshold=0.6, gamma=0.2, early_stop=False)
+                       threshold=0.6, gamma=0.2, early_stop=False, cache="none")
     batched, _ = run_engine(model, PROMPTS, p)
     again, _ = run_engine(model, PROMPTS, p)
     for prompt, b, a in zip(PROMPTS, batched, again):

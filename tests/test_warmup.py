@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import write_tiny_checkpoint
+from conftest import EXACT, write_tiny_checkpoint
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.entrypoints.serve import attach_warmup, load_async_engine
@@ -35,9 +36,18 @@ def test_levels_and_sizes():
     assert batch_sizes("full", 48) == [1, 2, 4, 8, 16, 32, 48]
     assert batch_sizes("minimal", 64) == [1, 64] and batch_sizes("minimal", 1) == [1]
     assert cases("minimal") == [SamplingParams()]
-    assert {(p.decode, p.cache) for p in cases("full")} == {("vanilla", "none"),
+    # the default request (threshold, the family's cache: resolved with a model's config) is
+    # threshold + dual on a LLaDA model: one case less
+    assert [(p.decode, p.cache) for p in cases("full")] == [("threshold", None),
                                                              ("threshold", "dual"),
-                                                             ("verify", "dual")}
+                                                             ("verify", "dual")]
+    cfg = SimpleNamespace(arch="llada", attention=SimpleNamespace(block_causal=False))
+    assert [(p.decode, p.cache) for p in cases("full", cfg)] == [("threshold", "dual"),
+                                                                  ("verify", "dual")]
+    # a server's own default (serve --decode vanilla --cache none) is warmed first
+    exact = SamplingParams(**EXACT)
+    assert [(p.decode, p.cache) for p in cases("full", cfg, exact)] == [
+        ("vanilla", "none"), ("threshold", "dual"), ("verify", "dual")]
     with pytest.raises(ValueError, match="warmup must be one of"):
         warm_up(None, "fast", [1])
 
@@ -50,7 +60,8 @@ def test_warm_up_leaves_no_trace(ckpt):
     eng = aeng.engine
     before = dict(eng.stats)
     lines = []
-    rep = warm_up(eng, "full", tok.encode("warm up text"), lines.append)
+    rep = warm_up(eng, "full", tok.encode("warm up text"), lines.append,
+                  SamplingParams(**EXACT))
     assert rep.cases == 3 * 3 * len(batch_sizes("full", 4)) and not rep.skipped
     assert rep.steps > rep.cases and len(lines) == rep.cases
     assert "warm-up 1/" in lines[0] and "vanilla/none prompt 24 batch 1" in lines[0]
@@ -77,7 +88,8 @@ def test_warm_up_skips_a_case_that_cannot_fit(ckpt):
     eng = aeng.engine
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "max_position": 100})
     rep = warm_up(eng, "full", tok.encode("abc"))           # 100 - 64: prompts of 24, 25 and 36
-    assert not rep.skipped and rep.cases == 3 * 3 * len(batch_sizes("full", 4))
+    # the default request is threshold + dual here, the full level's second case: 2 cases
+    assert not rep.skipped and rep.cases == 2 * 3 * len(batch_sizes("full", 4))
     eng.cfg = eng.cfg.__class__(**{**eng.cfg.__dict__, "max_position": 60})
     rep = warm_up(eng, "minimal", tok.encode("abc"))        # 64 tokens cannot fit in 60
     assert rep.cases == 0 and len(rep.skipped) == 2 and "leaves no room" in rep.skipped[0]

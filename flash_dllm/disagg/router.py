@@ -42,7 +42,7 @@ from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.disagg import messages as W
 from flash_dllm.disagg.roles import WorkerLoad
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
-from flash_dllm.engine.core import RequestLimits, check_request, request_output
+from flash_dllm.engine.core import RequestLimits, check_request, request_output, resolve_params
 from flash_dllm.engine.stats import runtime_stats
 
 PREFILL, DECODE = "prefill", "decode"
@@ -184,10 +184,11 @@ class PDEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request can never run on the smallest
         live worker (reads only ``limits``, swapped whole: any thread may call it)."""
-        check_request(prompt_ids, params, self.limits, _no_overflow)
+        check_request(prompt_ids, resolve_params(params, self.cfg), self.limits, _no_overflow)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None) -> Request:
+        params = resolve_params(params, self.cfg)
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else f"pd-{next(self._ids)}"
         req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,

@@ -16,6 +16,7 @@ The shared logic is plain functions both kinds call: ``check_request`` (a reques
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Protocol, runtime_checkable
@@ -26,6 +27,7 @@ from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import EngineStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.models.config import ModelConfig
+from flash_dllm.models.registry import default_cache
 from flash_dllm.worker.extensions import EXTENSIONS
 
 
@@ -91,11 +93,24 @@ class RequestLimits:
         return -(-total // self.grid) * self.grid if self.grid else total
 
 
+def resolve_params(params: SamplingParams, cfg: ModelConfig) -> SamplingParams:
+    """``params`` with what it left to the model filled in: ``cache`` None becomes the model
+    family's ``default_cache`` (dual for LLaDA / Dream, block for block-causal families).
+    The same object when nothing is left (every engine kind calls this before it validates)."""
+    if params.cache is not None:
+        return params
+    return dataclasses.replace(params, cache=default_cache(cfg))
+
+
 def check_request(prompt_ids: list[int], params: SamplingParams, limits: RequestLimits,
                   overflow_refusal: Callable[[int, SamplingParams], str | None]) -> None:
     """Raise ``ValueError`` naming the problem if the request can never run under ``limits``.
-    ``overflow_refusal(total, params)``: why a request larger than the pool cannot stream its
-    overflow (None: it can, so it is accepted)."""
+    ``params`` is resolved (``resolve_params``). ``overflow_refusal(total, params)``: why a
+    request larger than the pool cannot stream its overflow (None: it can, so it is
+    accepted)."""
+    if params.cache is None:
+        raise ValueError("cache is None: resolve the request against the model first "
+                         "(engine.core.resolve_params)")
     if not prompt_ids:
         raise ValueError("prompt is empty: it must hold at least one token")
     if limits.grid:

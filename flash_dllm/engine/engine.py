@@ -36,7 +36,7 @@ from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import EngineStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
-from flash_dllm.engine.core import RequestLimits, check_request, request_output
+from flash_dllm.engine.core import RequestLimits, check_request, request_output, resolve_params
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
 from flash_dllm.models.config import ModelConfig
@@ -116,7 +116,8 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request can never run. Reads only
         immutable configuration (the async engine calls it from the event loop)."""
-        check_request(prompt_ids, params, self.limits, self._overflow_refusal)
+        check_request(prompt_ids, resolve_params(params, self.cfg), self.limits,
+                      self._overflow_refusal)
 
     def _overflow_refusal(self, total: int, params: SamplingParams) -> str | None:
         """Why a request larger than the pool cannot stream its overflow (None: it can)."""
@@ -136,6 +137,7 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None) -> Request:
+        params = resolve_params(params, self.cfg)
         self.validate(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, prompt_ids, params, self.cfg.mask_token_id, self.cfg.eos_token_ids,

@@ -51,7 +51,7 @@ class TPEngine(Engine):
             # every rank must draw the same samples: the seed is chosen here and sent
             params = dataclasses.replace(params, seed=random.randrange(2**62))
         req = super().add_request(prompt_ids, params, request_id, prompt)
-        self._cmds.append(("add", list(prompt_ids), params, req.request_id, prompt))
+        self._cmds.append(("add", list(prompt_ids), req.params, req.request_id, prompt))
         return req
 
     def abort(self, request_id: str) -> bool:

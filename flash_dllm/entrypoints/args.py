@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from flash_dllm.config import AUTO_GPU_MEMORY_UTILIZATION, EngineConfig, SamplingParams
+from flash_dllm.defaults import SamplingDefaults
 from flash_dllm.knobs import Knob, knobs
 
 _CONFIG_DEFAULTS = {k.name: k.default for k in knobs(EngineConfig)}
@@ -127,7 +128,10 @@ class EngineArgs:
         "type": positive_int,
         "help": "CPU threads for torch's operators (default: $OMP_NUM_THREADS when set; on the "
                 "CPU device half the CPUs this process may use, at most 4, which stays fast "
-                "when other processes share the machine; elsewhere torch's own choice)"})
+                "when other processes share the machine, serve included: on a shared 2-core "
+                "VM, serve with 1 thread answered 16 concurrent clients at 32-34 req/s against "
+                "23-30 with 2, benchmarks/results/serving/serve_threads_cpu.json; elsewhere "
+                "torch's own choice)"})
     tensor_parallel_size: int = field(default=1, metadata={
         "type": int, "help": "GPUs (or CPU processes) that split the model's weights, heads and "
                              "KV pages; one worker process per extra rank, or the ranks "
@@ -185,20 +189,53 @@ def is_cuda(device: str) -> bool:
 
 
 # --------------------------------------------------------------------------------- sampling
+# what the default mode costs in accuracy, from the committed reports (docs/sampling.md#the-
+# default-mode: benchmarks/results/accuracy/eval_chat_*_h200.json, eval_exact_*_h200.json,
+# benchmarks/results/verify/eval_*_dual_b1_h200.json, pareto_*_h200.json)
+DEFAULT_MODE_EVIDENCE = (
+    "Measured (H200, greedy): on the demo model within a point of exact (arith 98% vs 96.8%, "
+    "code 99% vs 99.8%) at ~1 forward per 32-slot block instead of 32; NOT on the trained "
+    "proxies' long answers: 3.5-14.5 points below exact (LLaDA proxy chain 79.5% vs 89.5%, "
+    "Dream proxy code-long 84.5% vs 99%) at 3.3-7.6 forwards per block; --threshold 0.99 comes "
+    "within 2.5 points there for 1.2-1.4x the forwards (docs/sampling.md#the-default-mode)")
+# the sampling flags' group: where a knob left out comes from (flash_dllm/defaults.py)
+SAMPLING_GROUP = ("sampling (mirrors SamplingParams)",
+                  "A flag left out comes from the checkpoint's generation_config.json, else the "
+                  "recommended default: threshold decoding at 0.9 with the model family's fast "
+                  "cache, dual for LLaDA / Dream, the exact block cache for block-causal "
+                  "families. Exact reference sampler: --decode vanilla --cache none. "
+                  + DEFAULT_MODE_EVIDENCE + ".")
+
+
 def add_sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str | None = None,
-                       cls: type = SamplingParams) -> None:
-    """The sampling flags, one per knob of ``cls``; ``max_tokens_default`` (a description):
-    --max-tokens is left None and the command fills it in, as ``eval`` does from the suite."""
-    g = p.add_argument_group("sampling (mirrors SamplingParams)")
-    add_knob_flags(g, cls, described=None if max_tokens_default is None
-                   else {"max_tokens": max_tokens_default})
+                       cls: type = SamplingParams,
+                       group: tuple[str, str] = SAMPLING_GROUP) -> None:
+    """The sampling flags, one per knob of ``cls``, all None when not given (a flag given is a
+    layer above the checkpoint's generation_config.json: ``flash_dllm.defaults``); the help
+    shows the knob's own default. ``max_tokens_default`` (a description): what --max-tokens
+    falls back to instead, as ``eval`` fills it in from the suite. ``group``: the help's
+    (title, description)."""
+    g = p.add_argument_group(*group)
+    described = {k.name: str(k.default) for k in knobs(cls) if k.cli}
+    if max_tokens_default is not None:
+        described["max_tokens"] = max_tokens_default
+    add_knob_flags(g, cls, described=described)
+
+
+def sampling_flags(a: argparse.Namespace, cls: type = SamplingParams) -> dict:
+    """The sampling flags given (``add_sampling_flags``), by knob name; a namespace without
+    some of them (a benchmark's) gives what it has."""
+    return {k.name: getattr(a, k.name) for k in knobs(cls)
+            if k.cli and getattr(a, k.name, None) is not None}
 
 
 def sampling_from_args(a: argparse.Namespace, cls: type = SamplingParams,
-                       **override) -> SamplingParams:
+                       defaults: SamplingDefaults | None = None, **override) -> SamplingParams:
     """``cls`` (``SamplingParams``) from the flags ``add_sampling_flags`` added, with
-    ``override``'s values instead of some."""
-    return cls(**{**knob_values(a, cls), **override})
+    ``override``'s values instead of some, over ``defaults`` (the checkpoint's
+    generation_config.json: ``LLM.sampling_defaults``) for the flags not given."""
+    request = {**sampling_flags(a, cls), **override}
+    return (defaults or SamplingDefaults()).params(request, cls)
 
 
 # ---------------------------------------------------------------------------------- threads

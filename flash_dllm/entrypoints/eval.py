@@ -8,7 +8,7 @@ from pathlib import Path
 from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import DECODE_POLICIES, SamplingParams
-from flash_dllm.engine.core import runs_on
+from flash_dllm.engine.core import resolve_params, runs_on
 from flash_dllm.entrypoints.args import (EngineArgs, add_sampling_flags, require_matplotlib,
                                          sampling_from_args)
 from flash_dllm.evals.tasks import SUITES
@@ -85,18 +85,21 @@ def run(a: argparse.Namespace) -> int:
                         else SamplingParams().max_tokens)
     if a.matrix:
         require_matplotlib()        # before any pair runs, not after all of them
-    base = sampling_from_args(a)
+    sampling_from_args(a)                 # bad flags fail before the model loads
     args = EngineArgs.from_cli_args(a)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
               engine_config=args.engine_config(),
               tensor_parallel_size=args.tensor_parallel_size)
+    # the flags given, then the checkpoint's generation_config.json, then the recommended
+    base = resolve_params(sampling_from_args(a, defaults=llm.sampling_defaults), llm.cfg)
     combos = ([(c, d) for c in CACHE_MODES for d in DECODE_POLICIES if runs_on(llm.cfg, c, d)]
               if a.matrix else [(base.cache, base.decode)])
     reports = []
     for cache, decode in combos:
         # the verify-only sentinels apply to the verify rows of a matrix only
         only_verify = {} if decode == "verify" else {"entropy_max": None, "perturb_sigma": None}
-        params = sampling_from_args(a, cache=cache, decode=decode, **only_verify)
+        params = sampling_from_args(a, defaults=llm.sampling_defaults, cache=cache,
+                                    decode=decode, **only_verify)
         r = run_eval(llm, suite, a.n, params, seed=a.eval_seed, chat=a.chat,
                      progress=not a.no_progress, repeat=a.repeat)
         if a.suite == "jsonl":

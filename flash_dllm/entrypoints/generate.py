@@ -32,11 +32,13 @@ def run(a: argparse.Namespace) -> int:
     if "" in texts or a.chat == "":
         # the tokenizer's BOS alone is a prompt the engine would run in full, answering noise
         raise ValueError("the prompt is empty: give some text to continue")
-    params = sampling_from_args(a)
+    sampling_from_args(a)                 # bad flags fail before the model loads
     args = EngineArgs.from_cli_args(a)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
               engine_config=args.engine_config(),
               tensor_parallel_size=args.tensor_parallel_size)
+    # the flags given, then the checkpoint's generation_config.json, then the recommended
+    params = sampling_from_args(a, defaults=llm.sampling_defaults)
     t0 = time.perf_counter()
     if a.chat is not None:
         out = llm.chat([{"role": "user", "content": a.chat}], params)[0]

@@ -10,6 +10,7 @@ import torch
 
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.request import RequestOutput
+from flash_dllm.defaults import SamplingDefaults
 from flash_dllm.engine.engine import Engine, run_to_completion
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import close_engine, load_engine, tensor_parallel_world
@@ -25,6 +26,11 @@ class LLM:
     >>> outs = llm.generate(["prompt a", "prompt b"], SamplingParams(max_tokens=64))
 
     ``dtype="auto"`` (the default): bfloat16 on a GPU, float32 on the CPU.
+    ``generate`` / ``chat`` without params decode with ``sampling_params()``: the knobs of
+    ``sampling_defaults`` (a dict, a layer of your own), then the checkpoint's
+    ``generation_config.json``, then the recommended defaults (threshold 0.9 with the family's
+    fast cache; ``flash_dllm.defaults``). A ``SamplingParams`` you build yourself is the whole
+    request: its fields left out are ``SamplingParams``' own defaults (the recommended ones).
     ``tensor_parallel_size=N`` splits the model over N GPUs (``device="cuda"``; rank r on cuda:r)
     or N CPU processes: the other ranks are worker processes started here and stopped by
     ``close()`` (or ``with LLM(...) as llm:``, or at exit).
@@ -37,7 +43,8 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, device: str = "cpu",
                  dtype: str = "auto", max_num_seqs: int | None = None,
                  engine_config: EngineConfig | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1,
+                 sampling_defaults: dict | None = None) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
         if max_num_seqs is not None:
             override["max_num_seqs"] = max_num_seqs
@@ -54,12 +61,16 @@ class LLM:
                                                              loaded.folder)
             self._model, self.device, self.cfg = (self._engine.model, self._engine.device,
                                                   self._engine.cfg)
+            self.sampling_defaults = SamplingDefaults.of(sampling_defaults, self.model_path,
+                                                         flags_source="LLM(sampling_defaults)")
             return
         args.engine_config(**override)              # bad knobs fail here, as with an engine
         self.device = resolve_device(args.device)
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)
+        self.sampling_defaults = SamplingDefaults.of(sampling_defaults, folder,
+                                                     flags_source="LLM(sampling_defaults)")
 
     # ------------------------------------------------------------------------------------ public
     @property
@@ -69,6 +80,12 @@ class LLM:
             raise ValueError(f"{self._no_engine}; LLM.logits(token_ids) computes this model's "
                              "logits meanwhile")
         return self._engine
+
+    def sampling_params(self, **fields) -> SamplingParams:
+        """A request's ``SamplingParams``: ``fields`` (knobs) over this LLM's sampling defaults
+        (``sampling_defaults``, the checkpoint's generation_config.json, the recommended ones).
+        ``cache`` left out stays None: the engine resolves it to the family's fast cache."""
+        return self.sampling_defaults.params(fields)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (idempotent; also at interpreter exit)."""
@@ -181,7 +198,7 @@ class LLM:
     def _run(self, encoded: list[tuple[str | None, list[int]]], params, use_tqdm: bool,
              on_step=None):
         if params is None:
-            params = SamplingParams()
+            params = self.sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(encoded)} prompts")

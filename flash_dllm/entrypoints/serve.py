@@ -8,7 +8,9 @@ import os
 import sys
 
 from flash_dllm.config import EngineConfig
-from flash_dllm.entrypoints.args import CommandError, EngineArgs, positive_int
+from flash_dllm.defaults import SamplingDefaults
+from flash_dllm.entrypoints.args import (DEFAULT_MODE_EVIDENCE, CommandError, EngineArgs,
+                                         add_sampling_flags, positive_int, sampling_flags)
 from flash_dllm.worker.warmup import WARMUP_LEVELS
 
 
@@ -16,7 +18,17 @@ def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     add_server_flags(s)
     EngineArgs.add_cli_args(s, defaults=SERVE_DEFAULTS)
+    add_sampling_flags(s, group=SERVE_SAMPLING_GROUP)
     s.set_defaults(func=run)
+
+
+SERVE_SAMPLING_GROUP = (
+    "request defaults (mirror SamplingParams)",
+    "What a request gets for a knob it does not send (a body field wins; a flag left out comes "
+    "from the checkpoint's generation_config.json, else the recommended default: threshold "
+    "decoding at 0.9 with the model family's fast cache, dual for LLaDA / Dream, the exact block "
+    "cache for block-causal families; GET /v1/models shows the result). Exact reference "
+    "sampler: --decode vanilla --cache none. " + DEFAULT_MODE_EVIDENCE + ".")
 
 
 # serving turns prefix reuse on (multi-turn chat reuses its history's KV pages; elsewhere off)
@@ -159,6 +171,8 @@ def build_server_app(a: argparse.Namespace):
     from flash_dllm.server.app import build_app
 
     shape = getattr(a, "model_shape", None)
+    flags = sampling_flags(a)
+    SamplingDefaults.of(flags).params()   # bad flags fail before the model loads
     if getattr(a, "disaggregate", False):
         aeng, tok, folder = load_disaggregated(a, shape)
     elif shape:                        # benchmarks: a random-init model of a real shape
@@ -170,13 +184,23 @@ def build_server_app(a: argparse.Namespace):
         aeng, tok, folder = AsyncEngine(loaded.engine), loaded.tokenizer, loaded.folder
     else:
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
+    # what a request gets for the knobs it leaves out: the flags given, then the checkpoint's
+    # generation_config.json, then the recommended defaults (flash_dllm/defaults.py)
+    defaults = SamplingDefaults.of(flags, None if shape else folder, flags_source="serve flags")
+    default = defaults.params()
+    try:                                  # e.g. --cache block for a bidirectional model
+        aeng.engine.validate([0], default)
+    except ValueError as e:
+        raise ValueError(f"the default request (serve's sampling flags, the checkpoint's "
+                         f"generation_config.json) cannot run on this model: {e}") from None
     if not getattr(a, "disaggregate", False):
-        attach_warmup(aeng, tok, getattr(a, "warmup", None))
+        attach_warmup(aeng, tok, getattr(a, "warmup", None), default)
     name = getattr(a, "served_model_name", None) or folder.name
     app = build_app(aeng, tok, name, api_key=a.api_key,
                     max_body_bytes=getattr(a, "max_body_bytes", 1 << 20),
                     strict_params=getattr(a, "strict_params", False),
-                    drain_timeout=getattr(a, "drain_timeout", 30.0))
+                    drain_timeout=getattr(a, "drain_timeout", 30.0),
+                    sampling_defaults=defaults)
     return app, aeng, name
 
 
@@ -215,9 +239,10 @@ WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vi
                "How many pens do they have in all? ")
 
 
-def attach_warmup(aeng, tokenizer, level: str | None) -> str:
+def attach_warmup(aeng, tokenizer, level: str | None, default=None) -> str:
     """Give the async engine its warm-up (``worker/warmup.py``); ``level`` None: the device's
-    default. Returns the level."""
+    default; ``default``: the ``SamplingParams`` a request without knobs gets. Returns the
+    level."""
     from flash_dllm.worker.warmup import default_level, filler, warm_up
 
     level = level or default_level(aeng.engine.runner.device)
@@ -230,7 +255,7 @@ def attach_warmup(aeng, tokenizer, level: str | None) -> str:
 
     def run_warmup(engine):
         log(f"warming up ({level}): compiling kernels and capturing CUDA graphs before ready")
-        rep = warm_up(engine, level, filler_ids, log)
+        rep = warm_up(engine, level, filler_ids, log, default)
         log(f"ready after a {rep.seconds:.1f} s warm-up ({rep.cases} cases, "
             f"{rep.kernel_compiles} kernel compiles, {rep.graph_captures} graph captures"
             + (f"; skipped {len(rep.skipped)}: {rep.skipped[0]}" if rep.skipped else "") + ")")

@@ -27,6 +27,9 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
     # NOTE: repeat: every question is asked twice and the second answers are scored (and
     # timed); with prefix reuse the second run reuses the first's pages: the accuracy cost of
     # the reuse approximation
+    if params.cache is None:      # the family's default cache, named in the report
+        from flash_dllm.engine.core import resolve_params
+        params = resolve_params(params, llm.cfg)
     desc = f"{suite_name} {params.cache}/{params.decode}"
     first = (_decode(llm, problems, params, chat, progress and f"{desc} (first run)")
              if repeat else None)

@@ -66,6 +66,7 @@ FAMILY = Family(
     model=DiffusionTransformer,
     attention=BIDIRECTIONAL,
     mlp="dense",
+    default_cache="dual",           # approximate (bidirectional attention), Fast-dLLM's
     weight_map=(
         ("model.embed_tokens", "embed"),
         ("model.layers.{i}.input_layernorm", "layers.{i}.attn_norm"),

@@ -33,6 +33,10 @@ class Family:
     ``attention``: how the family's models attend (the kind is fixed; a parser may read the block
     size from config.json). ``mlp``: the kind of its MLP layers ("dense" or "moe"; a
     mixture-of-experts family may keep some layers dense, ``ModelConfig.dense_layers``).
+    ``default_cache``: the cache mode a request gets when it names none (``SamplingParams.cache``
+    None): the family's fast cache, "dual" (approximate, Fast-dLLM's) for bidirectional
+    families, "block" (exact) for block-causal ones. The engine checks that it runs on the
+    family's models (``engine.core.resolve_params``).
 
     ``weight_map`` pairs checkpoint module paths with engine module paths, segment by segment;
     ``{i}`` stands for a layer index. A tensor name is its module path plus ``weight``/``bias``.
@@ -58,6 +62,7 @@ class Family:
     model: Callable[[ModelConfig], nn.Module]
     attention: AttentionPattern = BIDIRECTIONAL
     mlp: str = "dense"
+    default_cache: str = "dual"
     split: Callable[[str, tuple[int, ...], ModelConfig], tuple["Piece", ...] | None] | None = None
     check_tensors: Callable[[ModelConfig, list[str]], str | None] | None = None
 
@@ -65,6 +70,9 @@ class Family:
         if not isinstance(self.attention, AttentionPattern):
             raise ValueError(f"Family {self.name!r}: attention must be an AttentionPattern "
                              f"(layers.attention), got {self.attention!r}")
+        if not isinstance(self.default_cache, str) or not self.default_cache:
+            raise ValueError(f"Family {self.name!r}: default_cache must name a cache mode, "
+                             f"got {self.default_cache!r}")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"Family {self.name!r}: mlp must be one of {MLP_KINDS}, "
                              f"got {self.mlp!r}")

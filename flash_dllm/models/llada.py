@@ -85,6 +85,7 @@ FAMILY = Family(
     model=DiffusionTransformer,
     attention=BIDIRECTIONAL,
     mlp="dense",
+    default_cache="dual",           # approximate (bidirectional attention), Fast-dLLM's
     weight_map=(
         ("model.transformer.wte", "embed"),
         ("model.transformer.blocks.{i}.attn_norm", "layers.{i}.attn_norm"),

@@ -220,6 +220,7 @@ FAMILY = Family(
     model=DiffusionTransformer,
     attention=block_causal(BLOCK_LENGTH),
     mlp="moe",
+    default_cache="block",          # exact for block-causal attention, and the cheapest
     weight_map=(
         ("model.word_embeddings", "embed"),
         ("model.layers.{i}.input_layernorm", "layers.{i}.attn_norm"),

@@ -68,3 +68,13 @@ def by_name(name: str) -> Family:
         if fam.name == name:
             return fam
     raise ValueError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
+
+
+def default_cache(cfg) -> str:
+    """The cache mode a request of a model of ``cfg`` (a ``ModelConfig``) gets when it names
+    none: its family's ``default_cache``; for a config of no registered family (a test's
+    unregistered toy), "block" on block-causal attention, else "dual"."""
+    for fam in FAMILIES:
+        if fam.name == cfg.arch:
+            return fam.default_cache
+    return "block" if cfg.attention.block_causal else "dual"

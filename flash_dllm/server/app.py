@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flash_dllm.defaults import SamplingDefaults
 from flash_dllm.engine.async_engine import AsyncEngine
 from flash_dllm.server.context import ServerContext
 from flash_dllm.server.drain import DEFAULT_DRAIN_TIMEOUT, GRACE, Drain
@@ -34,17 +35,21 @@ from flash_dllm.server.router import router
 def build_app(async_engine: AsyncEngine, tokenizer, served_model_name: str,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               strict_params: bool = False,
-              drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> FastAPI:
+              drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+              sampling_defaults: SamplingDefaults | None = None) -> FastAPI:
     """The server for one model. ``tokenizer`` needs ``encode``, ``decode`` and
     ``apply_chat_template`` (``flash_dllm.models.tokenizer.Tokenizer``). ``strict_params``: every
     OpenAI parameter the engine does not use is a 400 (none ignored); ``drain_timeout``: seconds
-    in-flight requests get after SIGTERM (``flash_dllm.server.launch``)."""
+    in-flight requests get after SIGTERM (``flash_dllm.server.launch``);
+    ``sampling_defaults``: what requests get for the knobs they leave out, below their own
+    fields (``flash_dllm.defaults``; None: the recommended defaults only)."""
     metrics = ServerMetrics(async_engine)
     async_engine.observer = metrics
     drain = Drain(async_engine, drain_timeout)
     ctx = ServerContext(async_engine, tokenizer, served_model_name, metrics,
                         max_model_len=async_engine.max_model_len, drain=drain,
-                        strict_params=strict_params)
+                        strict_params=strict_params,
+                        sampling_defaults=sampling_defaults or SamplingDefaults())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -107,7 +107,8 @@ def submit_choices(ctx: ServerContext, prompt_ids: list[int], body, max_tokens: 
     are aborted and the error is raised."""
     stops, lazy = body.stop_strings(), not body.stream
     params = [make_params(body if body.seed is None or i == 0 else
-                          body.model_copy(update={"seed": body.seed + i}), max_tokens)
+                          body.model_copy(update={"seed": body.seed + i}), max_tokens,
+                          ctx.sampling_defaults)
               for i in range(body.n)]
     rid = new_request_id(prefix)
     choices: list[Choice] = []

@@ -14,8 +14,10 @@ from typing import Any
 from fastapi import Request
 
 from flash_dllm.config import SamplingParams
+from flash_dllm.defaults import SamplingDefaults
 from flash_dllm.engine.async_engine import (AsyncEngine, EngineUnavailableError, QueueFullError,
                                             RequestStream)
+from flash_dllm.engine.core import resolve_params
 from flash_dllm.server.drain import RETRY_AFTER, Drain, log
 from flash_dllm.server.errors import APIError, param_of
 from flash_dllm.server.metrics import ServerMetrics
@@ -34,8 +36,17 @@ class ServerContext:
     max_model_len: int                                   # the engine's max_position
     drain: Drain
     strict_params: bool = False                          # every policy parameter is a 400
+    # what a request gets for the knobs it leaves out: the server's flags, then the checkpoint's
+    # generation_config.json, then the recommended defaults (``flash_dllm.defaults``)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))   # /v1/models "created"
     _logged: set = field(default_factory=set, repr=False)     # ignored parameters logged once
+
+    def default_params(self) -> dict:
+        """What a request that sends no knob gets (``/v1/models``' ``sampling_defaults``): each
+        knob's value, the cache resolved against the served model's family, and its source."""
+        eng = self.async_engine.engine
+        return self.sampling_defaults.effective(lambda p: resolve_params(p, eng.cfg))
 
     def count_error(self, status: int) -> None:
         self.metrics.http_errors.labels(status=str(status)).inc()
@@ -140,10 +151,12 @@ def check_text(text: str, param: str) -> None:
                        param=param) from None
 
 
-def make_params(knobs: DLLMKnobs, max_tokens: int | None) -> SamplingParams:
-    """The request's ``SamplingParams``; a bad combination is a 400 naming the parameter."""
+def make_params(knobs: DLLMKnobs, max_tokens: int | None,
+                defaults: SamplingDefaults | None = None) -> SamplingParams:
+    """The request's ``SamplingParams`` over the server's ``defaults``; a bad combination is a
+    400 naming the parameter."""
     try:
-        return knobs.sampling_params(max_tokens)
+        return knobs.sampling_params(max_tokens, defaults)
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None
 

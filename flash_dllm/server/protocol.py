@@ -20,7 +20,8 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from flash_dllm.config import DEFAULT_BLOCK_LENGTH, SamplingParams
-from flash_dllm.knobs import knob_of, knobs
+from flash_dllm.defaults import SamplingDefaults, fit_block_length
+from flash_dllm.knobs import knobs
 from flash_dllm.server.stops import stop_strings
 
 MAX_N = 16                                       # choices per request (OpenAI ``n``)
@@ -121,17 +122,18 @@ class KnobBody(_Strict):
 
     PARAMS: ClassVar[type] = SamplingParams      # the dataclass the model was generated from
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The request's ``PARAMS``; raises ``ValueError`` naming the field on a bad value or
-        combination."""
+    def sampling_params(self, max_tokens: int | None,
+                        defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """The request's ``PARAMS``: the knobs the client sent (and ``max_tokens``, the
+        endpoint's own field) over the server's ``defaults`` (``flash_dllm.defaults``: its
+        flags, the checkpoint's generation_config.json, the recommended defaults); raises
+        ``ValueError`` naming the field on a bad value or combination."""
         cls = self.PARAMS
         kw: dict[str, Any] = {k.name: getattr(self, k.name) for k in knobs(cls)
                               if k.http and getattr(self, k.name) is not None}
-        kw["max_tokens"] = max_tokens if max_tokens is not None else \
-            knob_of(cls, "max_tokens").default
-        if "block_length" not in kw:
-            kw["block_length"] = default_block_length(kw["max_tokens"])
-        return cls(**kw)
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        return (defaults or SamplingDefaults()).params(kw, cls)
 
 
 def knob_model(params: type, name: str) -> type[KnobBody]:
@@ -159,7 +161,7 @@ DLLMKnobs = knob_model(SamplingParams, "DLLMKnobs")
 def default_block_length(max_tokens: int) -> int:
     """The largest divisor of ``max_tokens`` up to the default block length (32), so that any
     ``max_tokens`` works without the client knowing about blocks."""
-    return max(d for d in range(1, min(DEFAULT_BLOCK_LENGTH, max_tokens) + 1) if max_tokens % d == 0)
+    return fit_block_length(max_tokens, DEFAULT_BLOCK_LENGTH)
 
 
 class StreamOptions(_Strict):

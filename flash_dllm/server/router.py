@@ -58,9 +58,14 @@ async def prometheus(ctx: Ctx):
 
 @router.get("/v1/models")
 async def models(ctx: Ctx):
+    # sampling_defaults: what a request that sends no dLLM knob gets (issue 42): per knob its
+    # value and its source (the server's flags, generation_config.json, or recommended)
+    defaults = ctx.default_params()
     return {"object": "list", "data": [{"id": ctx.served_model_name, "object": "model",
                                         "created": ctx.created, "owned_by": "flash-dllm",
-                                        "max_model_len": ctx.max_model_len}]}
+                                        "max_model_len": ctx.max_model_len,
+                                        "sampling_defaults": defaults["values"],
+                                        "sampling_defaults_source": defaults["sources"]}]}
 
 
 # --------------------------------------------------------------------------------------- OpenAI
@@ -168,7 +173,8 @@ async def generate(body: GenerateRequest, request: Request, ctx: Ctx):
     ids, text = ctx.encode_prompt(body.prompt)
     knobs = body.model_copy(update={"steps": body.num_inference_steps}) \
         if body.num_inference_steps is not None else body
-    stream = ctx.submit(ids, make_params(knobs, body.max_new_tokens), new_request_id("gen"), text)
+    stream = ctx.submit(ids, make_params(knobs, body.max_new_tokens,
+                                          ctx.sampling_defaults), new_request_id("gen"), text)
     decode, rid = ctx.tokenizer.decode, stream.request_id
     if body.stream:
         return sse_choices([Choice.of(0, stream, decode, (), len(ids))], [],

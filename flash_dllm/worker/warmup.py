@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flash_dllm.config import SamplingParams
+from flash_dllm.models.registry import default_cache
 from flash_dllm.kernels._triton import next_pow2
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.worker.compile_watch import KERNEL_COMPILES, graph_counts
@@ -106,15 +107,24 @@ def graph_grid(engine, level: str) -> list[PaddedShape]:
     return out
 
 
-def cases(level: str) -> list[SamplingParams]:
-    default = SamplingParams()                                 # what a bare request gets
-    if level == "minimal":
-        return [default]
-    fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold", threshold=0.9,
-                          cache="dual")
-    # Flash-Verify's fused step (``decoding/policies/verify_fused.py``) at its default knobs: its graphs
-    # are keyed by the batch's padded draft count (max_verify: the block length by default)
-    return [default, fast, dataclasses.replace(fast, decode="verify")]
+def cases(level: str, cfg=None, default: SamplingParams | None = None) -> list[SamplingParams]:
+    """The requests a warm-up of ``level`` runs: ``default`` (what a bare request gets: the
+    server's sampling defaults; ``SamplingParams()`` when None), then, for ``full``,
+    threshold + dual and verify + dual. With the model's ``cfg``, a cache left None is the
+    family's default cache, and a case equal to an earlier one is dropped."""
+    default = SamplingParams() if default is None else default
+    out = [default]
+    if level != "minimal":
+        fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold",
+                              threshold=0.9, cache="dual")
+        # Flash-Verify's fused step (``decoding/policies/verify_fused.py``) at its default knobs:
+        # its graphs are keyed by the batch's padded draft count (max_verify: the block length
+        # by default)
+        out += [fast, dataclasses.replace(fast, decode="verify")]
+    if cfg is not None:
+        out = [p if p.cache is not None else dataclasses.replace(p, cache=default_cache(cfg))
+               for p in out]
+    return [p for i, p in enumerate(out) if p not in out[:i]]
 
 
 def filler(cfg, ids) -> list[int]:
@@ -125,9 +135,11 @@ def filler(cfg, ids) -> list[int]:
 
 
 def warm_up(engine, level: str, filler_ids: list[int],
-            log: Callable[[str], None] | None = None) -> WarmupReport:
+            log: Callable[[str], None] | None = None,
+            default: SamplingParams | None = None) -> WarmupReport:
     """Run the warm-up of ``level`` on ``engine`` (which must have no requests); returns what it
-    did. ``filler_ids``: prompt token ids to repeat (text of the checkpoint's own tokenizer)."""
+    did. ``filler_ids``: prompt token ids to repeat (text of the checkpoint's own tokenizer);
+    ``default``: what a request that sends no knobs gets (the server's sampling defaults)."""
     if level not in WARMUP_LEVELS:
         raise ValueError(f"warmup must be one of {WARMUP_LEVELS}, got {level!r}")
     rep = WarmupReport(level)
@@ -152,7 +164,7 @@ def warm_up(engine, level: str, filler_ids: list[int],
     isolate, engine.isolate_step_failures = engine.isolate_step_failures, False
     # a long prompt is cut to what the model's length leaves (a small model still warms both)
     room = engine.cfg.max_position
-    plan = [(p, n, b) for p in cases(level)
+    plan = [(p, n, b) for p in cases(level, engine.cfg, default)
             for n in sorted({min(n, room - p.max_tokens) for n in PROMPT_LENGTHS[level]})
             for b in batch_sizes(level, engine.config.max_num_seqs)]
     try:
