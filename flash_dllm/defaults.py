@@ -6,7 +6,7 @@ Highest first (issue 42):
 2. the command's flags (``serve --decode vanilla``; for ``generate`` and ``eval`` the flags are
    the request);
 3. the checkpoint's ``generation_config.json`` (``read_generation_config``: which keys count);
-4. the recommended defaults, ``SamplingParams``' own: threshold decoding at 0.9 with the model
+4. the recommended defaults, ``SamplingParams``' own: threshold decoding at 0.99 with the model
    family's fast cache (``cache`` None, resolved by the engine: ``Family.default_cache``).
 
 ``SamplingDefaults`` holds layers 2-3 (partial dicts of knob values, each with its source) and

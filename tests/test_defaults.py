@@ -1,4 +1,4 @@
-"""Fast by default (issue 42): the recommended sampling defaults (threshold 0.9 with the model
+"""Fast by default (issue 42): the recommended sampling defaults (threshold 0.99 with the model
 family's fast cache), the layers above them (the request, the command's flags, the checkpoint's
 generation_config.json), the family's default cache, and where a server shows the result."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _gen_config(folder, **keys):
 # ----------------------------------------------------------------------------- the recommended
 def test_recommended_defaults_and_the_exact_reference():
     p = SamplingParams()
-    assert (p.decode, p.threshold, p.cache) == ("threshold", 0.9, None)
+    assert (p.decode, p.threshold, p.cache) == ("threshold", 0.99, None)
     exact = SamplingParams(**EXACT)
     assert (exact.decode, exact.cache, exact.steps) == ("vanilla", "none", exact.max_tokens)
 
@@ -166,7 +166,7 @@ def test_help_names_the_default_mode_and_the_exact_flag(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args([cmd, "--help"])
         out = " ".join(capsys.readouterr().out.split())
-        assert "threshold decoding at 0.9" in out and "--decode vanilla --cache none" in out
+        assert "threshold decoding at 0.99" in out and "--decode vanilla --cache none" in out
         assert "generation_config.json" in out
 
 

@@ -48,6 +48,11 @@ def test_levels_and_sizes():
     exact = SamplingParams(**EXACT)
     assert [(p.decode, p.cache) for p in cases("full", cfg, exact)] == [
         ("vanilla", "none"), ("threshold", "dual"), ("verify", "dual")]
+    # a block-causal family: its exact block cache, and no verify (it does not run there)
+    l2 = SimpleNamespace(arch="llada2", attention=SimpleNamespace(block_causal=True))
+    assert [(p.decode, p.cache) for p in cases("full", l2)] == [("threshold", "block")]
+    assert [(p.decode, p.cache) for p in cases("full", l2, exact)] == [
+        ("vanilla", "none"), ("threshold", "block")]
     with pytest.raises(ValueError, match="warmup must be one of"):
         warm_up(None, "fast", [1])
 

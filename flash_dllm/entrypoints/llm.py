@@ -28,7 +28,7 @@ class LLM:
     ``dtype="auto"`` (the default): bfloat16 on a GPU, float32 on the CPU.
     ``generate`` / ``chat`` without params decode with ``sampling_params()``: the knobs of
     ``sampling_defaults`` (a dict, a layer of your own), then the checkpoint's
-    ``generation_config.json``, then the recommended defaults (threshold 0.9 with the family's
+    ``generation_config.json``, then the recommended defaults (threshold 0.99 with the family's
     fast cache; ``flash_dllm.defaults``). A ``SamplingParams`` you build yourself is the whole
     request: its fields left out are ``SamplingParams``' own defaults (the recommended ones).
     ``tensor_parallel_size=N`` splits the model over N GPUs (``device="cuda"``; rank r on cuda:r)

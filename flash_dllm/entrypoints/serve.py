@@ -26,7 +26,7 @@ SERVE_SAMPLING_GROUP = (
     "request defaults (mirror SamplingParams)",
     "What a request gets for a knob it does not send (a body field wins; a flag left out comes "
     "from the checkpoint's generation_config.json, else the recommended default: threshold "
-    "decoding at 0.9 with the model family's fast cache, dual for LLaDA / Dream, the exact block "
+    "decoding at 0.99 with the model family's fast cache, dual for LLaDA / Dream, the exact block "
     "cache for block-causal families; GET /v1/models shows the result). Exact reference "
     "sampler: --decode vanilla --cache none. " + DEFAULT_MODE_EVIDENCE + ".")
 

@@ -12,9 +12,10 @@ counters are left as they were.
 
 Levels (``--warmup``):
 
-- ``full``: the server's default request (64 tokens, vanilla, no cache) and the fast paths
-  clients ask for (threshold 0.9 with the dual cache, block 32; the same with ``decode="verify"``
-  at its default gamma and max_verify), each at two short prompts (an
+- ``full``: the server's default request (threshold with the family's fast cache unless the
+  server's flags say otherwise) and the other paths clients ask for, on the family's fast cache
+  (threshold, block 32; on a bidirectional family also ``decode="verify"`` at its default
+  gamma and max_verify, which block-causal models do not run), each at two short prompts (an
   even and an odd canvas) and a long one, at every power-of-two batch size up to
   ``max_num_seqs`` (and ``max_num_seqs``);
 - ``minimal``: the default request at the two short prompts, batch 1 and ``max_num_seqs``;
@@ -109,18 +110,21 @@ def graph_grid(engine, level: str) -> list[PaddedShape]:
 
 def cases(level: str, cfg=None, default: SamplingParams | None = None) -> list[SamplingParams]:
     """The requests a warm-up of ``level`` runs: ``default`` (what a bare request gets: the
-    server's sampling defaults; ``SamplingParams()`` when None), then, for ``full``,
-    threshold + dual and verify + dual. With the model's ``cfg``, a cache left None is the
-    family's default cache, and a case equal to an earlier one is dropped."""
+    server's sampling defaults; ``SamplingParams()`` when None), then, for ``full``, threshold
+    and verify on the family's fast cache (verify only on bidirectional models: block-causal
+    ones refuse it). With the model's ``cfg``, a cache left None is the family's default cache,
+    and a case equal to an earlier one is dropped; without it, the fast cases run on dual."""
     default = SamplingParams() if default is None else default
     out = [default]
     if level != "minimal":
         fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold",
-                              threshold=0.9, cache="dual")
-        # Flash-Verify's fused step (``decoding/policies/verify_fused.py``) at its default knobs:
-        # its graphs are keyed by the batch's padded draft count (max_verify: the block length
-        # by default)
-        out += [fast, dataclasses.replace(fast, decode="verify")]
+                              cache=None if cfg is not None else "dual")
+        out.append(fast)
+        if cfg is None or not cfg.attention.block_causal:
+            # Flash-Verify's fused step (``decoding/policies/verify_fused.py``) at its default
+            # knobs: its graphs are keyed by the batch's padded draft count (max_verify: the
+            # block length by default)
+            out.append(dataclasses.replace(fast, decode="verify"))
     if cfg is not None:
         out = [p if p.cache is not None else dataclasses.replace(p, cache=default_cache(cfg))
                for p in out]
