@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flash_dllm.cache.page_pool import PagePool
+from flash_dllm.cache.reuse_count import ReuseCount
 from flash_dllm.cache.tier_manager import TierManager
 from flash_dllm.cache.tiers import L0, L1, L2, MIN_TIERS, Block, CostModel, Load, make_policy
 
@@ -83,13 +84,8 @@ class KVCacheManager:
         # attention mass per page of a running request's own (not yet cached) pages, handed
         # to the placement policy with the blocks they become at publish (``observe``)
         self._fresh_mass: dict[str, np.ndarray] = {}
-        # NOTE (hits): a reused page below L0 is a hit only once its load passed its checks. An
-        # admission with loads is counted (prompt tokens looked up, hits per tier) when all its
-        # loads did (``ops_done``); a failed one undoes the admission (``load_failed``) and the
-        # next admission of the request counts instead: a page that failed its check is a miss,
-        # and a prompt is looked up once however often it is admitted.
-        # request id -> (tokens looked up, tier per reused page, load -> verified (None: not yet))
-        self._unverified: dict[str, tuple[int, list[int], dict[int, bool | None]]] = {}
+        # lookups and hits, counted once an admission's loads passed their checks
+        self.reuse_count = ReuseCount(self.stats, page_size)
         self.page_bytes = page_bytes
         self.clock = clock
 
@@ -214,18 +210,9 @@ class KVCacheManager:
         self._locked[request_id] = (tree, nodes)
         self._pages[request_id] = alloc.pages
         self.cancel_prefetch(request_id, admitted=True)
-        looked_up = len(prompt_ids) if reuse else 0
-        if alloc.loads:
-            self._unverified[request_id] = (looked_up, alloc.hit_tiers,
-                                            {id(op): None for op in alloc.loads})
-        else:
-            self._count_reuse(looked_up, alloc.hit_tiers)
+        self.reuse_count.admitted(request_id, len(prompt_ids) if reuse else 0, alloc.hit_tiers,
+                                  alloc.loads)
         return alloc
-
-    def _count_reuse(self, looked_up: int, hit_tiers: list[int]) -> None:
-        self.stats["query_tokens"] += looked_up
-        for t in hit_tiers:
-            self.stats["hit_tokens"][t] += self.page_size
 
     def allocate_overflow(self, request_id: str, n_tokens: int) -> list[int] | None:
         """A request larger than the pool (``cache/io/kv_overflow.py``): it runs alone and takes
@@ -301,7 +288,7 @@ class KVCacheManager:
         pages = self._pages.pop(request_id, None)
         if pages is None:
             return False
-        self._unverified.pop(request_id, None)      # (its loads never reported: not reused)
+        self.reuse_count.forget(request_id)
         tree, nodes = self._locked.pop(request_id, (None, []))
         fresh_mass = self._fresh_mass.pop(request_id, None)
         if tree is not None:                       # (None: reuse off, or a short request)
@@ -381,23 +368,14 @@ class KVCacheManager:
         """Results ``(op, ok, seconds)`` from the runner; publishes what succeeded, drops what
         failed. Returns nothing; failed loads are handled by ``load_failed``."""
         self.tiers.ops_done(results)
-        if self._unverified:
-            verified = {id(op): ok for op, ok, _ in results if isinstance(op, Load)}
-            for rid, (looked_up, hit_tiers, loads) in list(self._unverified.items()):
-                for k in loads.keys() & verified.keys():
-                    loads[k] = verified[k]
-                if False in loads.values():       # ``load_failed`` undoes this admission
-                    del self._unverified[rid]
-                elif None not in loads.values():
-                    del self._unverified[rid]
-                    self._count_reuse(looked_up, hit_tiers)
+        self.reuse_count.verified(results)
         return []
 
     def load_failed(self, request_id: str) -> None:
         """A load of one of the request's reused pages failed verification: undo its allocation
         (it is admitted again and recomputes what it cannot reuse)."""
         pages = self._pages.pop(request_id, [])
-        self._unverified.pop(request_id, None)
+        self.reuse_count.forget(request_id)
         tree, nodes = self._locked.pop(request_id, (None, []))
         if tree is not None:
             tree.unlock(nodes)
