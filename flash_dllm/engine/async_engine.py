@@ -251,8 +251,10 @@ class AsyncEngine:
                 KERNEL_COMPILES.ready = True       # later compiles are stalls: log them
             while True:
                 with self._cv:
+                    # (an engine with ``idle_poll_s`` is asked again while idle: the router
+                    # notices a lost worker process with nothing in flight)
                     while not (self._inbox or self.engine.has_unfinished() or self._stop):
-                        self._cv.wait()
+                        self._cv.wait(self.engine.idle_poll_s)
                     if self._stop and not self._inbox and not self.engine.has_unfinished():
                         return
                     cmds = list(self._inbox)
