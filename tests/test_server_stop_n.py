@@ -25,6 +25,7 @@ QUESTION = "Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they ha
 ANSWER = "23-12=11. 23+11=34. #### 34"
 MESSAGES = [{"role": "user", "content": QUESTION}]
 ABORTS = 'flash_dllm_requests_finished_total{finish_reason="abort"}'
+STOPS = 'flash_dllm_requests_finished_total{finish_reason="stop"}'
 
 
 # ------------------------------------------------------------------------------- stops.py
@@ -181,7 +182,7 @@ PATHS = ["/v1/completions", "/v1/chat/completions"]
 @pytest.mark.parametrize("path", PATHS)
 def test_stop_cuts_text_and_saves_forwards(demo, path):
     app, aeng = demo
-    aborts = _metrics(app).get(ABORTS, 0)
+    before = _metrics(app)
     # the exact sampler: the answer commits over many steps, so a stop string is seen (and the
     # request aborted) before the end (threshold commits the demo's answer in 1-2 forwards)
     full, cut, cut2 = run(_posts(app, (path, _request(path, **EXACT)),
@@ -199,7 +200,11 @@ def test_stop_cuts_text_and_saves_forwards(demo, path):
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert u["num_forwards"] < fu["num_forwards"]                    # stopped early
     _wait_idle(aeng)                                                 # pages freed
-    assert _metrics(app)[ABORTS] == aborts + 2                       # both engine requests aborted
+    after = _metrics(app)
+    # both cut requests were aborted in the engine (pages freed) and count as stops (issue 44)
+    assert after.get(ABORTS, 0) == before.get(ABORTS, 0)
+    full_stops = full.json()["choices"][0]["finish_reason"] == "stop"   # (its EOS)
+    assert after[STOPS] == before.get(STOPS, 0) + 2 + full_stops
 
 
 @pytest.mark.parametrize("path", PATHS)

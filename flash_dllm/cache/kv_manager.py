@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flash_dllm.cache.page_pool import PagePool
+from flash_dllm.cache.reuse_count import ReuseCount
 from flash_dllm.cache.tier_manager import TierManager
 from flash_dllm.cache.tiers import L0, L1, L2, MIN_TIERS, Block, CostModel, Load, make_policy
 
@@ -83,6 +84,8 @@ class KVCacheManager:
         # attention mass per page of a running request's own (not yet cached) pages, handed
         # to the placement policy with the blocks they become at publish (``observe``)
         self._fresh_mass: dict[str, np.ndarray] = {}
+        # lookups and hits, counted once an admission's loads passed their checks
+        self.reuse_count = ReuseCount(self.stats, page_size)
         self.page_bytes = page_bytes
         self.clock = clock
 
@@ -206,11 +209,9 @@ class KVCacheManager:
             tree.lock(nodes)
         self._locked[request_id] = (tree, nodes)
         self._pages[request_id] = alloc.pages
-        if reuse:
-            self.stats["query_tokens"] += len(prompt_ids)
         self.cancel_prefetch(request_id, admitted=True)
-        for t in alloc.hit_tiers:
-            self.stats["hit_tokens"][t] += self.page_size
+        self.reuse_count.admitted(request_id, len(prompt_ids) if reuse else 0, alloc.hit_tiers,
+                                  alloc.loads)
         return alloc
 
     def allocate_overflow(self, request_id: str, n_tokens: int) -> list[int] | None:
@@ -287,6 +288,7 @@ class KVCacheManager:
         pages = self._pages.pop(request_id, None)
         if pages is None:
             return False
+        self.reuse_count.forget(request_id)
         tree, nodes = self._locked.pop(request_id, (None, []))
         fresh_mass = self._fresh_mass.pop(request_id, None)
         if tree is not None:                       # (None: reuse off, or a short request)
@@ -366,12 +368,14 @@ class KVCacheManager:
         """Results ``(op, ok, seconds)`` from the runner; publishes what succeeded, drops what
         failed. Returns nothing; failed loads are handled by ``load_failed``."""
         self.tiers.ops_done(results)
+        self.reuse_count.verified(results)
         return []
 
     def load_failed(self, request_id: str) -> None:
         """A load of one of the request's reused pages failed verification: undo its allocation
         (it is admitted again and recomputes what it cannot reuse)."""
         pages = self._pages.pop(request_id, [])
+        self.reuse_count.forget(request_id)
         tree, nodes = self._locked.pop(request_id, (None, []))
         if tree is not None:
             tree.unlock(nodes)

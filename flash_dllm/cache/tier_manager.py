@@ -308,7 +308,12 @@ class TierManager:
             return
         # a corrupt host copy: never served, never kept
         self.prefetched.pop(b, None)
-        self.stats["checksum_failures"] += 1
+        # NOTE: one checksum failure per failed page. A load whose fetch failed was never
+        # attempted (the offloader refuses to read a slot whose fetch failed, and a store that
+        # does not verify has its fetch blamed for the load's failed check): ``_fetched``
+        # counted that page already, and left it no host copy at this slot
+        if b.copies.get(L1) == op.slot:
+            self.stats["checksum_failures"] += 1
         self.stats["load_failures"] += 1
         if L1 in b.copies:
             self.free[L1].append(b.copies.pop(L1))

@@ -83,6 +83,9 @@ class WorkerStats:
     steps: int = 0                  # forwards it ran
     step_seconds: float = 0.0
     prefill_steps: int = 0
+    exit_code: int | None = None    # a lost worker's process: its return code once reaped
+    #                                 (negative: killed by that signal, as ``Popen``'s)
+    lost: str | None = None         # why the router lost it (one line)
 
 
 @dataclass(frozen=True)

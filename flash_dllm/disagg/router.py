@@ -40,6 +40,7 @@ from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import DisaggStats, EngineStats, WorkerStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.disagg import messages as W
+from flash_dllm.disagg.liveness import exit_text, log_lost, reap
 from flash_dllm.disagg.roles import WorkerLoad
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
 from flash_dllm.engine.core import RequestLimits, check_request, request_output, resolve_params
@@ -72,6 +73,8 @@ class WorkerHandle:
     decoding: int = 0                 # requests moving or moved here
     draining_to: str | None = None    # a role switch waiting for its old work to finish
     ipc_handle: tuple | None = None   # ("ipc", handle) | ("nixl", metadata): how peers reach it
+    exit_code: int | None = None      # its process's return code, once reaped
+    lost: str | None = None           # why it was lost (one line)
 
 
 @dataclass(eq=False)
@@ -89,7 +92,13 @@ class _Track:
 class PDEngine:
     """The front end of ``P`` prefill and ``D`` decode workers (see the module docstring).
     Start one with ``entrypoints.pd_launch.launch``; call ``wait_ready`` before use (the server
-    does it as its warm-up, so ``/ready`` answers 503 until every worker has loaded)."""
+    does it as its warm-up, so ``/ready`` answers 503 until every worker has loaded).
+
+    NOTE (lost workers): ``has_unfinished`` (asked every ``idle_poll_s``, idle or not) notices
+    a worker process that exited; the next ``step`` reaps and logs it (``disagg/liveness.py``)
+    and fails its requests; the snapshot shows it to ``/health`` and ``/ready``."""
+
+    idle_poll_s = 0.2
 
     def __init__(self, cfg, config: EngineConfig, workers: list[WorkerHandle], listener: Listener,
                  timeout_s: float, controller=None, layer_groups: int = 1) -> None:
@@ -229,6 +238,9 @@ class PDEngine:
         return bool(self.tracks) or any(
             w.alive and w.stats is not None and (w.stats.pages_used or w.stats.staging_used
                                                  or w.stats.sends or w.stats.recvs)
+            for w in self.workers) or any(
+            # a worker process that exited: ``step`` reaps it and says so
+            w.exit_code is None and w.proc is not None and w.proc.poll() is not None
             for w in self.workers)
 
     def output(self, req: Request) -> RequestOutput:
@@ -408,23 +420,32 @@ class PDEngine:
         outs.append(StepOutput(req.request_id, [], req.num_tokens, 0, True, "error"))
 
     def _check_procs(self, starting: bool = False) -> None:
+        """Reap every worker process that exited (``poll`` waits for it); one still counted
+        alive is lost."""
         for w in self.workers:
-            if w.alive and w.proc.poll() is not None:
-                if starting:
-                    self.close()
-                    raise RuntimeError(f"disaggregated worker {w.rank} exited with code "
-                                       f"{w.proc.returncode} while starting (its traceback, if "
-                                       "any, is above)")
-                self._lost(w, f"its process exited with code {w.proc.returncode}")
+            if w.exit_code is not None or w.proc is None or w.proc.poll() is None:
+                continue
+            w.exit_code = w.proc.returncode
+            if starting:
+                self.close()
+                raise RuntimeError(f"disaggregated worker {w.rank} {exit_text(w.exit_code)} "
+                                   "while starting (its traceback, if any, is above)")
+            self._lost(w, f"its process {exit_text(w.exit_code)}")
 
     def _lost(self, w: WorkerHandle, why: str) -> None:
-        """A dead worker: its requests fail now; nothing is sent to it again."""
+        """A dead worker: reaped and logged; its requests fail now; nothing is sent to it
+        again."""
         if not w.alive:
             return
         w.alive = False
+        if w.exit_code is None and w.proc is not None:
+            w.exit_code = reap(w.proc)
+        w.lost = why.splitlines()[0]
         self.limits = self._limits()
         self.pd["worker_deaths"] += 1
         self.error = f"worker {w.rank} ({w.role}) lost: {why}"
+        log_lost(w.rank, w.role, w.pid, w.lost, w.exit_code,
+                 sum(x.alive and x.role == w.role for x in self.workers))
         outs = self._late
         for t in list(self.tracks.values()):
             if t.phase == "transit" and t.decode == w.rank and t.offset is not None:
@@ -468,4 +489,5 @@ def _worker_stats(w: WorkerHandle) -> WorkerStats:
     report = {} if w.stats is None else dataclasses.asdict(w.stats)
     report.pop("rank", None)
     return WorkerStats(rank=w.rank, role=w.role, alive=w.alive, prefilling=w.prefilling,
-                       decoding=w.decoding, reported=w.stats is not None, **report)
+                       decoding=w.decoding, reported=w.stats is not None,
+                       exit_code=w.exit_code, lost=w.lost, **report)

@@ -29,6 +29,7 @@ exact).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import uuid
@@ -63,9 +64,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Inbox message: abort a request (unknown or finished ids are ignored)."""
+    """Inbox message: abort a request (unknown or finished ids are ignored); its output and
+    the observer's count carry ``finish_reason``."""
 
     request_id: str
+    finish_reason: str = "abort"
 
 
 @dataclass
@@ -212,10 +215,13 @@ class AsyncEngine:
         finally:
             stream.abort()
 
-    def abort(self, request_id: str) -> None:
-        """Thread-safe; applied before the next step. Unknown or finished ids are ignored."""
+    def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        """Thread-safe; applied before the next step. Unknown or finished ids are ignored.
+        ``finish_reason``: what the end counts as (``"stop"``: a consumer found a stop string
+        in the committed text and needs no more of it; the engine's request is aborted all the
+        same, freeing its pages)."""
         with self._cv:
-            self._inbox.append(AbortRequest(request_id))
+            self._inbox.append(AbortRequest(request_id, finish_reason))
             self._cv.notify()
 
     def abort_all(self) -> None:
@@ -261,8 +267,10 @@ class AsyncEngine:
                 KERNEL_COMPILES.ready = True       # later compiles are stalls: log them
             while True:
                 with self._cv:
+                    # (an engine with ``idle_poll_s`` is asked again while idle: the router
+                    # notices a lost worker process with nothing in flight)
                     while not (self._inbox or self.engine.has_unfinished() or self._stop):
-                        self._cv.wait()
+                        self._cv.wait(self.engine.idle_poll_s)
                     if self._stop and not self._inbox and not self.engine.has_unfinished():
                         return
                     cmds = list(self._inbox)
@@ -273,7 +281,7 @@ class AsyncEngine:
                     if isinstance(cmd, AddRequest):
                         added += self._add_now(cmd)
                     else:
-                        self._abort_now(cmd.request_id, aborted)
+                        self._abort_now(cmd.request_id, aborted, cmd.finish_reason)
                 adds = sum(1 for c in cmds if isinstance(c, AddRequest))
                 running, waiting = self.engine.counts()
                 with self._cv:   # moved from the inbox to the engine's queue: count them there
@@ -318,14 +326,18 @@ class AsyncEngine:
         self._live[cmd.request_id] = _Live(req, cmd.stream)
         return True
 
-    def _abort_now(self, rid: str, aborted: list[tuple[_Live, RequestOutput]]) -> None:
-        """Abort ``rid`` in the engine (its pages are freed now); its output goes to
-        ``aborted`` for ``_finish_aborted``."""
+    def _abort_now(self, rid: str, aborted: list[tuple[_Live, RequestOutput]],
+                   finish_reason: str = "abort") -> None:
+        """Abort ``rid`` in the engine (its pages are freed now); its output, ending with
+        ``finish_reason``, goes to ``aborted`` for ``_finish_aborted``."""
         live = self._live.pop(rid, None)
         if live is None:
             return
         self.engine.abort(rid)
-        aborted.append((live, self.engine.output(live.req)))
+        out = self.engine.output(live.req)
+        if finish_reason != out.finish_reason:
+            out = dataclasses.replace(out, finish_reason=finish_reason)
+        aborted.append((live, out))
 
     def _finish_aborted(self, aborted: list[tuple[_Live, RequestOutput]]) -> None:
         for live, out in aborted:

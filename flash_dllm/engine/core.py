@@ -35,10 +35,14 @@ from flash_dllm.worker.extensions import EXTENSIONS
 class EngineCore(Protocol):
     """The engine contract (see the module docstring). ``config.max_num_seqs`` (running slots)
     and ``config.max_waiting`` (the admission queue's limit) are what ``AsyncEngine`` reads of
-    the configuration."""
+    the configuration. ``idle_poll_s``: while nothing is queued or running, the async engine
+    asks ``has_unfinished`` again this often (None: only when work comes), so an engine that
+    watches something beside its requests (the disaggregated router: its worker processes)
+    notices a change while idle."""
 
     cfg: ModelConfig
     config: EngineConfig
+    idle_poll_s: float | None
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request can never run (any thread)."""

@@ -55,6 +55,8 @@ MAX_FAILED_STEPS = 3
 class Engine:
     """The single-device ``EngineCore`` (``engine/core.py``)."""
 
+    idle_poll_s: float | None = None        # nothing to watch while idle
+
     def __init__(self, model: DiffusionTransformer, cfg: ModelConfig,
                  config: EngineConfig | None = None) -> None:
         if cfg.mask_token_id is None:

@@ -86,11 +86,12 @@ class RequestStream:
             self._s.finished = True
         return item
 
-    def abort(self) -> None:
-        """Abort the request unless it already finished (idempotent)."""
+    def abort(self, finish_reason: str = "abort") -> None:
+        """Abort the request unless it already finished (idempotent). ``finish_reason``: what
+        the request's end is counted as (``"stop"``: the server found a stop string)."""
         if not self._s.finished:
             self._s.finished = True
-            self._owner.abort(self._s.request_id)
+            self._owner.abort(self._s.request_id, finish_reason)
 
     async def aclose(self) -> None:
         self.abort()

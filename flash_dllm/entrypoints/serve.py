@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import logging
 import os
 import sys
 
@@ -217,6 +218,7 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
 
     args = EngineArgs.from_cli_args(a)
     level = getattr(a, "warmup", None) or default_level(resolve_device(args.device))
+    _log_warnings("flash_dllm.disagg")       # a lost worker: one line on stderr, at once
     pd = launch(args, a.prefill_workers, a.decode_workers, timeout_s=a.pd_timeout,
                          staging_gb=a.pd_staging_gb, role_switching=a.pd_role_switching,
                          model_shape=shape, warmup=level, layer_groups=a.pd_layer_groups,
@@ -233,6 +235,16 @@ def load_disaggregated(a: argparse.Namespace, shape: str | None = None):
 
     aeng.set_warmup(wait_workers)
     return aeng, tok, folder
+
+
+def _log_warnings(name: str) -> None:
+    """Logger ``name``'s warnings on stderr as uvicorn prints its own ("WARNING:  ..."), unless
+    logging is configured already (a handler on the way up: the user's, or pytest's)."""
+    logger = logging.getLogger(name)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+        logger.addHandler(handler)
 
 
 WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vic has 12 fewer. "

@@ -69,7 +69,7 @@ class Choice:
         delta = self.buf.push(self.detok.step(out.token_ids, final=out.finished),
                               final=out.finished)
         if self.buf.stopped:
-            self.stream.abort()
+            self.stream.abort(finish_reason="stop")     # counted as a stop, not an abort
             self.done, self.finish_reason = True, "stop"
         elif out.finished:
             self.done, self.finish_reason = True, out.finish_reason

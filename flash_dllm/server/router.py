@@ -20,6 +20,7 @@ from flash_dllm.server.context import (ServerContext, check_text, make_params, n
                                        server_context)
 from flash_dllm.server.drain import RETRY_AFTER, Drain
 from flash_dllm.server.errors import APIError
+from flash_dllm.server.health import unservable, workers
 from flash_dllm.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                         ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                         ChatMessageOut, CompletionChoice, CompletionChunk,
@@ -33,12 +34,23 @@ Ctx = Annotated[ServerContext, Depends(server_context)]
 # ---------------------------------------------------------------------------------------- admin
 @router.get("/health")
 async def health(ctx: Ctx):
+    """200 while the engine serves: ``{"status": "ok"}``, "degraded" when a disaggregated
+    worker was lost but each role keeps a live one; 503 when the engine failed, drains, or a
+    role has no live worker left. A disaggregated engine lists its ``workers``."""
     eng = ctx.async_engine
     if not eng.alive:
         return JSONResponse({"status": "error", "error": repr(eng.error)}, 503)
     if eng.draining:
         return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": RETRY_AFTER})
-    return {"status": "ok"}
+    snap = eng.stats
+    ws = workers(snap)
+    if ws is None:
+        return {"status": "ok"}
+    why = unservable(snap)
+    if why is not None:
+        return JSONResponse({"status": "error", "error": why, "workers": ws}, 503)
+    return {"status": "ok" if all(w["state"] == "up" for w in ws) else "degraded",
+            "workers": ws}
 
 
 @router.get("/ready")
@@ -48,6 +60,9 @@ async def ready(ctx: Ctx):
         status = ("draining" if eng.draining else "warming_up" if eng.warming and eng.alive
                   else "error")
         return JSONResponse({"status": status}, 503, headers={"Retry-After": RETRY_AFTER})
+    why = unservable(eng.stats)           # a disaggregated role with no live worker left
+    if why is not None:
+        return JSONResponse({"status": "error", "error": why}, 503)
     return {"status": "ready", "running": eng.num_running, "waiting": eng.num_waiting}
 
 
