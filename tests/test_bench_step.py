@@ -70,7 +70,8 @@ def test_moe_floor_counts_the_experts_the_step_reaches(tmp_path):
     from conftest import write_tiny_llada2_checkpoint
 
     from flash_dllm import LLM
-    from flash_dllm.bench.step import bench_case, touched_experts, weight_read_bytes
+    from flash_dllm.bench.moe_floor import touched_experts, weight_read_bytes
+    from flash_dllm.bench.step import bench_case
     from flash_dllm.config import EngineConfig
     from flash_dllm.layers.moe import MoE
 
@@ -114,8 +115,9 @@ def test_uniform_routing_spreads_rows_and_counts_the_table(tmp_path):
     from conftest import write_tiny_llada2_checkpoint
 
     from flash_dllm import LLM
-    from flash_dllm.bench.step import (UNIFORM_TABLE_ROWS, bench_case, install_uniform_routing,
-                                       uniform_touched)
+    from flash_dllm.bench.moe_floor import (UNIFORM_TABLE_ROWS, install_uniform_routing,
+                                            uniform_touched)
+    from flash_dllm.bench.step import bench_case
     from flash_dllm.config import EngineConfig
     from flash_dllm.layers.moe import MoE
 
