@@ -203,6 +203,16 @@ class EngineConfig:
               "(overrides --kv-cache-gb)", gt=0, lt=1)
     max_waiting: int = knob(256, "serving: queued requests before new ones get 429 (default: "
                                  "%(default)s)", ge=1)
+    # NOTE (issue 44): the count above bounds memory, not time: 64 clients of a 2-core server
+    # all queued with a 24 s median wait and no 429. A request that would queue longer than a
+    # reverse proxy waits (nginx's proxy_read_timeout: 60 s) is answered 429 + Retry-After
+    # instead, so a client can back off or go elsewhere; 0 queues without a time bound (vLLM's
+    # behaviour). The wait is estimated from the requests ahead and the recent finish rate
+    max_queue_wait: float = knob(60.0, "serving: a request that would wait longer than this "
+                                       "many seconds for admission (estimated: the requests "
+                                       "ahead of it over the recent finish rate) gets 429 with "
+                                       "Retry-After; 0: no time bound (default: %(default)s, "
+                                       "nginx's default proxy read timeout)", ge=0)
     # CUDA only: replay the model forward from CUDA graphs (one graph per padded step shape:
     # rows, requests and query length rounded up to powers of two; captured on its second
     # sighting (third above cuda_graph_max_rows rows per request), or by a server's warm-up,

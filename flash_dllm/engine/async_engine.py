@@ -3,13 +3,10 @@
 Continuous batching happens at step granularity: requests join (``submit``) and leave (finish,
 abort) *between* denoising steps, and every step is one packed forward over all running requests,
 whatever their length, block, step or sampling knobs. Admission is by KV pages (``Engine._admit``):
-a request whose canvas does not fit waits in the engine's queue; when that queue holds
-``EngineConfig.max_waiting`` requests, ``submit`` refuses new ones with ``QueueFullError``.
-
-The engine is any ``EngineCore`` (``engine/core.py``: an ``Engine``, the tensor-parallel engine's
-rank 0, the disaggregated router), used through that contract only. The event loop's side of a
-request (its ``RequestStream``, the errors it raises, the hand-over of outputs) is
-``engine/streams.py``.
+a request whose canvas does not fit waits in the engine's queue; ``submit`` refuses new ones with
+``QueueFullError`` when it holds ``max_waiting`` or would keep them ``max_queue_wait`` seconds
+(``engine/admission.py``). The engine is any ``EngineCore`` (``engine/core.py``), used through
+that contract only; a request's event-loop side (``RequestStream``) is ``engine/streams.py``.
 
 NOTE: only the engine thread touches the engine. The event loop talks to it through a command
 inbox of typed messages (``AddRequest``, ``AbortRequest``) applied between steps, and the engine
@@ -40,6 +37,7 @@ from typing import AsyncIterator
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import EngineStats, RuntimeStats
+from flash_dllm.engine.admission import QueueWait
 from flash_dllm.engine.core import EngineCore
 # (the stream side's names are re-exported: the server imports them from here)
 from flash_dllm.engine.streams import (EngineUnavailableError, QueueFullError,  # noqa: F401
@@ -103,6 +101,7 @@ class AsyncEngine:
         # through an admission pass (guarded by _cv)
         self._fresh_adds = 0
         self._engine_running = 0
+        self.queue_wait = QueueWait()     # a new request's wait (``max_queue_wait``; under _cv)
         # NOTE: built here before the engine thread starts; later only by the engine thread
         self.stats: EngineStats = engine.stats_snapshot()
         self._stats_at = time.monotonic()
@@ -193,10 +192,12 @@ class AsyncEngine:
         with self._cv:
             if rid in self._ids:
                 raise ValueError(f"request id {rid!r} is already in flight")
-            limit = self.engine.config.max_waiting
-            if self.num_waiting >= limit:
-                raise QueueFullError(f"{limit} requests are already waiting for KV pages; "
-                                     f"retry later")
+            cfg = self.engine.config
+            if self.num_waiting >= cfg.max_waiting:
+                raise QueueFullError(f"{cfg.max_waiting} requests are already waiting for KV "
+                                     f"pages; retry later")
+            self.queue_wait.check(cfg.max_queue_wait, self.num_waiting,
+                                  self._pending_adds + self._engine_running < cfg.max_num_seqs)
             self._ids.add(rid)
             self._pending_adds += 1
             self._inbox.append(AddRequest(list(prompt_ids), params, rid, prompt, stream))
@@ -393,5 +394,6 @@ class AsyncEngine:
     def _done(self, live: _Live, out: RequestOutput) -> None:
         with self._cv:
             self._ids.discard(live.stream.request_id)
+            self.queue_wait.finished(backlog=self.num_waiting > 0)
         if self.observer is not None:
             self.observer.on_finish(out, time.monotonic() - live.stream.arrival)

@@ -113,7 +113,9 @@ class ServerContext:
             return self.async_engine.submit(prompt_ids, params, request_id=request_id,
                                             prompt=prompt)
         except QueueFullError as e:
-            raise APIError(429, self.queue_full_message(), "rate_limit_error", code="queue_full",
+            msg = (f"server busy: {e}. Retry later." if "--max-queue-wait" in str(e)
+                   else self.queue_full_message())
+            raise APIError(429, msg, "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
         except EngineUnavailableError as e:
             raise APIError(503, str(e), "server_error", code="unavailable",
