@@ -195,7 +195,10 @@ class Soak:
         recs = list(await asyncio.gather(*(c.step(client, "corrupt", self.cfg.max_tokens, self.model)
                                            for c in convs)))
         self.records += recs
-        recs += await self.load(s, "corrupt", secs * 0.4, ["completion", "multiturn", "chat"])
+        # a short flood pushes their pages down; a long one (the first full CPU soak: 40 s) also
+        # pushes them out of the 53-record disk tier, so that no corrupted record is read again
+        recs += await self.load(s, "corrupt", min(secs * 0.4, 5.0),
+                                ["completion", "multiturn", "chat"])
         before = s.quiesce()
         n = corrupt_disk_records(disk)
         turns = list(await asyncio.gather(*(c.step(client, "corrupt", self.cfg.max_tokens, self.model)
