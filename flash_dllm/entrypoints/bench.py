@@ -14,6 +14,7 @@ from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server
 from flash_dllm.entrypoints.bench_multiturn import add_multiturn_parser
 from flash_dllm.entrypoints.bench_overflow import add_overflow_parser
 from flash_dllm.entrypoints.bench_pd import add_pd_parser
+from flash_dllm.entrypoints.bench_soak import add_soak_parser
 from flash_dllm.entrypoints.bench_plot import add_plot_parser, write_png
 from flash_dllm.entrypoints.serve import SERVE_DEFAULTS
 from flash_dllm.worker.warmup import WARMUP_LEVELS
@@ -124,6 +125,7 @@ def add_parser(sub) -> None:
     add_multiturn_parser(bsub)
     add_pd_parser(bsub)
     add_overflow_parser(bsub)
+    add_soak_parser(bsub)
 
 
 def cmd_bench_memory(a: argparse.Namespace) -> int:

@@ -99,6 +99,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     d.add_argument("--pd-role-switching", action="store_true",
                    help="with --disaggregate: move workers between the prefill and decode roles "
                         "as the load shifts (drained first; at least one of each)")
+    s.add_argument("--test-fault-file", default=None, metavar="PATH",
+                   help="testing only (the soak, 'bench soak'): whenever the file PATH exists, "
+                        "the next engine step raises (as a device fault would) and PATH is "
+                        "removed, so one file makes one failed step; not with --disaggregate")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -196,6 +200,10 @@ def build_server_app(a: argparse.Namespace):
                          f"generation_config.json) cannot run on this model: {e}") from None
     if not getattr(a, "disaggregate", False):
         attach_warmup(aeng, tok, getattr(a, "warmup", None), default)
+        if getattr(a, "test_fault_file", None):
+            arm_step_fault_file(aeng.engine, a.test_fault_file)
+    elif getattr(a, "test_fault_file", None):
+        raise CommandError("--test-fault-file is not supported with --disaggregate")
     name = getattr(a, "served_model_name", None) or folder.name
     app = build_app(aeng, tok, name, api_key=a.api_key,
                     max_body_bytes=getattr(a, "max_body_bytes", 1 << 20),
@@ -245,6 +253,21 @@ def _log_warnings(name: str) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
         logger.addHandler(handler)
+
+
+def arm_step_fault_file(engine, path: str) -> None:
+    """``--test-fault-file``: wrap the runner's ``execute`` (the seam tests/test_step_failures.py
+    injects faults at) so that a step raises once per appearance of the file at ``path``. Off
+    unless the flag is given; then one ``stat`` per step."""
+    real = engine.runner.execute
+
+    def execute(plan):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return real(plan)
+        raise RuntimeError(f"injected step fault (--test-fault-file {path})")
+    engine.runner.execute = execute
 
 
 WARMUP_TEXT = ("The quick brown fox jumps over the lazy dog. Ivy has 23 pens; Vic has 12 fewer. "
