@@ -386,3 +386,50 @@ def test_matrix_figure_when_every_accuracy_is_100():
             assert frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 \
                 and b.y1 <= frame.y1, ax.texts[i].get_text()
             assert not any(b.overlaps(o) for o in boxes[i + 1:]), ax.texts[i].get_text()
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_after_the_drain_changes_nothing(tmp_path):
+    """SIGTERM on an idle server, then another one while it exits: the drain had nothing to
+    wait for, so the process still exits 0 (it used to die of the second signal's default
+    action, status -15, once uvicorn had put the original handlers back)."""
+    import signal
+    import time
+
+    from flash_dllm.bench.serve import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "flash_dllm", "serve", "--port", str(port),
+                             "--log-level", "warning"], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        codes = []
+        for delay in (0.5, 1.0):    # the second signal lands while the process winds down
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(delay)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            codes.append(proc.wait(30))
+            if delay == 0.5:        # a fresh server for the second timing
+                proc = subprocess.Popen(proc.args, env=ENV, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+                while True:
+                    assert proc.poll() is None and time.monotonic() < deadline + 60
+                    try:
+                        if httpx.get(f"http://127.0.0.1:{port}/ready",
+                                     timeout=2).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        time.sleep(0.1)
+        assert codes == [0, 0], codes
+    finally:
+        if proc.poll() is None:
+            proc.kill()

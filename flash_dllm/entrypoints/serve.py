@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import logging
 import os
+import signal
 import sys
 
 from flash_dllm.config import EngineConfig
@@ -314,7 +315,17 @@ def run(a: argparse.Namespace) -> int:
     print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} ({what}, "
           f"max_num_seqs={aeng.config.max_num_seqs})", file=sys.stderr, flush=True)
     server = make_uvicorn_server(app, aeng, a.host, a.port, a.log_level)
+    # NOTE: uvicorn handles SIGTERM / SIGINT while it serves, then puts back the handlers it
+    # found, and the interpreter's exit puts back the system's (its own finalisation takes a
+    # few tenths of a second): a signal that came while the process wound down, its drain
+    # over, killed it (status -15). After the drain such a signal changes nothing (the
+    # shutdown under way is the one asked for): ignored while uvicorn returns, then SIG_IGN,
+    # which the interpreter's exit leaves in place
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     if server.interrupted_at is not None:
         print("error: interrupted (a second signal): the requests in flight were cut",
               file=sys.stderr)
