@@ -218,12 +218,17 @@ class Soak:
         recs += rest
         await client.close()
         ph = self.close_phase(s, "corrupt", recs, time.monotonic() - t0)
-        key = "kv_checksum_failures_total"
+        key, hits = "kv_checksum_failures_total", 'prefix_cache_hit_tokens_total{tier="l2"}'
         caught = (ph["after"][key] or 0) - (before.get("flash_dllm_" + key) or 0)
+        l2_hits = (s.metrics().get("flash_dllm_" + hits) or 0) - (before.get("flash_dllm_" + hits)
+                                                                   or 0)
         self.report["faults"]["corrupt"] = {
             "records_corrupted": n,
             "disk_pages_cached_before": before.get('flash_dllm_kv_pages_cached{tier="l2"}'),
             "checksum_failures_caught": caught,
+            # whether the server read the disk tier at all after the flip (a failed check is a
+            # miss, so a read shows as a failure or, for a record written since, as a hit)
+            "disk_read_after": bool(caught or l2_hits), "l2_hit_tokens_after": l2_hits,
             "requests_after": sum(1 for r in recs if r.get("after_corruption"))}
 
     async def sigterm_phase(self, s: Server) -> None:
@@ -390,7 +395,9 @@ class Soak:
                 if "_up{" not in k and not dead(a, k)),
         }
         f = self.report["faults"]
-        if "corrupt" in f and f["corrupt"]["records_corrupted"]:
+        if "corrupt" in f and f["corrupt"]["records_corrupted"] and f["corrupt"]["disk_read_after"]:
+            # (not exercised when the traffic after the flip read nothing from disk: its
+            # conversations' pages were still in a faster tier, or already out of the disk's)
             inv["corruption_caught_by_checksum"] = f["corrupt"]["checksum_failures_caught"] > 0
         if "step" in f:
             inv["step_fault_isolated"] = (f["step"]["failed_steps"] or 0) >= 1 and \
