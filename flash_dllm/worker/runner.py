@@ -238,7 +238,6 @@ class ModelRunner:
         return [self._states[r.request_id].arena_row for r in batch]
 
     # ----------------------------------------------------------------------------------- step
-    @torch.inference_mode()
     def _numerics(self):
         """``deterministic`` on the CPU: row GEMMs whose results do not depend on the batch
         (``layers/batch_invariant.py``); otherwise nothing."""
@@ -246,6 +245,7 @@ class ModelRunner:
             return batch_invariant()
         return contextlib.nullcontext()
 
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """The plan's tier ops, then one denoising forward for every request of ``plan``: commits
         tokens on the device and returns the active blocks after it (the step's one
