@@ -7,8 +7,9 @@ else runs, or with what is cached, separated by cause.
   follow-up turn of a conversation on an engine that reuses the history's cached pages against
   the same prompt recomputed by an engine without prefix reuse.
 - ``server_probe``, both together, as a client sees them: ``users`` concurrent multi-turn chats
-  through the real app (httpx ASGITransport, host tier on), then every turn replayed alone on the
-  same server with its exact history.
+  through the real app (httpx ASGITransport, host tier on), then every turn replayed alone with
+  its exact history: on the same server (what the load left cached), and ``cold`` on a server
+  without prefix reuse (nothing cached: every history recomputed).
 
 ``python -m flash_dllm.bench.same_answer --out benchmarks/results/serving/same_answer_cpu.json``
 runs all three with ``deterministic`` off and on (the demo model unless ``--model``).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -96,9 +98,11 @@ async def _chat(c, messages: list[dict], max_tokens: int) -> str:
 
 
 def server_probe(config: EngineConfig, model=None, users: int = 12, turns: int = 3,
-                 max_tokens: int = 32, seed: int = 0) -> dict:
+                 max_tokens: int = 32, seed: int = 0, cold: bool = False) -> dict:
     """``users`` concurrent chats of ``turns`` turns through the real app, then every turn
-    replayed alone with its exact history; how many answers differ."""
+    replayed alone with its exact history; how many answers differ. ``cold``: the replays run
+    on a second server without prefix reuse (every history recomputed: the answer with nothing
+    cached) instead of the same server (whatever the load left cached)."""
     import httpx
 
     from flash_dllm.entrypoints.serve import load_async_engine
@@ -106,11 +110,18 @@ def server_probe(config: EngineConfig, model=None, users: int = 12, turns: int =
 
     aeng, tok, _ = load_async_engine(model, config=config)
     app = build_app(aeng, tok, "m")
+    replay_app = app
+    if cold:
+        cold_cfg = dataclasses.replace(config, prefix_reuse=False, kv_cpu_gb=0.0)
+        replay_app = build_app(load_async_engine(model, config=cold_cfg)[0], tok, "m")
     convs = questions(users, turns, seed)
 
+    def client(a):
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t",
+                                 timeout=600)
+
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t", timeout=600) as c:
+        async with client(app) as c, client(replay_app) as r:
             async def user(conv):
                 history, seen = [], []
                 for q in conv:
@@ -120,7 +131,7 @@ def server_probe(config: EngineConfig, model=None, users: int = 12, turns: int =
                     history.append({"role": "assistant", "content": answer})
                 return seen
             loaded = [t for u in await asyncio.gather(*(user(v) for v in convs)) for t in u]
-            alone = [await _chat(c, h, max_tokens) for h, _ in loaded]
+            alone = [await _chat(r, h, max_tokens) for h, _ in loaded]
             return loaded, alone
     loaded, alone = asyncio.run(go())
     st = aeng.engine.kv_manager.stats
@@ -154,6 +165,8 @@ def main(argv=None) -> None:
         if "server" not in a.skip:
             cfg = EngineConfig(prefix_reuse=True, kv_cpu_gb=0.01, deterministic=det)
             res["server"] = server_probe(cfg, a.model, a.users, a.turns, a.max_tokens)
+            res["server_cold_replay"] = server_probe(cfg, a.model, a.users, a.turns,
+                                                     a.max_tokens, cold=True)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         out["modes"]["deterministic" if det else "default"] = res
         print(json.dumps({("deterministic" if det else "default"): res}), flush=True)
