@@ -240,17 +240,18 @@ class EngineConfig:
                                      "reused K/V are approximate (bidirectional attention). "
                                      "Default: on for serve, off elsewhere")
     # issue 44: a request's temperature-0 answer independent of load, batch composition and
-    # cache state. Bidirectional families (LLaDA, Dream, LLaDA-MoE) never reuse K/V another
-    # request computed (those pages were computed with another suffix: approximate, and whether
-    # they are still cached would change the answer); block-causal families keep their exact
-    # reuse. On the CPU the token-wise GEMMs run on rows padded to a fixed multiple
+    # cache state. No request reuses K/V another request computed: a bidirectional family's
+    # (LLaDA, Dream, LLaDA-MoE) were computed with another suffix (approximate), and a
+    # block-causal family's, exact in exact arithmetic, are not bitwise a recompute's (measured:
+    # ``tests/test_same_answer.py``); either way whether they are still cached would change the
+    # answer (``Engine.prefix_reuse``). On the CPU the token-wise GEMMs run on rows padded to a fixed multiple
     # (``layers/batch_invariant.py``); a batch-invariant GPU path is future work
     # (docs/serving.md#same-answer-under-load)
     deterministic: bool = knob(False, "the same request gives the same answer whatever else runs "
-                                      "and whatever is cached: no cross-request prefix reuse for "
-                                      "bidirectional families (block-causal reuse is exact and "
-                                      "stays), batch-invariant GEMMs on the CPU (the GPU's "
-                                      "numerics are not batch-invariant yet) (default: off)")
+                                      "and whatever is cached: no cross-request prefix reuse "
+                                      "(--prefix-reuse is ignored), batch-invariant GEMMs on the "
+                                      "CPU (the GPU's numerics are not batch-invariant yet) "
+                                      "(default: off)")
     kv_cpu_gb: float = knob(0.0, "GiB of pinned host memory for cached KV pages that leave the "
                                  "GPU (L1; needs --prefix-reuse; default: %(default)s, none)",
                             ge=0, lt=_GIB_LIMIT)
@@ -349,9 +350,6 @@ class EngineConfig:
         if self.lazy_load_predictor != "mass" and b is None:
             raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
                              "lazy_load_budget (--lazy-load-budget) too")
-        if self.deterministic and self.kv_offload_dtype != "bf16":
-            raise ValueError("deterministic needs kv_offload_dtype='bf16': fp8 / int8 copies of "
-                             f"reused pages are lossy, got {self.kv_offload_dtype!r}")
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")

@@ -71,14 +71,22 @@ def test_reused_history_changes_the_answer_unless_deterministic(fresh):
     assert r["hit_tokens"] == 0 and r["differ"] == 0, r
 
 
-def test_block_causal_reuse_stays_exact_and_on(tmp_path):
-    """A block-causal family's reuse is exact (whole blocks): ``deterministic`` keeps it."""
-    ckpt = write_tiny_llada2_checkpoint(tmp_path / "l2")
-    cfg = EngineConfig(prefix_reuse=True, deterministic=True, num_kv_pages=64)
-    assert LLM(ckpt, engine_config=cfg).engine.prefix_reuse
-    with pytest.raises(ValueError, match="kv_offload_dtype"):
-        EngineConfig(prefix_reuse=True, kv_cpu_gb=0.01, kv_offload_dtype="fp8",
-                     deterministic=True)
+def test_block_causal_reuse_is_not_bitwise_so_deterministic_drops_it(tmp_path, monkeypatch):
+    """A block-causal family's reuse (whole blocks) is exact in exact arithmetic, but the cached
+    K/V are not bitwise a recompute's: on a tiny LLaDA2 with prefix reuse, answers change with
+    the cache state. ``deterministic`` turns its reuse off too, and they stop changing."""
+    from flash_dllm.bench import same_answer
+
+    monkeypatch.setattr(same_answer, "KNOBS", {"decode": "threshold"})   # the exact block cache
+    ckpt = write_tiny_llada2_checkpoint(tmp_path / "l2", max_position_embeddings=2048)
+    differ = {}
+    for det in (False, True):
+        llm = LLM(ckpt, engine_config=EngineConfig(prefix_reuse=True, deterministic=det,
+                                                   num_kv_pages=512))
+        assert llm.engine.prefix_reuse is not det
+        reuse_probe(llm, llm, n=4, turns=3)          # (fills the cache with chats' blocks)
+        differ[det] = batch_probe(llm, n=6, max_tokens=32)["differ"]
+    assert differ[False] > 0 and differ[True] == 0, differ
 
 
 # ---------------------------------------------------------------------- both, through the server

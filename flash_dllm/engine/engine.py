@@ -71,10 +71,12 @@ class Engine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         off = self.runner.offload
         # NOTE (deterministic): a bidirectional family's reused K/V were computed with another
-        # request's suffix, so its answer would depend on what is cached; only block-causal
-        # reuse is exact (whole blocks: the scheduler's ``align``)
-        self.prefix_reuse = self.config.prefix_reuse and (
-            cfg.attention.block_causal or not self.config.deterministic)
+        # request's suffix, so its answer would depend on what is cached. A block-causal
+        # family's reuse (whole blocks: the scheduler's ``align``) is exact in exact arithmetic
+        # but not bitwise: measured on a tiny LLaDA2, 3 of 6 answers changed with the cache
+        # state (the cached block's K/V came from a forward over another key range). Until the
+        # attention over a reused range is bitwise that of a recompute, no family reuses here
+        self.prefix_reuse = self.config.prefix_reuse and not self.config.deterministic
         if self.config.deterministic and self.device.type != "cpu":
             log.warning("deterministic on %s: no approximate prefix reuse, but the step's "
                         "numerics are not batch-invariant off the CPU yet", self.device)
