@@ -249,6 +249,19 @@ class EngineConfig:
                                      "prompts that start with the same tokens (multi-turn chat); "
                                      "reused K/V are approximate (bidirectional attention). "
                                      "Default: on for serve, off elsewhere")
+    # issue 44: a request's temperature-0 answer independent of load, batch composition and
+    # cache state. No request reuses K/V another request computed: a bidirectional family's
+    # (LLaDA, Dream, LLaDA-MoE) were computed with another suffix (approximate), and a
+    # block-causal family's, exact in exact arithmetic, are not bitwise a recompute's (measured:
+    # ``tests/test_same_answer.py``); either way whether they are still cached would change the
+    # answer (``Engine.prefix_reuse``). On the CPU the token-wise GEMMs run on rows padded to a fixed multiple
+    # (``layers/batch_invariant.py``); a batch-invariant GPU path is future work
+    # (docs/serving.md#same-answer-under-load)
+    deterministic: bool = knob(False, "the same request gives the same answer whatever else runs "
+                                      "and whatever is cached: no cross-request prefix reuse "
+                                      "(--prefix-reuse is ignored), batch-invariant GEMMs on the "
+                                      "CPU (the GPU's numerics are not batch-invariant yet) "
+                                      "(default: off)")
     kv_cpu_gb: float = knob(0.0, "GiB of pinned host memory for cached KV pages that leave the "
                                  "GPU (L1; needs --prefix-reuse; default: %(default)s, none)",
                             ge=0, lt=_GIB_LIMIT)

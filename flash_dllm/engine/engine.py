@@ -70,9 +70,22 @@ class Engine:
         self.runner = ModelRunner(model, cfg, self.config)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         off = self.runner.offload
+        # NOTE (deterministic): a bidirectional family's reused K/V were computed with another
+        # request's suffix, so its answer would depend on what is cached. A block-causal
+        # family's reuse (whole blocks: the scheduler's ``align``) is exact in exact arithmetic
+        # but not bitwise: measured on a tiny LLaDA2, 3 of 6 answers changed with the cache
+        # state (the cached block's K/V came from a forward over another key range). Until the
+        # attention over a reused range is bitwise that of a recompute, no family reuses here
+        self.prefix_reuse = self.config.prefix_reuse and not self.config.deterministic
+        if self.config.deterministic and self.device.type != "cpu":
+            log.warning("deterministic on %s: no approximate prefix reuse, but the step's "
+                        "numerics are not batch-invariant off the CPU yet", self.device)
+        if self.config.prefix_reuse and not self.prefix_reuse:
+            log.info("deterministic: prefix reuse off (%s attention: reused K/V are approximate)",
+                     cfg.attention)
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, self.config.page_size,
-            prefix_reuse=self.config.prefix_reuse, namespace=self.runner.compat,
+            prefix_reuse=self.prefix_reuse, namespace=self.runner.compat,
             tier_slots=off.tier_slots if off is not None else (),
             placement=self.config.kv_placement or "lru", placement_top_k=self.config.kag_top_k,
             page_bytes=off.layout.nbytes if off is not None else self.runner.page_bytes)
@@ -363,7 +376,7 @@ class Engine:
         tokens; the last block's K/V were computed while it was still being unmasked)."""
         self.block_mass.forget(req.request_id)
         publish = None
-        if (self.config.prefix_reuse and req.finish_reason not in ("abort", "error")
+        if (self.prefix_reuse and req.finish_reason not in ("abort", "error")
                 and CACHE_MODES[req.params.cache].reusable and req.overflow is None):
             n = req.origin + max(req.block - 1, 0) * req.params.block_length
             publish = req.tokens[:n].tolist()

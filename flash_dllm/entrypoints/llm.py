@@ -33,7 +33,9 @@ class LLM:
     request: its fields left out are ``SamplingParams``' own defaults (the recommended ones).
     ``tensor_parallel_size=N`` splits the model over N GPUs (``device="cuda"``; rank r on cuda:r)
     or N CPU processes: the other ranks are worker processes started here and stopped by
-    ``close()`` (or ``with LLM(...) as llm:``, or at exit).
+    ``close()`` (or ``with LLM(...) as llm:``, or at exit). ``deterministic=True``
+    (``EngineConfig.deterministic``): a request's answer does not depend on what else runs or
+    is cached (docs/serving.md#same-answer-under-load).
 
     NOTE: a model the paged engine cannot run (``ModelConfig.paged_unsupported`` says why) loads
     without an engine: ``logits`` works through the dense forward, while ``generate`` / ``chat``
@@ -44,10 +46,13 @@ class LLM:
                  dtype: str = "auto", max_num_seqs: int | None = None,
                  engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1,
-                 sampling_defaults: dict | None = None) -> None:
+                 sampling_defaults: dict | None = None,
+                 deterministic: bool | None = None) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
         if max_num_seqs is not None:
             override["max_num_seqs"] = max_num_seqs
+        if deterministic is not None:
+            override["deterministic"] = deterministic
         args = EngineArgs(model=None if model is None else str(model), device=device,
                           dtype=dtype, tensor_parallel_size=tensor_parallel_size)
         self._engine: Engine | None = None

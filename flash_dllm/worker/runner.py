@@ -18,6 +18,7 @@ NOTE (syncs): a step makes ONE device->host copy, the active blocks after the co
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import numpy as np
@@ -28,6 +29,7 @@ from flash_dllm.cache.io.kv_overflow import OverflowKV, OverflowMemoryError, Ove
 from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
+from flash_dllm.layers.batch_invariant import batch_invariant
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request
 from flash_dllm.decoding.policies import DECODE_POLICIES
@@ -236,6 +238,13 @@ class ModelRunner:
         return [self._states[r.request_id].arena_row for r in batch]
 
     # ----------------------------------------------------------------------------------- step
+    def _numerics(self):
+        """``deterministic`` on the CPU: row GEMMs whose results do not depend on the batch
+        (``layers/batch_invariant.py``); otherwise nothing."""
+        if self.config.deterministic and self.device.type == "cpu":
+            return batch_invariant()
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """The plan's tier ops, then one denoising forward for every request of ``plan``: commits
@@ -253,7 +262,8 @@ class ModelRunner:
         if not plan.seqs:
             return StepResult(np.zeros((0, 1), dtype=np.int64), ops_done=done, failed=failed)
         try:
-            result = self._execute(plan)
+            with self._numerics():
+                result = self._execute(plan)
         except OverflowMemoryError as e:      # (before any device work of the forward)
             return StepResult(np.zeros((0, 1), dtype=np.int64), ops_done=done, failed=failed,
                               errors={plan.seqs[0].req.request_id: str(e)})
