@@ -47,8 +47,8 @@ import llada2_upcycle
 import proxy_tokenizer
 import torch
 import torch.nn.functional as F
-from train_demo import _load_tok, lr_at, make_batch, make_optimizer, make_readable, setup_run
-from train_proxy import batch_size_for, load_or_build_pool
+from train_demo import lr_at, make_batch, make_optimizer, make_readable, setup_run
+from train_proxy import batch_size_for, load_data
 
 from flash_dllm.evals.tasks import LONG_SUITES
 from flash_dllm.models.llada2 import BLOCK_LENGTH
@@ -278,15 +278,9 @@ def main(argv=None) -> dict:
     else:
         proxy_tokenizer.build_tokenizer(out, "llada", proxy_tokenizer.default_corpus(
             n=args.tokenizer_corpus), vocab_size=args.vocab)
-    ids = proxy_tokenizer.token_ids("llada")
-    workers = args.workers or max(1, min(16, os.cpu_count() or 1))
-    pool = load_or_build_pool(args, out, ids["eos"], device, workers)
-    tok = _load_tok(str(out))
-    vocab = -(-len(tok) // 64) * 64
+    ids, pool, tok, vocab = load_data(args, out, "llada", device, t0)
     t_data = time.time() - t0
-    pw = max(pool.plain.shape[1], pool.chat.shape[1])
-    print(f"data: {pool.n} problems, prompt width {pw}, answers up to {pool.max_answer} tokens, "
-          f"vocab {len(tok)} (padded {vocab}); {t_data:.1f}s", flush=True)
+    pw = max(pool.plain.shape[1], pool.chat.shape[1])         # the widest prompt
 
     cfg = llada2_config(args, ids, vocab)
     model = build_model(cfg, device=device, dtype=torch.float32, seed=args.seed)

@@ -130,6 +130,20 @@ def load_or_build_pool(args, out: Path, eos: int, device, workers: int) -> Pool:
     return pool
 
 
+def load_data(args, out: Path, fmt: str, device, t0: float):
+    """(special ids, problem pool, tokenizer, padded vocabulary) once ``out`` holds the
+    tokenizer of format ``fmt``; prints what was loaded (``t0``: the run's start)."""
+    ids = proxy_tokenizer.token_ids(fmt)
+    workers = args.workers or max(1, min(16, os.cpu_count() or 1))
+    pool = load_or_build_pool(args, out, ids["eos"], device, workers)
+    tok = _load_tok(str(out))
+    vocab = -(-len(tok) // 64) * 64
+    pw = max(pool.plain.shape[1], pool.chat.shape[1])
+    print(f"data: {pool.n} problems, prompt width {pw}, answers up to {pool.max_answer} tokens, "
+          f"vocab {len(tok)} (padded {vocab}); {time.time() - t0:.1f}s", flush=True)
+    return ids, pool, tok, vocab
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -235,15 +249,9 @@ def main(argv=None) -> dict:
     else:
         corpus = proxy_tokenizer.default_corpus(n=args.tokenizer_corpus)
         proxy_tokenizer.build_tokenizer(out, args.format, corpus, vocab_size=args.vocab)
-    ids = proxy_tokenizer.token_ids(args.format)
-    workers = args.workers or max(1, min(16, os.cpu_count() or 1))
-    pool = load_or_build_pool(args, out, ids["eos"], device, workers)
-    tok = _load_tok(str(out))
-    vocab = -(-len(tok) // 64) * 64
+    ids, pool, tok, vocab = load_data(args, out, args.format, device, t0)
     t_data = time.time() - t0
-    pw = max(pool.plain.shape[1], pool.chat.shape[1])
-    print(f"data: {pool.n} problems, prompt width {pw}, answers up to {pool.max_answer} tokens, "
-          f"vocab {len(tok)} (padded {vocab}); {t_data:.1f}s", flush=True)
+    pw = max(pool.plain.shape[1], pool.chat.shape[1])         # the widest prompt
 
     cfg = hf_config(args, ids, vocab)
     model = build_model(cfg, device=device, dtype=torch.float32, seed=args.seed)
