@@ -97,6 +97,23 @@ async def _chat(c, messages: list[dict], max_tokens: int) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+def _async_engine(model, config: EngineConfig):
+    """(AsyncEngine, Tokenizer) over ``model`` (a folder; None: the demo model) on the CPU, as
+    ``serve`` builds them (a failed step fails its batch, not the server); from the layers
+    below the entry points, which a benchmark may not import."""
+    from flash_dllm.engine.async_engine import AsyncEngine
+    from flash_dllm.engine.engine import Engine
+    from flash_dllm.models.loader import load_model, model_path
+    from flash_dllm.models.tokenizer import Tokenizer
+
+    folder = model_path(model)
+    net, cfg = load_model(folder, device="cpu", dtype="float32")
+    tok = Tokenizer(folder)
+    engine = Engine(net, tok.resolve_ids(cfg), config)
+    engine.isolate_step_failures = True
+    return AsyncEngine(engine), tok
+
+
 def server_probe(config: EngineConfig, model=None, users: int = 12, turns: int = 3,
                  max_tokens: int = 32, seed: int = 0, cold: bool = False) -> dict:
     """``users`` concurrent chats of ``turns`` turns through the real app, then every turn
@@ -105,15 +122,14 @@ def server_probe(config: EngineConfig, model=None, users: int = 12, turns: int =
     cached) instead of the same server (whatever the load left cached)."""
     import httpx
 
-    from flash_dllm.entrypoints.serve import load_async_engine
     from flash_dllm.server.app import build_app
 
-    aeng, tok, _ = load_async_engine(model, config=config)
+    aeng, tok = _async_engine(model, config)
     app = build_app(aeng, tok, "m")
     replay_app = app
     if cold:
         cold_cfg = dataclasses.replace(config, prefix_reuse=False, kv_cpu_gb=0.0)
-        replay_app = build_app(load_async_engine(model, config=cold_cfg)[0], tok, "m")
+        replay_app = build_app(_async_engine(model, cold_cfg)[0], tok, "m")
     convs = questions(users, turns, seed)
 
     def client(a):

@@ -17,6 +17,7 @@ The shared logic is plain functions both kinds call: ``check_request`` (a reques
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Protocol, runtime_checkable
@@ -29,6 +30,8 @@ from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.registry import default_cache
 from flash_dllm.worker.extensions import EXTENSIONS
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -194,3 +197,23 @@ def _copy_counters(counters: dict) -> dict:
     """A copy of a ``new_counters`` dict (flat, or one level of dicts): an output is built per
     request per step while serving, where ``copy.deepcopy`` was a visible share of the step."""
     return {k: dict(v) if isinstance(v, dict) else v for k, v in counters.items()}
+
+
+def prefix_reuse(config, cfg, device) -> bool:
+    """Whether an engine of ``config`` over a model of ``cfg`` on ``device`` reuses K/V across
+    requests: ``config.prefix_reuse``, unless ``config.deterministic``.
+
+    NOTE (deterministic): a bidirectional family's reused K/V were computed with another
+    request's suffix, so its answer would depend on what is cached. A block-causal family's
+    reuse (whole blocks: the scheduler's ``align``) is exact in exact arithmetic but not bitwise:
+    measured on a tiny LLaDA2, 3 of 6 answers changed with the cache state (the cached block's
+    K/V came from a forward over another key range). Until the attention over a reused range is
+    bitwise that of a recompute, no family reuses under ``deterministic``."""
+    reuse = config.prefix_reuse and not config.deterministic
+    if config.deterministic and device.type != "cpu":
+        log.warning("deterministic on %s: no cross-request prefix reuse, but the step's numerics "
+                    "are not batch-invariant off the CPU yet", device)
+    if config.prefix_reuse and not reuse:
+        log.info("deterministic: prefix reuse off (%s attention: reused K/V are approximate)",
+                 cfg.attention)
+    return reuse

@@ -36,7 +36,8 @@ from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request, RequestOutput, StepOutput
 from flash_dllm.core.stats import EngineStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
-from flash_dllm.engine.core import RequestLimits, check_request, request_output, resolve_params
+from flash_dllm.engine.core import (RequestLimits, check_request, prefix_reuse, request_output,
+                                   resolve_params)
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
 from flash_dllm.models.config import ModelConfig
@@ -70,19 +71,7 @@ class Engine:
         self.runner = ModelRunner(model, cfg, self.config)
         self.device, self.dtype = self.runner.device, self.runner.dtype
         off = self.runner.offload
-        # NOTE (deterministic): a bidirectional family's reused K/V were computed with another
-        # request's suffix, so its answer would depend on what is cached. A block-causal
-        # family's reuse (whole blocks: the scheduler's ``align``) is exact in exact arithmetic
-        # but not bitwise: measured on a tiny LLaDA2, 3 of 6 answers changed with the cache
-        # state (the cached block's K/V came from a forward over another key range). Until the
-        # attention over a reused range is bitwise that of a recompute, no family reuses here
-        self.prefix_reuse = self.config.prefix_reuse and not self.config.deterministic
-        if self.config.deterministic and self.device.type != "cpu":
-            log.warning("deterministic on %s: no approximate prefix reuse, but the step's "
-                        "numerics are not batch-invariant off the CPU yet", self.device)
-        if self.config.prefix_reuse and not self.prefix_reuse:
-            log.info("deterministic: prefix reuse off (%s attention: reused K/V are approximate)",
-                     cfg.attention)
+        self.prefix_reuse = prefix_reuse(self.config, cfg, self.device)
         self.kv_manager = KVCacheManager(
             self.runner.num_pages, self.config.page_size,
             prefix_reuse=self.prefix_reuse, namespace=self.runner.compat,
