@@ -211,6 +211,12 @@ class Soak:
             r["after_corruption"] = True
         self.records += turns
         recs += turns
+        # right after the flip, before any new record can replace a flipped one: every read of
+        # the disk tier by these turns must fail its check (later hits may be fresh records)
+        now = s.quiesce()
+        key, hits = "kv_checksum_failures_total", 'prefix_cache_hit_tokens_total{tier="l2"}'
+        caught_now = (now.get("flash_dllm_" + key) or 0) - (before.get("flash_dllm_" + key) or 0)
+        hits_now = (now.get("flash_dllm_" + hits) or 0) - (before.get("flash_dllm_" + hits) or 0)
         rest = await self.load(s, "corrupt", max(1.0, t0 + secs - time.monotonic()),
                                ["multiturn", "completion", "stream"])
         for r in rest:
@@ -218,7 +224,6 @@ class Soak:
         recs += rest
         await client.close()
         ph = self.close_phase(s, "corrupt", recs, time.monotonic() - t0)
-        key, hits = "kv_checksum_failures_total", 'prefix_cache_hit_tokens_total{tier="l2"}'
         caught = (ph["after"][key] or 0) - (before.get("flash_dllm_" + key) or 0)
         l2_hits = (s.metrics().get("flash_dllm_" + hits) or 0) - (before.get("flash_dllm_" + hits)
                                                                    or 0)
@@ -229,6 +234,8 @@ class Soak:
             # whether the server read the disk tier at all after the flip (a failed check is a
             # miss, so a read shows as a failure or, for a record written since, as a hit)
             "disk_read_after": bool(caught or l2_hits), "l2_hit_tokens_after": l2_hits,
+            # the conversations' turns right after the flip (no record rewritten yet)
+            "checksum_failures_right_after": caught_now, "l2_hit_tokens_right_after": hits_now,
             "requests_after": sum(1 for r in recs if r.get("after_corruption"))}
 
     async def sigterm_phase(self, s: Server) -> None:
@@ -395,10 +402,15 @@ class Soak:
                 if "_up{" not in k and not dead(a, k)),
         }
         f = self.report["faults"]
-        if "corrupt" in f and f["corrupt"]["records_corrupted"] and f["corrupt"]["disk_read_after"]:
-            # (not exercised when the traffic after the flip read nothing from disk: its
-            # conversations' pages were still in a faster tier, or already out of the disk's)
-            inv["corruption_caught_by_checksum"] = f["corrupt"]["checksum_failures_caught"] > 0
+        fc = f.get("corrupt") or {}
+        if fc.get("records_corrupted") and (fc["checksum_failures_right_after"]
+                                            or fc["l2_hit_tokens_right_after"]):
+            # right after the flip every disk read must fail its check: a hit there would be a
+            # corrupted record served. Not exercised when those turns read nothing from disk
+            # (their pages were still in a faster tier, or already out of the disk's); the
+            # hits of later traffic can be records written since, so they decide nothing
+            inv["corruption_caught_by_checksum"] = (fc["checksum_failures_right_after"] > 0
+                                                    and fc["l2_hit_tokens_right_after"] == 0)
         if "step" in f:
             inv["step_fault_isolated"] = (f["step"]["failed_steps"] or 0) >= 1 and \
                 f["step"]["ok_after"] > 0 and f["step"]["health_after"] == 200
