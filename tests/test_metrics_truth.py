@@ -118,3 +118,27 @@ def test_a_stop_string_finish_counts_as_stop(demo, stream):
     after = _finished(app)
     gained = {k: after[k] - before[k] for k in after}
     assert gained == {"stop": 1, "length": 0, "abort": 0, "error": 0}, gained
+
+
+def test_a_lost_workers_gauges_hold_nothing():
+    """A disaggregated worker killed while it held pages: its process and memory are gone, so
+    its resource gauges read 0, not its last report (the soak saw 35 pages stay); up reads 0
+    and its forwards keep their count."""
+    from flash_dllm.core.stats import DisaggStats, WorkerStats
+    from flash_dllm.server.metrics import _disagg
+
+    live = WorkerStats(rank=1, role="decode", alive=True, prefilling=0, decoding=1,
+                       reported=True, pages_used=7, staging_used=1, sends=1, recvs=1, steps=9)
+    dead = WorkerStats(rank=2, role="decode", alive=False, prefilling=0, decoding=0,
+                       reported=True, pages_used=35, staging_used=2, sends=1, recvs=2, steps=40)
+    got = {}
+    for fam in _disagg(DisaggStats(workers=(live, dead))):
+        for sample in fam.samples:
+            if sample.labels.get("worker"):
+                got[(fam.name, sample.labels["worker"])] = sample.value
+    p = "flash_dllm_pd_worker_"
+    for name in ("kv_pages_used", "staging_segments", "sends_in_flight", "receives_pending"):
+        assert got[(p + name, "2")] == 0, name
+        assert got[(p + name, "1")] > 0, name
+    assert got[(p + "up", "2")] == 0 and got[(p + "up", "1")] == 1
+    assert got[(p + "forwards", "2")] == 40

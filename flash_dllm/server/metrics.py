@@ -252,13 +252,18 @@ def _disagg(d: DisaggStats):
                       ("role_switches", "Workers moved between the prefill and decode "
                                         "roles.")):
         yield _counter(f"pd_{name}", doc, getattr(d, name))
+    # NOTE: a lost worker's last report is what it held when it died; its process (and
+    # with it every page and staging segment) is gone, so it holds nothing (the soak saw a
+    # killed worker's gauges stay at 35 pages)
+    held = lambda v: (lambda w: v(w) if w.alive else 0)          # noqa: E731
     gauges = {
         "up": ("1 while the worker is alive.", lambda w: float(w.alive)),
-        "kv_pages_used": ("KV pages the worker's requests hold.", lambda w: w.pages_used),
+        "kv_pages_used": ("KV pages the worker's requests hold.", held(lambda w: w.pages_used)),
         "staging_segments": ("Staging-buffer segments held (receives in flight).",
-                             lambda w: w.staging_used),
-        "sends_in_flight": ("KV sends not yet settled.", lambda w: w.sends),
-        "receives_pending": ("KV receives posted or waiting for room.", lambda w: w.recvs),
+                             held(lambda w: w.staging_used)),
+        "sends_in_flight": ("KV sends not yet settled.", held(lambda w: w.sends)),
+        "receives_pending": ("KV receives posted or waiting for room.",
+                             held(lambda w: w.recvs)),
         "forwards": ("Model forwards the worker ran.", lambda w: w.steps),
     }
     for name, (doc, fn) in gauges.items():
