@@ -561,3 +561,20 @@ def test_chunked_body_over_limit_is_413(ckpt):
                                 headers={"content-type": "application/json"})
     r = run(go())
     assert r.status_code == 413
+
+
+def test_num_inference_steps_alone_selects_the_vanilla_sampler(app, llm):
+    """/generate's num_inference_steps is vanilla's step count: sent without a decode policy it
+    decodes with vanilla (the server's default cache), not the default threshold policy, which
+    ignores steps; with a decode policy named, that one decodes."""
+    body = {"prompt": "abc", "max_new_tokens": 24, "num_inference_steps": 12, "block_length": 8}
+    r = run(post(app, "/generate", body))
+    assert r.status_code == 200, r.text
+    ref = llm.generate("abc", SamplingParams(max_tokens=24, block_length=8, steps=12,
+                                             decode="vanilla"))[0]
+    assert r.json()["token_ids"] == ref.token_ids and r.json()["num_forwards"] == 12
+    r = run(post(app, "/generate", {**body, "decode": "threshold"}))
+    ref = llm.generate("abc", SamplingParams(max_tokens=24, block_length=8, steps=12,
+                                             decode="threshold"))[0]
+    assert r.json()["token_ids"] == ref.token_ids
+    assert r.json()["num_forwards"] == ref.num_forwards

@@ -186,7 +186,10 @@ def chat_stream(rid: str, model: str, choices: list[Choice], include_usage: bool
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, ctx: Ctx):
     ids, text = ctx.encode_prompt(body.prompt)
-    knobs = body.model_copy(update={"steps": body.num_inference_steps}) \
+    # num_inference_steps is the vanilla sampler's step count: a request that sends it and no
+    # decode policy decodes with vanilla (under the default threshold policy it did nothing)
+    knobs = body.model_copy(update={"steps": body.num_inference_steps,
+                                    **({"decode": "vanilla"} if body.decode is None else {})}) \
         if body.num_inference_steps is not None else body
     stream = ctx.submit(ids, make_params(knobs, body.max_new_tokens,
                                           ctx.sampling_defaults), new_request_id("gen"), text)
