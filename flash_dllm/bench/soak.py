@@ -137,6 +137,7 @@ class Soak:
                   "kv_checksum_failures_total", "failed_steps_total")}
         for tier in ("l0", "l1", "l2"):
             after[f"kv_pages_cached_{tier}"] = m.get(f'flash_dllm_kv_pages_cached{{tier="{tier}"}}')
+        after["l2_hit_tokens"] = m.get('flash_dllm_prefix_cache_hit_tokens_total{tier="l2"}')
         workers = {k: v for k, v in m.items() if k.startswith("flash_dllm_pd_worker_")
                    and any(s in k for s in ("kv_pages_used", "staging", "in_flight", "pending",
                                             "_up{"))}
@@ -225,8 +226,7 @@ class Soak:
         await client.close()
         ph = self.close_phase(s, "corrupt", recs, time.monotonic() - t0)
         caught = (ph["after"][key] or 0) - (before.get("flash_dllm_" + key) or 0)
-        l2_hits = (s.metrics().get("flash_dllm_" + hits) or 0) - (before.get("flash_dllm_" + hits)
-                                                                   or 0)
+        l2_hits = (ph["after"]["l2_hit_tokens"] or 0) - (before.get("flash_dllm_" + hits) or 0)
         self.report["faults"]["corrupt"] = {
             "records_corrupted": n,
             "disk_pages_cached_before": before.get('flash_dllm_kv_pages_cached{tier="l2"}'),

@@ -192,11 +192,11 @@ class AsyncEngine:
         with self._cv:
             if rid in self._ids:
                 raise ValueError(f"request id {rid!r} is already in flight")
-            cfg = self.engine.config
-            if self.num_waiting >= cfg.max_waiting:
+            cfg, waiting = self.engine.config, self.num_waiting
+            if waiting >= cfg.max_waiting:
                 raise QueueFullError(f"{cfg.max_waiting} requests are already waiting for KV "
                                      f"pages; retry later")
-            self.queue_wait.check(cfg.max_queue_wait, self.num_waiting,
+            self.queue_wait.check(cfg.max_queue_wait, waiting,
                                   self._pending_adds + self._engine_running < cfg.max_num_seqs)
             self._ids.add(rid)
             self._pending_adds += 1
