@@ -154,6 +154,62 @@ class Piece:
         return self.dest == () and self.src == ()
 
 
+_PACKED = re.compile(r"layers\.(\d+)\.mlp\.(w_gate_up|w_down)")
+
+
+def expert_pieces(name: str, shape: tuple[int, ...]) -> tuple[Piece, ...] | None:
+    """The packed experts of a MoE layer (``w_gate_up`` [E, 2I, d]: each expert's gate rows, then
+    its up rows; ``w_down`` [E, d, I]) from one checkpoint tensor per expert and projection,
+    ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``: the names LLaDA2,
+    LLaDA-MoE and SDAR-MoE (Qwen-MoE style) all use. None for any other parameter."""
+    m = _PACKED.fullmatch(name)
+    if m is None:
+        return None
+    i, packed = m.groups()
+    prefix = f"model.layers.{i}.mlp.experts"
+    if packed == "w_gate_up":
+        E, two_i, d = shape
+        inter = two_i // 2
+        return tuple(Piece(f"{prefix}.{e}.{proj}.weight", (inter, d),
+                           dest=(e, slice(start, start + inter)))
+                     for e in range(E) for proj, start in (("gate_proj", 0), ("up_proj", inter)))
+    E, d, inter = shape
+    return tuple(Piece(f"{prefix}.{e}.down_proj.weight", (d, inter), dest=(e,))
+                 for e in range(E))
+
+
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def check_expert_count(cfg: ModelConfig, names: list[str]) -> str | None:
+    """A MoE layer holding another number of experts than config.json's ``num_experts`` (in
+    ``expert_pieces``' names), as a one-line error; else None."""
+    top: dict[int, int] = {}
+    for name in names:
+        m = _EXPERT_NAME.match(name)
+        if m is not None:
+            layer, e = int(m.group(1)), int(m.group(2))
+            top[layer] = max(top.get(layer, -1), e)
+    for layer in sorted(top):
+        n = top[layer] + 1
+        if layer < cfg.num_layers and cfg.layer_mlp_kind(layer) == "moe" \
+                and n != cfg.moe.num_experts:
+            return (f"config.json sets num_experts={cfg.moe.num_experts}, but layer {layer} of "
+                    f"the checkpoint holds experts 0..{n - 1} "
+                    f"(model.layers.{layer}.mlp.experts.{n - 1}.*)")
+    return None
+
+
+def refuse_unsupported(raw: dict, supported: dict, family: str) -> None:
+    """Raise naming the key when ``raw`` sets a switch of ``supported`` (key -> the values the
+    family implements) to another value; absent or null passes."""
+    for key, ok in supported.items():
+        value = raw.get(key)
+        if value is not None and value not in ok:
+            raise ValueError(f"{family} config.json sets {key}={value!r}, which flash-dllm does "
+                             f"not support (supported: {' or '.join(map(repr, ok))})")
+
+
 def require(raw: dict, key: str, family: str):
     if key not in raw or raw[key] is None:
         raise ValueError(f"{family} config.json is missing required key {key!r}")

@@ -17,7 +17,8 @@ import re
 from flash_dllm.layers.attention import block_causal
 from flash_dllm.layers.moe import MoEConfig
 from flash_dllm.models.config import ModelConfig
-from flash_dllm.models.family import Family, Piece, as_id_tuple, require
+from flash_dllm.models.family import (Family, Piece, as_id_tuple, check_expert_count,
+                                      expert_pieces, require)
 from flash_dllm.models.transformer import DiffusionTransformer
 
 # NOTE: config.json has no block size: the reference ``generate`` takes ``block_length=32``, and
@@ -160,55 +161,20 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 
 
 _QKV = re.compile(r"layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)")
-_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.(w_gate_up|w_down)")
 
 
 def split(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> tuple[Piece, ...] | None:
     """q/k/v: row slices of the fused ``query_key_value`` (q | k | v, by heads); the packed
-    experts: one checkpoint tensor per expert and projection."""
+    experts: one checkpoint tensor per expert and projection (``family.expert_pieces``)."""
     m = _QKV.fullmatch(name)
-    if m is not None:
-        i, which, leaf = m.groups()
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        start = {"q": 0, "k": q, "v": q + kv}[which]
-        fused = (q + 2 * kv,) + tuple(shape[1:])
-        return (Piece(f"model.layers.{i}.attention.query_key_value.{leaf}", fused,
-                      src=(slice(start, start + shape[0]),)),)
-    m = _EXPERTS.fullmatch(name)
     if m is None:
-        return None
-    i, packed = m.groups()
-    prefix = f"model.layers.{i}.mlp.experts"
-    if packed == "w_gate_up":                                 # [E, 2I, d]: gate rows, up rows
-        E, two_i, d = shape
-        inter = two_i // 2
-        return tuple(Piece(f"{prefix}.{e}.{proj}.weight", (inter, d),
-                           dest=(e, slice(start, start + inter)))
-                     for e in range(E) for proj, start in (("gate_proj", 0), ("up_proj", inter)))
-    E, d, inter = shape                                       # w_down [E, d, I]
-    return tuple(Piece(f"{prefix}.{e}.down_proj.weight", (d, inter), dest=(e,))
-                 for e in range(E))
-
-
-_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-
-
-def check_tensors(cfg: ModelConfig, names: list[str]) -> str | None:
-    """A layer holding another number of experts than config.json's ``num_experts``."""
-    top: dict[int, int] = {}
-    for name in names:
-        m = _EXPERT_NAME.match(name)
-        if m is not None:
-            layer, e = int(m.group(1)), int(m.group(2))
-            top[layer] = max(top.get(layer, -1), e)
-    for layer in sorted(top):
-        n = top[layer] + 1
-        if layer < cfg.num_layers and cfg.layer_mlp_kind(layer) == "moe" \
-                and n != cfg.moe.num_experts:
-            return (f"config.json sets num_experts={cfg.moe.num_experts}, but layer {layer} of "
-                    f"the checkpoint holds experts 0..{n - 1} "
-                    f"(model.layers.{layer}.mlp.experts.{n - 1}.*)")
-    return None
+        return expert_pieces(name, shape)
+    i, which, leaf = m.groups()
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    start = {"q": 0, "k": q, "v": q + kv}[which]
+    fused = (q + 2 * kv,) + tuple(shape[1:])
+    return (Piece(f"model.layers.{i}.attention.query_key_value.{leaf}", fused,
+                  src=(slice(start, start + shape[0]),)),)
 
 
 FAMILY = Family(
@@ -242,5 +208,5 @@ FAMILY = Family(
         ("lm_head", "lm_head"),
     ),
     split=split,
-    check_tensors=check_tensors,
+    check_tensors=check_expert_count,
 )

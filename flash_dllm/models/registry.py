@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from flash_dllm.models import dream, llada, llada2
+from flash_dllm.models import dream, llada, llada2, llada_moe
 from flash_dllm.models.family import Family
 
 # NOTE: no two families share a name, an architecture or a model type (``register`` refuses
@@ -46,6 +46,7 @@ def registered(family: Family):
 register(llada.FAMILY)
 register(dream.FAMILY)
 register(llada2.FAMILY)
+register(llada_moe.FAMILY)
 
 
 def resolve(raw_config: dict) -> Family:

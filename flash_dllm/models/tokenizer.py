@@ -15,6 +15,11 @@ from flash_dllm.models.config import ModelConfig
 _MODEL_TYPE_WARNING = "You are using a model of type"
 
 
+# the mask token's text in each family's released tokenizer, tried in order when config.json names
+# no mask id: LLaDA's, LLaDA2's and LLaDA-MoE's (156895), SDAR's (151669)
+MASK_TOKEN_TEXTS = ("<|mdm_mask|>", "<|mask|>", "<|MASK|>")
+
+
 class _DropModelTypeWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(_MODEL_TYPE_WARNING)
@@ -102,8 +107,8 @@ class Tokenizer:
         return tid if isinstance(tid, int) and tid != self.hf.unk_token_id else None
 
     def resolve_ids(self, cfg: ModelConfig) -> ModelConfig:
-        """Fill a mask id missing from config.json from the tokenizer (its `<|mdm_mask|>`, else
-        its declared mask token), add its EOS."""
+        """Fill a mask id missing from config.json from the tokenizer (the first of
+        ``MASK_TOKEN_TEXTS`` it has, else its declared mask token), add its EOS."""
         from dataclasses import replace
 
         from flash_dllm.models.family import as_id_tuple
@@ -112,13 +117,16 @@ class Tokenizer:
         if mask is None:
             # NOTE: LLaDA2's config.json names no mask id (its generate() takes one); the
             # tokenizer's declared mask token is the next authority after LLaDA's text
-            mask = self.token_id("<|mdm_mask|>")
+            for text in MASK_TOKEN_TEXTS:
+                mask = self.token_id(text)
+                if mask is not None:
+                    break
             declared = self.hf.special_tokens_map.get("mask_token")
             if mask is None and isinstance(declared, str):
                 mask = self.token_id(declared)
             if mask is None:
-                raise ValueError("config.json has no mask_token_id and the tokenizer has no "
-                                 "<|mdm_mask|> token nor a mask_token: cannot tell which id is "
-                                 "MASK")
+                raise ValueError("config.json has no mask_token_id and the tokenizer has none "
+                                 f"of {', '.join(MASK_TOKEN_TEXTS)} nor a mask_token: cannot "
+                                 "tell which id is MASK")
         eos = as_id_tuple(cfg.eos_token_ids, self.hf.eos_token_id)
         return replace(cfg, mask_token_id=mask, eos_token_ids=eos)
