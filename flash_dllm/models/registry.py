@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from flash_dllm.models import dream, llada, llada2, llada_moe
+from flash_dllm.models import dream, llada, llada2, llada_moe, sdar, sdar_moe
 from flash_dllm.models.family import Family
 
 # NOTE: no two families share a name, an architecture or a model type (``register`` refuses
@@ -47,6 +47,8 @@ register(llada.FAMILY)
 register(dream.FAMILY)
 register(llada2.FAMILY)
 register(llada_moe.FAMILY)
+register(sdar.FAMILY)
+register(sdar_moe.FAMILY)
 
 
 def resolve(raw_config: dict) -> Family:
