@@ -11,6 +11,8 @@ tokenizer of ``conftest``.
   ``self_attn.{q,k,v,o}_proj``, ``self_attn.{q,k}_norm``, ``mlp.gate`` + ``mlp.experts.{e}.*`` or
   ``mlp.{gate,up,down}_proj``, ``model.norm``, ``lm_head``).
 - ``write_family_checkpoint(folder, cfg, seed, ...)``: the folder.
+- ``one_torch_thread``: an autouse fixture for the importing test module (the tiny models' GEMMs
+  run 10-100x slower on two threads of a shared, loaded CPU than on one).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import (BOS_ID, EOS_ID, EOT_ID, MASK_ID, TINY_VOCAB_SIZE, write_sharded,
                       write_tiny_tokenizer)
@@ -143,3 +146,11 @@ def write_family_checkpoint(folder: str | Path, cfg: dict, seed: int = 0, shards
     if tokenizer:
         write_tiny_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from family_checkpoints import qwen_style_tensors, tiny_llada_moe_config, write_family_checkpoint
+from family_checkpoints import (one_torch_thread, qwen_style_tensors,  # noqa: F401
+                                tiny_llada_moe_config, write_family_checkpoint)
 from test_llada2 import read_checkpoint
 from test_sampler import EOS, MASK, PROMPTS, reference_threshold, reference_vanilla, run_engine
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checkpoints import (qwen_style_tensors, tiny_sdar_config, tiny_sdar_moe_config,
+from family_checkpoints import (one_torch_thread, qwen_style_tensors,  # noqa: F401
+                                tiny_sdar_config, tiny_sdar_moe_config,
                                 write_family_checkpoint)
 from test_llada2 import read_checkpoint
 
