@@ -34,6 +34,12 @@ _LLADA2 = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
            "max_position_embeddings": 32768, "tie_word_embeddings": False,
            "mask_token_id": 156895, "eos_token_id": 156892}
 
+# Qwen3's keys and values that SDAR-4B and SDAR-30B-A3B share (their base models' config.json;
+# SDAR adds block_size and mask_token_id, 151669 = <|MASK|>)
+_SDAR = {"head_dim": 128, "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False,
+         "block_size": 4, "mask_token_id": 151669, "eos_token_id": 151645}
+
 SHAPES: dict[str, dict] = {
     "llada-8b": {"architectures": ["LLaDAModelLM"], "d_model": 4096, "n_layers": 32, "n_heads": 32,
                  "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
@@ -53,6 +59,30 @@ SHAPES: dict[str, dict] = {
     "llada2-flash": {**_LLADA2, "hidden_size": 4096, "num_hidden_layers": 10,
                      "num_attention_heads": 32, "intermediate_size": 9216,
                      "moe_intermediate_size": 1024},
+    # SDAR-4B-Chat (Qwen3-4B: 4.0 B parameters, the LM head tied to the embedding), block 4
+    "sdar-4b": {**_SDAR, "architectures": ["SDARForCausalLM"], "model_type": "sdar",
+                "hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "intermediate_size": 9728,
+                "tie_word_embeddings": True},
+    # SDAR-30B-A3B-Chat (Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active), block 4
+    "sdar-30b-a3b": {**_SDAR, "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe",
+                     "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                     "num_key_value_heads": 4, "intermediate_size": 6144,
+                     "moe_intermediate_size": 768, "num_experts": 128,
+                     "num_experts_per_tok": 8, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [],
+                     "tie_word_embeddings": False},
+    # LLaDA-MoE-7B-A1B (inclusionAI's config.json: 7 B parameters, 1.4 B active; no mask id in
+    # it, the model card's 156895 here)
+    "llada-moe-7b": {"architectures": ["LLaDAMoEModelLM"], "model_type": "llada",
+                     "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
+                     "num_key_value_heads": 16, "dense_intermediate_size": 8192,
+                     "expert_intermediate_size": 1024, "shared_expert_intermediate_size": None,
+                     "moe_layer_freq": [1] * 16, "num_experts": 64, "num_experts_per_tok": 8,
+                     "qk_layernorm": True, "partial_rotary_factor": 1, "rope_theta": 50000.0,
+                     "rms_norm_eps": 1e-5, "vocab_size": 157184,
+                     "max_position_embeddings": 8192, "tie_word_embeddings": False,
+                     "mask_token_id": 156895, "eos_token_id": 156892},
 }
 
 

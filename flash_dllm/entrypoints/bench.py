@@ -88,12 +88,13 @@ def add_parser(sub) -> None:
     add_plot_parser(bsub)
 
     t = bsub.add_parser("step", help="time one denoising forward of a random-init model")
-    t.add_argument("--model-shape", default="llada-8b", help="llada-8b, dream-7b, llada2-mini, llada2-flash or demo")
+    t.add_argument("--model-shape", default="llada-8b", help="llada-8b, dream-7b, llada2-mini, llada2-flash, sdar-4b, "
+                        "sdar-30b-a3b, llada-moe-7b or demo")
     t.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     t.add_argument("--cache", nargs="+", default=["prefix", "dual", "flash"],
                    choices=list(CACHE_MODES),
                    help="cache modes to time (default: prefix dual flash; block-causal shapes "
-                        "such as llada2-mini: block, the exact block cache)")
+                        "such as llada2-mini and sdar-4b: block, the exact block cache)")
     t.add_argument("--prompt-len", type=int, default=512)
     t.add_argument("--gen-len", type=int, default=512)
     t.add_argument("--block-length", type=int, default=32)
