@@ -1,0 +1,74 @@
+"""Issue 41's families through the entry points, on tiny random checkpoints in their real
+layouts: the OpenAI server answers completions and chat (streamed and not) as ``LLM`` does, and
+the lm-evaluation-harness adapter generates and scores."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from family_checkpoints import one_torch_thread  # noqa: F401 (autouse)
+from family_checkpoints import (tiny_llada_moe_config, tiny_sdar_config, tiny_sdar_moe_config,
+                                write_family_checkpoint)
+
+from flash_dllm import LLM, SamplingParams
+from flash_dllm.config import EngineConfig
+from flash_dllm.entrypoints.serve import load_async_engine
+from flash_dllm.server.app import build_app
+
+CONFIGS = {"llada_moe": tiny_llada_moe_config, "sdar": tiny_sdar_config,
+           "sdar_moe": tiny_sdar_moe_config}
+BLOCK = {"llada_moe": 8, "sdar": 4, "sdar_moe": 4}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def case(request, tmp_path_factory):
+    name = request.param
+    return name, write_family_checkpoint(tmp_path_factory.mktemp(name) / "ckpt",
+                                         CONFIGS[name](), seed=21)
+
+
+async def _post(app, path, body):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 timeout=60) as c:
+        return await c.post(path, json=body)
+
+
+def test_server_answers_as_llm(case):
+    name, folder = case
+    knobs = {"max_tokens": 16, "block_length": BLOCK[name], "decode": "threshold",
+             "threshold": 0.5}
+    with LLM(str(folder), dtype="float32") as llm:
+        want = llm.generate(["hello"], SamplingParams(**knobs))[0].text
+        want_chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(**knobs))[0].text
+    aeng, tok, _ = load_async_engine(folder, config=EngineConfig(num_kv_pages=64))
+    app = build_app(aeng, tok, "tiny")
+    done = asyncio.run(_post(app, "/v1/completions", {"model": "tiny", "prompt": "hello",
+                                                      **knobs}))
+    assert done.status_code == 200, done.text
+    assert done.json()["choices"][0]["text"] == want
+    chat = asyncio.run(_post(app, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], **knobs}))
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == \
+        want_chat
+    stream = asyncio.run(_post(app, "/v1/completions", {"model": "tiny", "prompt": "hello",
+                                                        "stream": True, **knobs}))
+    events = [json.loads(b[6:]) for b in stream.text.split("\n\n")
+              if b.startswith("data: ") and b != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == want
+
+
+def test_lm_eval_adapter_generates_and_scores(case):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from flash_dllm.integrations.lm_eval import FlashDLLM
+
+    name, folder = case
+    lm = FlashDLLM(pretrained=str(folder), dtype="float32", decode="threshold", threshold=0.5,
+                   gen_length=16, block_length=BLOCK[name], mc_num=4)
+    out = lm.generate_until([Instance("generate_until", {}, ("2+2=", {"until": ["\n"]}), 0)])
+    assert len(out) == 1 and isinstance(out[0], str)
+    (logp, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, ("2+2=", "4"), 0)])
+    assert logp < 0 and isinstance(greedy, bool)
