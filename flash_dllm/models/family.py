@@ -24,7 +24,7 @@ class Family:
     ``parse_config`` turns a raw ``config.json`` into a ``ModelConfig`` (with ``arch`` = ``name``,
     and the attention pattern and MLP kind the family declares below); ``to_hf_config`` is its
     inverse (for writing checkpoints). ``model`` is the model class the family builds from a
-    ``ModelConfig`` (``DiffusionTransformer`` for LLaDA, Dream and LLaDA2). What the rest of the
+    ``ModelConfig`` (``DiffusionTransformer`` for every family so far). What the rest of the
     package calls on it: ``cfg``, ``hidden`` / ``logits`` / ``greedy`` (the engine), ``forward``
     (the dense path; ``LLM.logits`` passes it a ``pattern``), ``fuse_projections``,
     ``init_weights``, and the module names that ``distributed/tp.py`` shards
