@@ -1,7 +1,7 @@
 """The pre-norm decoder stack every family shares (LLaDA, Dream, LLaDA2, LLaDA-MoE, SDAR: they
-differ in names and options, not math); its
-attention pattern, q/k norm, partial rotary and per-layer MLP kind (dense SwiGLU or mixture of
-experts) come from ``ModelConfig``, so the next families can build it too."""
+differ in names and options, not math); its attention pattern, q/k norm, partial rotary and
+per-layer MLP kind (dense SwiGLU or mixture of experts) come from ``ModelConfig``, so the next
+families can build it too."""
 from __future__ import annotations
 
 import torch
