@@ -235,3 +235,31 @@ def test_generate_and_chat_through_llm(llm):
     out = llm.generate(["hello"], params)[0]
     assert out.finish_reason in ("stop", "length") and len(out.token_ids) <= 16
     assert llm.chat([{"role": "user", "content": "hi"}], params)[0].finished
+
+
+@pytest.mark.parametrize("cache,decode", [("prefix", "threshold"), ("dual", "vanilla"),
+                                          ("dual", "verify")])
+def test_fused_step_equals_general_path(cache, decode):
+    from test_fused_step import _compare
+    params = SamplingParams(max_tokens=24, block_length=8, cache=cache, decode=decode,
+                            threshold=0.3, early_stop=False)
+    _compare(_tiny_moe(seed=3), PROMPTS, params)
+
+
+def test_mask_token_text_of_the_released_tokenizer(folder, tmp_path):
+    """No mask id in config.json and no declared mask token: the tokenizer's ``<|mask|>`` (the
+    released LLaDA-MoE / LLaDA2 vocabulary's text for 156895) is MASK."""
+    import shutil
+
+    other = tmp_path / "m"
+    shutil.copytree(folder, other)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        text = (other / name).read_text().replace("<|mdm_mask|>", "<|mask|>")
+        if name != "tokenizer.json":
+            data = json.loads(text)
+            data.pop("mask_token")
+            text = json.dumps(data)
+        (other / name).write_text(text)
+    with LLM(str(other), dtype="float32") as llm:
+        assert llm.tokenizer.hf.special_tokens_map.get("mask_token") is None
+        assert llm.cfg.mask_token_id == MASK_ID
