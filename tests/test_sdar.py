@@ -185,3 +185,9 @@ def test_save_writes_the_real_layout_back(case, tmp_path):
     assert all(torch.equal(saved[n], t) for n, t in original.items())
     again = json.loads((out / "config.json").read_text())
     assert again["model_type"] == name and again["block_size"] == 4
+
+
+def test_absent_head_dim_is_128_as_sdar_config_class_says():
+    raw = tiny_sdar_config()
+    del raw["head_dim"]
+    assert resolve(raw).parse_config(raw).head_dim == 128          # not 64 / 4
