@@ -6,6 +6,8 @@ Highest first (issue 42):
 2. the command's flags (``serve --decode vanilla``; for ``generate`` and ``eval`` the flags are
    the request);
 3. the checkpoint's ``generation_config.json`` (``read_generation_config``: which keys count);
+3b. the model's own block for a block-causal model (``block_length`` = its block size: SDAR's 4,
+   LLaDA2's 32), which any other block would be refused on;
 4. the recommended defaults, ``SamplingParams``' own: threshold decoding at 0.99 with the model
    family's fast cache (``cache`` None, resolved by the engine: ``Family.default_cache``).
 
@@ -111,9 +113,10 @@ class SamplingDefaults:
 
     @classmethod
     def of(cls, flags: dict | None = None, folder: str | Path | None = None,
-           flags_source: str = "flags") -> SamplingDefaults:
+           flags_source: str = "flags", model_block: int | None = None) -> SamplingDefaults:
         """The layers of a command: its ``flags`` (knobs given, None ones dropped), then the
-        ``generation_config.json`` of the checkpoint ``folder``."""
+        ``generation_config.json`` of the checkpoint ``folder``, then ``model_block``: the block
+        size of a block-causal model (None: bidirectional, no layer)."""
         layers = []
         given = {k: v for k, v in (flags or {}).items() if v is not None}
         if given:
@@ -122,6 +125,9 @@ class SamplingDefaults:
             gen = read_generation_config(folder)
             if gen:
                 layers.append((str(Path(folder) / GENERATION_CONFIG), gen))
+        if model_block:
+            layers.append((f"the model (block-causal, blocks of {model_block})",
+                           {"block_length": model_block}))
         return cls(tuple(layers))
 
     def params(self, request: dict | None = None, cls: type = SamplingParams) -> SamplingParams:

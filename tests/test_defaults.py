@@ -43,7 +43,8 @@ def test_recommended_defaults_and_the_exact_reference():
 
 def test_family_declares_its_default_cache():
     assert {f.name: f.default_cache for f in registry.FAMILIES} == {
-        "llada": "dual", "dream": "dual", "llada2": "block"}
+        "llada": "dual", "dream": "dual", "llada2": "block", "llada_moe": "dual",
+        "sdar": "block", "sdar_moe": "block"}
     for fam in registry.FAMILIES:      # the default request runs on every family's models
         cfg = fam.parse_config(fam.to_hf_config(_any_config(fam)))
         assert registry.default_cache(cfg) == fam.default_cache
@@ -55,7 +56,10 @@ def test_family_declares_its_default_cache():
 
 def _any_config(fam):
     from conftest import tiny_config, tiny_llada2_config
-    raw = tiny_llada2_config() if fam.name == "llada2" else tiny_config(fam.name)
+    from family_checkpoints import tiny_llada_moe_config, tiny_sdar_config, tiny_sdar_moe_config
+    raw = {"llada2": tiny_llada2_config, "llada_moe": tiny_llada_moe_config,
+           "sdar": tiny_sdar_config, "sdar_moe": tiny_sdar_moe_config}.get(
+        fam.name, lambda: tiny_config(fam.name))()
     return fam.parse_config(raw)
 
 

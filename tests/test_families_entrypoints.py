@@ -72,3 +72,26 @@ def test_lm_eval_adapter_generates_and_scores(case):
     assert len(out) == 1 and isinstance(out[0], str)
     (logp, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, ("2+2=", "4"), 0)])
     assert logp < 0 and isinstance(greedy, bool)
+
+
+def test_requests_without_block_knobs_get_the_models_block(case):
+    """A block-causal model accepts only its own block: a request that names none gets it (a
+    layer under generation_config.json, above the recommended 32); a bidirectional model keeps
+    the recommended one."""
+    name, folder = case
+    with LLM(str(folder), dtype="float32") as llm:
+        p = llm.sampling_params(max_tokens=16)
+        assert p.block_length == {"llada_moe": 16, "sdar": 4, "sdar_moe": 4}[name]
+        out = llm.generate("hello", p)[0]
+        assert out.finish_reason in ("stop", "length")
+        src = llm.sampling_defaults.effective()["sources"]["block_length"]
+        assert src == ("recommended" if name == "llada_moe"
+                       else "the model (block-causal, blocks of 4)")
+    aeng, tok, _ = load_async_engine(folder, config=EngineConfig(num_kv_pages=64))
+    from flash_dllm.defaults import SamplingDefaults
+    block = aeng.engine.cfg.attention.block_size or None
+    app = build_app(aeng, tok, "tiny", sampling_defaults=SamplingDefaults.of(
+        None, folder, model_block=block))
+    done = asyncio.run(_post(app, "/v1/completions", {"model": "tiny", "prompt": "hello",
+                                                      "max_tokens": 16}))
+    assert done.status_code == 200, done.text

@@ -66,16 +66,18 @@ class LLM:
                                                              loaded.folder)
             self._model, self.device, self.cfg = (self._engine.model, self._engine.device,
                                                   self._engine.cfg)
-            self.sampling_defaults = SamplingDefaults.of(sampling_defaults, self.model_path,
-                                                         flags_source="LLM(sampling_defaults)")
+            self.sampling_defaults = SamplingDefaults.of(
+                sampling_defaults, self.model_path, flags_source="LLM(sampling_defaults)",
+                model_block=self.cfg.attention.block_size or None)
             return
         args.engine_config(**override)              # bad knobs fail here, as with an engine
         self.device = resolve_device(args.device)
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)
-        self.sampling_defaults = SamplingDefaults.of(sampling_defaults, folder,
-                                                     flags_source="LLM(sampling_defaults)")
+        self.sampling_defaults = SamplingDefaults.of(
+            sampling_defaults, folder, flags_source="LLM(sampling_defaults)",
+            model_block=self.cfg.attention.block_size or None)
 
     # ------------------------------------------------------------------------------------ public
     @property

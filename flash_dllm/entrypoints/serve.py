@@ -192,7 +192,8 @@ def build_server_app(a: argparse.Namespace):
         aeng, tok, folder = load_async_engine(args=EngineArgs.from_cli_args(a))
     # what a request gets for the knobs it leaves out: the flags given, then the checkpoint's
     # generation_config.json, then the recommended defaults (flash_dllm/defaults.py)
-    defaults = SamplingDefaults.of(flags, None if shape else folder, flags_source="serve flags")
+    defaults = SamplingDefaults.of(flags, None if shape else folder, flags_source="serve flags",
+                                   model_block=aeng.engine.cfg.attention.block_size or None)
     default = defaults.params()
     try:                                  # e.g. --cache block for a bidirectional model
         aeng.engine.validate([0], default)
