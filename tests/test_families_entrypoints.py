@@ -70,6 +70,13 @@ def test_lm_eval_adapter_generates_and_scores(case):
                    gen_length=16, block_length=BLOCK[name], mc_num=4)
     out = lm.generate_until([Instance("generate_until", {}, ("2+2=", {"until": ["\n"]}), 0)])
     assert len(out) == 1 and isinstance(out[0], str)
+    # no block_length: a block-causal model's own block, else the recommended one
+    lm2 = FlashDLLM(llm=lm.llm, decode="llada2" if name != "llada_moe" else "vanilla",
+                    gen_length=16, steps=8)
+    until, n, params = lm2._params_for({"until": ["\n"], "max_gen_toks": 16}, 0)
+    assert params.block_length == {"llada_moe": 16, "sdar": 4, "sdar_moe": 4}[name]
+    assert params.steps_per_block == {"llada_moe": 8, "sdar": 2, "sdar_moe": 2}[name]
+    assert len(lm2.generate_until([Instance("generate_until", {}, ("2+2=", {}), 0)])) == 1
     (logp, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, ("2+2=", "4"), 0)])
     assert logp < 0 and isinstance(greedy, bool)
 

@@ -140,6 +140,14 @@ class FlashDLLM(LM):
                            engine_config=EngineConfig(**engine))
         self.tokenizer = self.llm.tokenizer
         self.cfg = self.llm.cfg
+        grid = self.cfg.attention.block_size
+        if grid and self._block_length is None:
+            # NOTE: a block-causal model runs its own block only (SDAR's 4, LLaDA2's 32)
+            self._block_length = grid
+            if steps is not None:
+                self._steps_per_block = SamplingParams(
+                    **sampling, max_tokens=-(-n // grid) * grid, block_length=grid,
+                    steps=steps).steps_per_block
         self.model = self.llm.engine.model
         self._device = self.llm.device
         self._warned: set[str] = set()
