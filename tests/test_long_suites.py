@@ -305,3 +305,21 @@ def test_train_proxy_split_run_equals_one_run(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     log = json.loads((tmp_path / "split" / "train_log.json").read_text())
     assert log["steps"] == 4 and log["parts"] == 2
+
+
+def test_committed_llada2_proxy_generates_on_its_exact_block_cache():
+    """The LLaDA2-format proxy (block-causal MoE, issue 39): its real layout loads as the llada2
+    family, its training record ships with it, and it answers a chain problem through the
+    engine on the family's default (exact block) cache."""
+    from flash_dllm import LLM, SamplingParams
+    from flash_dllm.models.loader import model_path, read_config
+    folder = model_path("proxy-llada2")
+    family, cfg, _ = read_config(folder)
+    assert family.name == "llada2" and cfg.attention.block_causal and cfg.moe is not None
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert shards and all(f.stat().st_size < 16 * 2 ** 20 for f in shards)
+    assert re.search(r"trained \d+ steps", (folder / "train.log").read_text())
+    llm = LLM("proxy-llada2")
+    p = chain.test_problems(1)[0]
+    out = llm.generate([p.prompt], SamplingParams(max_tokens=64))[0]
+    assert out.text and out.num_forwards >= 2

@@ -115,8 +115,8 @@ class EngineArgs:
 
     model: str | None = field(default=None, metadata={
         "type": str, "help": "checkpoint folder (Hugging Face layout), or a name: demo (the "
-                             "shipped model, the default), proxy-llada, proxy-dream (the "
-                             "repository's checkpoints/)"})
+                             "shipped model, the default), proxy-llada, proxy-dream, "
+                             "proxy-llada2 (the repository's checkpoints/)"})
     device: str = field(default="cpu", metadata={
         "type": str, "help": "cpu, cuda, cuda:N or auto (default: %(default)s)"})
     dtype: str = field(default="auto", metadata={

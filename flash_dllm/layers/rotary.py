@@ -5,6 +5,11 @@ import torch
 from torch import nn
 
 
+def capturing_graph(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device stream is capturing a CUDA graph now."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Rotary(nn.Module):
     """Applies RoPE to q/k given explicit integer positions (tokens need not be contiguous).
 
@@ -42,13 +47,20 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # NOTE: every layer of one forward passes the same `positions` tensor (and q and k both
         # need it), so the tables are computed once per forward, not 2 x layers times.
+        # NOTE (CUDA graphs): a capture runs its forward twice with the same static `positions`
+        # (a warm-up, then the capture). A hit across the two would hand the graph the warm-up's
+        # tables: memory outside the graph that only this cache keeps alive, freed by the next
+        # forward; the replays then read freed memory (wrong rotations, or an illegal memory
+        # access once the allocator gave it back: the LLaDA2 crash of issue 39). So the cache
+        # only serves the capture state that filled it.
+        capturing = capturing_graph(positions)
         cached = getattr(self, "_last", None)
-        if cached is not None and cached[0] is positions:
+        if cached is not None and cached[0] is positions and cached[3] == capturing:
             return cached[1], cached[2]
         freqs = positions.float().unsqueeze(-1) * self._freqs(positions.device)  # [..., R/2]
         emb = torch.cat((freqs, freqs), dim=-1)                        # [..., R] (rotary_dim)
         cos, sin = emb.cos(), emb.sin()
-        self._last = (positions, cos, sin)
+        self._last = (positions, cos, sin, capturing)
         return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

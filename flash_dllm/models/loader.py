@@ -336,7 +336,7 @@ def default_model_path() -> Path:
 # The proxy checkpoints live in the repository's checkpoints/ folder, outside the package (the
 # wheel stays small): a source checkout finds them there, an installed package through
 # FLASH_DLLM_CHECKPOINTS (folders that hold them, separated by os.pathsep).
-NAMED_MODELS = ("demo", "proxy-llada", "proxy-dream")
+NAMED_MODELS = ("demo", "proxy-llada", "proxy-dream", "proxy-llada2")
 CHECKPOINTS_ENV = "FLASH_DLLM_CHECKPOINTS"
 SOURCE_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
