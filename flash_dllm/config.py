@@ -371,13 +371,16 @@ class EngineConfig:
             raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
                              "lazy_load_budget (--lazy-load-budget) too")
         if self.kv_cache_dtype == "fp8":
-            # NOTE: fp8 pages carry scales beside the codes; the paths that move pages off the
-            # pool (tiers, overflow streaming) copy codes only so far: refused, not corrupted
-            for name in ("kv_cpu_gb", "kv_overflow_gb", "kv_tier_stress"):
-                if getattr(self, name):
-                    raise ValueError(f"kv_cache_dtype='fp8' does not support {name} yet (pages "
-                                     "leaving the GPU pool would lose their scales): use "
-                                     "kv_cache_dtype='auto' with it")
+            # NOTE: fp8 pages carry scales beside the codes: the tiers move both (as they are);
+            # overflow streaming copies codes only so far: refused, not corrupted
+            if self.kv_overflow_gb:
+                raise ValueError("kv_cache_dtype='fp8' does not support kv_overflow_gb yet (the "
+                                 "streamed pages would lose their scales): use "
+                                 "kv_cache_dtype='auto' with it")
+            if self.kv_offload_dtype == "int8":
+                raise ValueError("kv_cache_dtype='fp8' pages leave the GPU as they are (fp8 "
+                                 "codes and scales): kv_offload_dtype must be bf16 or fp8 "
+                                 "with it, got 'int8'")
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")

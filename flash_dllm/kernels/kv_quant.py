@@ -44,6 +44,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels.kv_pages_kernels import _fp8_bits, _round_fp32
+
     @triton.jit
     def _requant_kernel(cache_ptr, page_ptr, leader_ptr, old_ptr, new_ptr, stride_p, stride_s,
                         Hkv, D, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -64,9 +66,11 @@ if HAS_TRITON:
         ptrs = cache_ptr + page * stride_p + offs_s[:, None] * stride_s + h * D + offs_d[None, :]
         code = tl.load(ptrs, mask=mask, other=0)
         x = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        ratio = tl.where(new > 0, old / tl.where(new > 0, new, 1.0), 0.0)
+        ratio = tl.where(new > 0, tl.math.div_rn(old, tl.where(new > 0, new, 1.0)), 0.0)
         y = tl.where(old > 0, x * ratio, 0.0)
-        tl.store(ptrs, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+        # rounded to nearest-even e4m3 in fp32 arithmetic (exact under the interpreter too,
+        # whose own narrowing cast does not round so): see ``kernels/kv_pages``
+        tl.store(ptrs, _fp8_bits(_round_fp32(y, 20, 16384.0, 0.015625)), mask=mask)
 
 
 def _check(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torch.Tensor
@@ -173,3 +177,31 @@ def write(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torc
         write_graph_safe(cache, scale, slots, x)
     else:
         write_reference(cache, scale, slots, x)
+
+
+# ---- fp8 pages leaving the pool (tiers): codes and scales travel together, bit-exact ---------
+def pack_pages(kv: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """fp8 pool ``kv [layers, 2, P, page_size, Hkv, D]`` (scales ``[layers, 2, P, Hkv]``):
+    pages ``page_ids [n]`` into ``out [n, layers, 2, page_size, Hkv, D]`` fp8 (may be strided
+    over its first three dims) as their exact codes; returns their scales ``[n, layers, 2,
+    Hkv]`` fp32 (contiguous). No requantisation: a page comes back exactly as it left."""
+    check(kv.dtype == FP8 and kv.dim() == 6 and scales.shape == (*kv.shape[:3], kv.shape[4]),
+          f"kv_quant.pack_pages: an fp8 pool [layers, 2, P, S, Hkv, D] and its scales "
+          f"[layers, 2, P, Hkv], got {tuple(kv.shape)} {kv.dtype} and {tuple(scales.shape)}")
+    ids = page_ids.long()
+    _bytes(out).copy_(_bytes(kv)[:, :, ids].permute(2, 0, 1, 3, 4, 5))
+    return scales[:, :, ids].permute(2, 0, 1, 3).contiguous()
+
+
+def unpack_pages(buf: torch.Tensor, buf_scales: torch.Tensor, page_ids: torch.Tensor,
+                 kv: torch.Tensor, scales: torch.Tensor) -> None:
+    """The inverse of ``pack_pages``: records ``buf`` / ``buf_scales`` into pool pages
+    ``page_ids``; an id outside [0, P) (a record that failed its checks) is written nowhere
+    (selecting the valid ones is a host sync)."""
+    ids = page_ids.long()
+    ok = (ids >= 0) & (ids < kv.shape[2])
+    if not bool(ok.all()):
+        ids, buf, buf_scales = ids[ok], buf[ok], buf_scales[ok]
+    _bytes(kv)[:, :, ids] = _bytes(buf).permute(1, 2, 0, 3, 4, 5)
+    scales[:, :, ids] = buf_scales.permute(1, 2, 0, 3)

@@ -95,7 +95,8 @@ class ModelRunner:
         self.compat = self._compat(config)
         self.offload: KVOffloader | None = None
         if config.kv_cpu_gb or config.kv_tier_stress:    # (the tiers: cache/tier_store.py)
-            self.offload = KVOffloader.from_config(self.kv, config, self.compat)
+            self.offload = KVOffloader.from_config(self.kv, config, self.compat,
+                                                   self.kv_scales)
         # the last plan, its requests' states and the step extensions active on it
         self._last_plan: StepPlan | None = None
         self._last_states: list[SeqState] = []
