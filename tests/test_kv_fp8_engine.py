@@ -47,8 +47,9 @@ def test_fp8_pages_give_the_answers_of_the_model_dtype(auto_llm, fp8_llm, params
     assert runner.kv_scales.amax() > 0            # pages were written through the scales
 
 
-def test_fused_step_on_fp8_pages_equals_the_general_path(fp8_llm):
-    params = {"decode": "threshold", "threshold": 0.9, "cache": "dual"}
+@pytest.mark.parametrize("decode", ["threshold", "verify"])
+def test_fused_step_on_fp8_pages_equals_the_general_path(fp8_llm, decode):
+    params = {"decode": decode, "threshold": 0.9, "cache": "dual"}
     fused = LLM(engine_config=EngineConfig(kv_cache_dtype="fp8", num_kv_pages=64,
                                            fused_step=True))
     assert _texts(fused, **params) == _texts(fp8_llm, **params)

@@ -291,8 +291,11 @@ class VerifyBatchMetadata(PagedAttentionMetadata):
         q, k, v = attn.project(x[Tc:])                    # [B*R, H, D], [B*R, Hkv, D]
         kc, vc = self.layer_kv(layer)
         pos = positions[Tc:]
-        qr = rope_cache_op.op(q, k, v, pos, kc, vc, self.no_slots, self.inv_freq,
-                              attn.rotary.apply_in_fp32)                # rotated q, no write
+        if self.kv_scales is None:
+            qr = rope_cache_op.op(q, k, v, pos, kc, vc, self.no_slots, self.inv_freq,
+                                  attn.rotary.apply_in_fp32)            # rotated q, no write
+        else:                          # (the RoPE kernels take caches of q's dtype only)
+            qr = attn.rotary(q, pos)
         Hkv, D = k.shape[1], k.shape[2]
         k, v, pos = k.view(B, R, Hkv, D), v.view(B, R, Hkv, D), pos.view(B, R)
         kd = attn.rotary(k[:, :M - 1].reshape(-1, Hkv, D), pos[:, :M - 1].reshape(-1))
