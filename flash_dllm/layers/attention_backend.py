@@ -217,9 +217,13 @@ class PagedAttentionMetadata:
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
         if self.kv_scales is not None:     # fp8 codes; the pages' scales grow as needed
-            ks, vs = self.layer_scales(layer)
-            kv_quant.write(kc, ks, slots, k)
-            kv_quant.write(vc, vs, slots, v)
+            # NOTE: K and V in ONE write: the layer's [2, pages] halves viewed as 2 x pages
+            # pages (V's page p is page pages + p), so each step's write costs one set of
+            # launches, not two
+            P = kc.shape[0]
+            kv_quant.write(self.kv[layer].view(2 * P, *kc.shape[1:]),
+                           self.kv_scales[layer].view(2 * P, Hkv),
+                           torch.cat([slots, slots + P * kc.shape[1]]), torch.cat([k, v]))
             return
         kc.view(-1, Hkv, D).index_copy_(0, slots, k.to(kc.dtype))
         vc.view(-1, Hkv, D).index_copy_(0, slots, v.to(vc.dtype))
