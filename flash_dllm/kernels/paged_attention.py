@@ -11,6 +11,9 @@ fp32 online softmax, output ``[T, H, D]`` in q's dtype.
 each key receives summed over the request's queries and heads (Flash-Cache's top-k tracking;
 Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b * H``.
 
+fp8 pools (``kernels/kv_quant.py``): e4m3 caches with ``k_scale`` / ``v_scale`` [num_pages, Hkv]
+fp32; each key / value row is loaded as bytes and scaled by its page's scale (no dequantised copy).
+
 Split-KV (flash-decoding) for small batches: with few requests the grid has few programs (batch 1
 of LLaDA-8B: 32 heads x 1 query tile = 32 programs on 132 SMs), each streaming its request's whole
 canvas of keys, so attention ran at ~10 % of the copy bandwidth (1.25 ms of a 6.2 ms step,
@@ -47,7 +50,7 @@ from flash_dllm.kernels._triton import (
 )
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
-FP8 = torch.float8_e4m3fn   # fp8 KV pools (``kernels/kv_quant.py``): codes + per-page scales
+FP8 = torch.float8_e4m3fn   # fp8 KV pools (kernels/kv_quant.py)
 # float32 inputs: how ``tl.dot`` multiplies. "ieee" (true fp32 products on the CUDA cores) took
 # 7.0 ms of a 9.8 ms step at batch 32 of the demo model against 0.06 ms in bf16
 # (profile_batch_step_h200.json); "tf32x3" splits each operand into two TF32 parts and runs three
@@ -222,9 +225,8 @@ def _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
     fp8 = k_cache.dtype == FP8
     check(fp8 == (k_scale is not None) == (v_scale is not None) and v_cache.dtype == k_cache.dtype,
           f"paged_attention: float8_e4m3fn caches come with k_scale and v_scale (and only they "
-          f"do), got {k_cache.dtype} / {v_cache.dtype} caches, scales "
-          f"{None if k_scale is None else tuple(k_scale.shape)} / "
-          f"{None if v_scale is None else tuple(v_scale.shape)}")
+          f"do), got {k_cache.dtype} / {v_cache.dtype} caches, scales given: "
+          f"{k_scale is not None} / {v_scale is not None}")
     if fp8:
         want = (k_cache.shape[0], Hkv)
         check(k_scale.shape == want and v_scale.shape == want
@@ -283,8 +285,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _kernel_caches(k_cache, v_cache, k_scale, v_scale, dummy):
-    """The kernel's cache and scale operands: fp8 caches as their uint8 bits (decoded in the
-    kernel), unused scale pointers as ``dummy``."""
+    """The kernel's operands: fp8 caches as uint8 bits, absent scales as ``dummy``."""
     if k_scale is None:
         return k_cache, v_cache, dummy, dummy
     return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale

@@ -23,6 +23,9 @@ special and documented here because the runner puts them into the metadata:
 - **probe rows** (the KV-consistency sentinel, ``Segment.probe``): canvas rows whose attention
   weights over the canvas are recorded at ``probe_layer`` (``Segment.probe_weights``).
 
+An fp8 pool (``kv_cache_dtype="fp8"``: ``kv_scales``) takes the unfused projection + RoPE and
+``write_kv``'s quantised write (``kernels/kv_quant``); every read of its pages dequantises.
+
 A step without special rows never takes those paths. On the CPU every kernel call runs the
 kernel's PyTorch reference.
 """
