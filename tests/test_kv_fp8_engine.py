@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flash_dllm import LLM, SamplingParams
+from flash_dllm.cache.disk_format import check_record, encode_record
 from flash_dllm.config import EngineConfig
 from flash_dllm.disagg.migrate import refuse_fp8_kv
 from conftest import EXACT
@@ -77,6 +78,18 @@ def test_tier_round_trips_and_prefix_reuse_keep_fp8_pages_exact(fp8_llm):
     follow = [q + o.text + " And then?" for q, o in zip(PROMPTS[:2], first)]
     reuse.generate(follow, p, use_tqdm=False)
     assert sum(reuse.engine.kv_manager.stats["hit_tokens"]) > 0
+
+
+def test_a_cached_page_of_another_kv_dtype_is_a_miss(auto_llm, fp8_llm):
+    """The KV dtype is part of a cached page's compatibility bytes (prefix-tree namespace, disk
+    record header): a record written under auto is never served to an fp8 pool."""
+    auto, fp8 = auto_llm.engine.runner.compat, fp8_llm.engine.runner.compat
+    assert auto != fp8
+    buf, nonce, key = bytearray(8192), b"n" * 16, b"k" * 16
+    got = encode_record(buf, nonce, auto, key, 3, b"x" * 100)
+    assert check_record(buf, got, nonce, fp8, key, 3, 4096)[0] == "compat_mismatch"
+    got = encode_record(buf, nonce, fp8, key, 3, b"x" * 100)
+    assert check_record(buf, got, nonce, fp8, key, 3, 4096) == (None, 100)
 
 
 def test_bad_kv_cache_dtype_and_what_cannot_carry_scales_are_refused():
