@@ -91,7 +91,7 @@ class ModelRunner:
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
         # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
-        self.page_bytes = self.page_size * kv_token
+        self.page_bytes = self.page_size * kv_token + one.scale_bytes_per_page
         self.compat = self._compat(config)
         self.offload: KVOffloader | None = None
         if config.kv_cpu_gb or config.kv_tier_stress:    # (the tiers: cache/tier_store.py)
