@@ -188,8 +188,9 @@ class ModelRunner:
 
     @property
     def kv_scales(self) -> torch.Tensor | None:
-        """fp8 pools: the scales [layers, 2, pages, kv_heads] fp32 (``kernels/kv_quant.py``)."""
-        return self.backend.scales
+        """fp8 pools: the scales [layers, 2, pages, kv_heads] fp32 (``kernels/kv_quant.py``);
+        None for a pool of the model's dtype (or a backend with no pool: the tests' dense one)."""
+        return getattr(self.backend, "scales", None)
 
     # ------------------------------------------------------------------------ per-request state
     def seq(self, req: Request, pages: list[int] | None = None) -> SeqState:
