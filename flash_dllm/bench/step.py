@@ -185,8 +185,9 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
                steps: int, warmup: int, device: torch.device, cuda_graphs: bool = True,
                flash_budget: int | None = None, decode: str = "vanilla", fused_step: bool = True,
-               fused_max_rows: int | None = None) -> dict:
+               fused_max_rows: int | None = None, kv_cache_dtype: str = "auto") -> dict:
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
+    extra_cfg["kv_cache_dtype"] = kv_cache_dtype
     bs = cfg.attention.block_size        # a block-causal model's canvas ends on its grid
     canvas = -(-(prompt + gen) // bs) * bs if bs else prompt + gen
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
@@ -257,7 +258,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               cuda_graphs: bool = True,
               flash_budget: int | None = None, decode: str = "vanilla",
               fused_step: bool = True, fused_max_rows: int | None = None,
-              tensor_parallel_size: int = 1, tp=None, routing: str = "model") -> dict:
+              tensor_parallel_size: int = 1, tp=None, routing: str = "model",
+              kv_cache_dtype: str = "auto") -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
     forward includes the collectives. ``tp``: this rank's group (set by the launcher)."""
@@ -266,7 +268,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             shape=shape, batches=batches, caches=caches, device=device, dtype=dtype,
             prompt=prompt, gen=gen, block=block, steps=steps, warmup=warmup,
             cuda_graphs=cuda_graphs, flash_budget=flash_budget, decode=decode,
-            fused_step=fused_step, fused_max_rows=fused_max_rows, routing=routing), progress)
+            fused_step=fused_step, fused_max_rows=fused_max_rows, routing=routing,
+            kv_cache_dtype=kv_cache_dtype), progress)
     world = 1 if tp is None else tp.world
     dev = torch.device(device) if tp is None else _tp_device(device, tp.rank, world)
     cfg_dict = shape_config(shape)
@@ -278,12 +281,14 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27)
     rate = matmul_rate(dev, tdtype, 8192 if dev.type == "cuda" else 1024)
     floor_ms = 1e3 * weight_bytes / bw
-    kv_per_token = cfg.kv_bytes_per_token(tdtype)
+    kv_per_token = cfg.kv_bytes_per_token(torch.float8_e4m3fn if kv_cache_dtype == "fp8"
+                                          else tdtype)
     rows = []
     cases = [(c, b) for c in caches for b in batches]
     for cache, b in cases:
         r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
-                       cuda_graphs, flash_budget, decode, fused_step, fused_max_rows)
+                       cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,
+                       kv_cache_dtype)
         if cache == "flash":
             r["flash_budget"] = (flash_budget if flash_budget is not None
                                  else SamplingParams.flash_budget)
@@ -313,7 +318,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             "routing": routing if cfg.mlp_kind == "moe" else None,
             # per rank under tensor parallelism (what one GPU reads: the floor's numerator)
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "dtype": str(tdtype).replace("torch.", ""), "torch": torch.__version__,
+            "dtype": str(tdtype).replace("torch.", ""), "kv_cache_dtype": kv_cache_dtype,
+            "torch": torch.__version__,
             "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
             "copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
             "floor_ms": floor_ms, "rows": rows}

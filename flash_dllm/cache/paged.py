@@ -25,6 +25,12 @@ Why this layout:
 Bytes per token (all layers, K and V) = ``2 * layers * kv_heads * head_dim * dtype_bytes``:
 LLaDA-8B (32 layers, 32 kv heads, 128) 512 KiB in bf16; Dream-7B (28 layers, 4 kv heads) 56 KiB.
 
+FP8 pages (``kv_cache_dtype="fp8"``, ``kernels/kv_quant.py``): the same tensor in
+``float8_e4m3fn`` plus ``scales [layers, 2, num_pages, kv_heads]`` fp32 (one per page, layer, K/V
+and kv head: a tensor-parallel rank's scales shard with its heads). A page costs
+``page_size * bytes_per_token`` (1 byte per value) plus ``8 * layers * kv_heads`` bytes of
+scales, so a memory budget holds ~2x the tokens of bf16 (LLaDA-8B, page 16: 256 KiB + 4 KiB).
+
 Page size: 16 by default. dLLM canvases (prompt + max_tokens) are allocated whole at admission, so
 waste is < 1 page per request whatever the size; small pages give finer prefix sharing. The
 kernels look up each key's page individually, so any page size works and needs no tile alignment.
@@ -66,8 +72,26 @@ class PagedKVLayout:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     @property
+    def quantized(self) -> bool:
+        """fp8 pages: one fp32 scale per (page, layer, K/V, kv head) beside the codes."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def scales_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_pages, self.num_kv_heads)
+
+    @property
+    def scale_bytes_per_page(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * 4 if self.quantized else 0
+
+    @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
+        return self.bytes_per_token * self.page_size + self.scale_bytes_per_page
+
+    @property
+    def tokens(self) -> int:
+        """Token capacity of the pool."""
+        return self.num_pages * self.page_size
 
     @property
     def total_bytes(self) -> int:
@@ -92,6 +116,23 @@ def allocate_kv_cache(layout: PagedKVLayout, device: torch.device | str = "cpu",
     they are read, so zeroing is only for tests and debugging)."""
     alloc = torch.zeros if zero else torch.empty
     return alloc(layout.shape, dtype=layout.dtype, device=device)
+
+
+def allocate_kv_scales(layout: PagedKVLayout, device: torch.device | str = "cpu"
+                       ) -> torch.Tensor | None:
+    """fp8 pools: the scales ``layout.scales_shape`` fp32, all 0 ("no valid entry"); else None."""
+    if not layout.quantized:
+        return None
+    return torch.zeros(layout.scales_shape, dtype=torch.float32, device=device)
+
+
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for ``EngineConfig.kv_cache_dtype``."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of auto, fp8, got {kv_cache_dtype!r}")
 
 
 def pages_needed(length: int, page_size: int) -> int:

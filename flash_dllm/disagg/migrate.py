@@ -81,6 +81,15 @@ class CorruptSegment(MigrationError):
     """A segment's bytes do not match the checksum its sender took: never unpacked."""
 
 
+def refuse_fp8_kv(config) -> None:
+    """Disaggregation moves page codes without fp8 pages' scales (``kernels/kv_quant.py``):
+    refused with ``kv_cache_dtype="fp8"`` until transfers carry them."""
+    if getattr(config, "kv_cache_dtype", "auto") != "auto":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported with "
+                         "prefill/decode disaggregation yet (KV transfers do not carry fp8 "
+                         "scales): use kv_cache_dtype='auto'")
+
+
 def segment_checksum(buf: torch.Tensor) -> tuple:
     """A checksum of a segment's bytes where they are: xxh3 on the host, the device checksum
     kernel on a GPU (one host sync for its 16 bytes). The receiver checks the bytes it got
@@ -130,6 +139,7 @@ def pack_request(engine, request_id: str, out: torch.Tensor | None = None) -> to
     if pages is None:
         raise MigrationError(f"request {request_id!r} holds no KV pages")
     ids = torch.tensor(pages, dtype=torch.int32, device=engine.device)
+    refuse_fp8_kv(engine.config)
     buf, _ = pack_pages(engine.runner.kv, ids, out)
     return buf
 

@@ -41,6 +41,7 @@ from flash_dllm.core.stats import DisaggStats, EngineStats, WorkerStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.disagg import messages as W
 from flash_dllm.disagg.liveness import exit_text, log_lost, reap
+from flash_dllm.disagg.migrate import refuse_fp8_kv
 from flash_dllm.disagg.roles import WorkerLoad
 from flash_dllm.distributed.transport import USER_TAG_LIMIT
 from flash_dllm.engine.core import RequestLimits, check_request, request_output, resolve_params
@@ -102,6 +103,7 @@ class PDEngine:
 
     def __init__(self, cfg, config: EngineConfig, workers: list[WorkerHandle], listener: Listener,
                  timeout_s: float, controller=None, layer_groups: int = 1) -> None:
+        refuse_fp8_kv(config)
         self.cfg = cfg
         self.base_config = config
         self.workers = workers

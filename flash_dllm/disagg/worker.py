@@ -63,6 +63,7 @@ class Worker:
     def __init__(self, engine: Engine, transport: Transport, conn, *, timeout_s: float = 30.0,
                  staging_bytes: int = 64 << 20, wire_device: torch.device | None = None,
                  ipc: bool = False, layer_groups: int = 1) -> None:
+        migrate.refuse_fp8_kv(engine.config)
         self.engine = engine
         self.transport = transport
         self.conn = conn

@@ -121,6 +121,8 @@ def add_parser(sub) -> None:
                         "onto few experts), or each row's experts drawn uniformly, as a "
                         "balanced trained router spreads them (the step reads as many experts "
                         "as the real model would)")
+    t.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV page pool element type (EngineConfig.kv_cache_dtype)")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
     add_multiturn_parser(bsub)
@@ -170,7 +172,8 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        cuda_graphs=not a.no_cuda_graphs,
                        flash_budget=a.flash_budget, decode=a.decode,
                        fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows,
-                       tensor_parallel_size=a.tensor_parallel_size, routing=a.routing)
+                       tensor_parallel_size=a.tensor_parallel_size, routing=a.routing,
+                       kv_cache_dtype=a.kv_cache_dtype)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

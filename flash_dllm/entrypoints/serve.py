@@ -312,7 +312,8 @@ def run(a: argparse.Namespace) -> int:
     snap = aeng.stats
     what = (f"{a.prefill_workers} prefill + {a.decode_workers} decode workers"
             if getattr(a, "disaggregate", False) else
-            f"{snap.pages_total} KV pages of {snap.page_size} tokens")
+            f"{snap.pages_total} KV pages of {snap.page_size} tokens = "
+            f"{snap.pages_total * snap.page_size} tokens, KV dtype {aeng.config.kv_cache_dtype})")
     print(f"flash-dllm: serving '{name}' on http://{a.host}:{a.port} ({what}, "
           f"max_num_seqs={aeng.config.max_num_seqs})", file=sys.stderr, flush=True)
     server = make_uvicorn_server(app, aeng, a.host, a.port, a.log_level)

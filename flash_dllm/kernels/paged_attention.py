@@ -11,6 +11,9 @@ fp32 online softmax, output ``[T, H, D]`` in q's dtype.
 each key receives summed over the request's queries and heads (Flash-Cache's top-k tracking;
 Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b * H``.
 
+fp8 pools (``kernels/kv_quant.py``): e4m3 caches with ``k_scale`` / ``v_scale`` [num_pages, Hkv]
+fp32; each key / value row is loaded as bytes and scaled by its page's scale (no dequantised copy).
+
 Split-KV (flash-decoding) for small batches: with few requests the grid has few programs (batch 1
 of LLaDA-8B: 32 heads x 1 query tile = 32 programs on 132 SMs), each streaming its request's whole
 canvas of keys, so attention ran at ~10 % of the copy bandwidth (1.25 ms of a 6.2 ms step,
@@ -47,6 +50,7 @@ from flash_dllm.kernels._triton import (
 )
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
+FP8 = torch.float8_e4m3fn   # fp8 KV pools (kernels/kv_quant.py)
 # float32 inputs: how ``tl.dot`` multiplies. "ieee" (true fp32 products on the CUDA cores) took
 # 7.0 ms of a 9.8 ms step at batch 32 of the demo model against 0.06 ms in bf16
 # (profile_batch_step_h200.json); "tf32x3" splits each operand into two TF32 parts and runs three
@@ -58,13 +62,27 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _kv_tile(ptr, scale_ptr, page, slot, kvh, stride_p, stride_s, stride_h, stride_sp,
+                 offs_d, n_mask, mask, FP8: tl.constexpr):
+        """[BN, BD] key (or value) rows of kv head ``kvh`` at (``page``, ``slot``) [BN]; fp8
+        pools: e4m3 codes (loaded as uint8) x their page's scale for the head, in fp32."""
+        x = tl.load(ptr + (page * stride_p + slot * stride_s + kvh * stride_h)[:, None]
+                    + offs_d[None, :], mask=mask, other=0)
+        if FP8:
+            sc = tl.load(scale_ptr + page * stride_sp + kvh, mask=n_mask, other=0.0)  # [BN]
+            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+        return x
+
+    @triton.jit
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mass_ptr, cu_q_ptr, len_k_ptr, bt_ptr,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
                            stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
                            qk_scale, D, GROUP, CHUNK, part_ptr, lse_ptr, stride_ps, stride_pt,
-                           stride_ph, stride_ls, stride_lt, N_SPLITS, PAGE_SIZE: tl.constexpr,
+                           stride_ph, stride_ls, stride_lt, N_SPLITS, ks_ptr, vs_ptr, stride_sp,
+                           PAGE_SIZE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           TRACK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+                           TRACK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+                           FP8: tl.constexpr):
         # NOTE: the split count is a runtime argument (SPLIT only says whether there is one):
         # as a constexpr, every count the batch mix produced (1..MAX_SPLITS) compiled its own
         # variant of this kernel and of the merge, while requests waited (issue 21)
@@ -99,18 +117,16 @@ if HAS_TRITON:
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot_in_page = offs_n % PAGE_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + (page * stride_kp + slot_in_page * stride_ks
-                                 + kvh * stride_kh)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)                                # [BN, BD]
+            k = _kv_tile(k_ptr, ks_ptr, page, slot_in_page, kvh, stride_kp, stride_ks, stride_kh,
+                         stride_sp, offs_d, n_mask, kv_mask, FP8).to(q.dtype)  # [BN, BD]
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale         # log2 domain
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + (page * stride_vp + slot_in_page * stride_vs
-                                 + kvh * stride_vh)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)                                # [BN, BD]
+            v = _kv_tile(v_ptr, vs_ptr, page, slot_in_page, kvh, stride_vp, stride_vs, stride_vh,
+                         stride_sp, offs_d, n_mask, kv_mask, FP8).to(q.dtype)  # [BN, BD]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
@@ -130,9 +146,9 @@ if HAS_TRITON:
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < L
                 page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(k_ptr + (page * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
-                                     + kvh * stride_kh)[:, None] + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                k = _kv_tile(k_ptr, ks_ptr, page, offs_n % PAGE_SIZE, kvh, stride_kp, stride_ks,
+                             stride_kh, stride_sp, offs_d, n_mask,
+                             n_mask[:, None] & d_mask[None, :], FP8).to(q.dtype)
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
                 p = tl.exp2(s - lse[:, None])
                 p = tl.where(m_mask[:, None] & n_mask[None, :], p, 0.0)
@@ -190,7 +206,8 @@ def seqlen_bound(n: int) -> int:
     return next_pow2(max(int(n), 256))
 
 
-def _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table):
+def _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
+                  k_scale=None, v_scale=None):
     check(q.dim() == 3, f"paged_attention: q must be [T, H, D], got {tuple(q.shape)}")
     T, H, D = q.shape
     check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == D,
@@ -205,18 +222,36 @@ def _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table):
                                     f"{tuple(seq_lens_k.shape)}")
     check(block_table.dim() == 2 and block_table.shape[0] == B,
           f"paged_attention: block_table must be [{B}, max_pages], got {tuple(block_table.shape)}")
+    fp8 = k_cache.dtype == FP8
+    check(fp8 == (k_scale is not None) == (v_scale is not None) and v_cache.dtype == k_cache.dtype,
+          f"paged_attention: float8_e4m3fn caches come with k_scale and v_scale (and only they "
+          f"do), got {k_cache.dtype} / {v_cache.dtype} caches, scales given: "
+          f"{k_scale is not None} / {v_scale is not None}")
+    if fp8:
+        want = (k_cache.shape[0], Hkv)
+        check(k_scale.shape == want and v_scale.shape == want
+              and k_scale.dtype == v_scale.dtype == torch.float32
+              and k_scale.stride(1) == 1 and v_scale.stride(1) == 1
+              and k_scale.stride(0) == v_scale.stride(0),
+              f"paged_attention: k_scale / v_scale must be {list(want)} float32 with the same "
+              f"row stride, got {tuple(k_scale.shape)} {k_scale.dtype} / "
+              f"{tuple(v_scale.shape)} {v_scale.dtype}")
     return T, H, D, Hkv, B
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                               block_table: torch.Tensor, max_seqlen_q: int | None = None,
-                              scale: float | None = None, return_mass: bool = False):
+                              scale: float | None = None, return_mass: bool = False,
+                              k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None):
     """PyTorch reference (a loop over requests; host syncs): same contract as the Triton op.
 
     Each request is one SDPA call over its gathered pages (the engine's CPU path runs this); the
-    mass, when asked for, comes from an explicit float32 softmax on the side."""
-    _, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
+    mass, when asked for, comes from an explicit float32 softmax on the side. fp8 pages are
+    dequantised to q's dtype first (``code * scale`` in fp32, rounded once)."""
+    _, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
+                                    k_scale, v_scale)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     page_size = k_cache.shape[1]
     out = torch.zeros_like(q)
@@ -230,8 +265,15 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         pages = block_table[b, :-(-L // page_size)].long()
         # NOTE: the output is always SDPA's, with or without mass, so that asking for the mass
         # (cache="flash" in the batch) never changes any request's numbers
-        k = k_cache[pages].flatten(0, 1)[:L].transpose(0, 1)               # [Hkv, L, D]
-        v = v_cache[pages].flatten(0, 1)[:L].transpose(0, 1)
+        if k_scale is None:
+            kp, vp = k_cache[pages], v_cache[pages]                       # [n, ps, Hkv, D]
+        else:                             # (fp8 gathered as bytes: not every back end has it)
+            kp = k_cache.view(torch.uint8)[pages].view(FP8)
+            vp = v_cache.view(torch.uint8)[pages].view(FP8)
+            kp = (kp.float() * k_scale[pages][:, None, :, None]).to(q.dtype)
+            vp = (vp.float() * v_scale[pages][:, None, :, None]).to(q.dtype)
+        k = kp.flatten(0, 1)[:L].transpose(0, 1)                           # [Hkv, L, D]
+        v = vp.flatten(0, 1)[:L].transpose(0, 1)
         o = torch.nn.functional.scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1), k, v, scale=scale, enable_gqa=H != Hkv)  # [H, Tq, D]
         out[q0:q1] = o.transpose(0, 1)
@@ -242,23 +284,36 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return (out, mass) if return_mass else out
 
 
+def _kernel_caches(k_cache, v_cache, k_scale, v_scale, dummy):
+    """The kernel's operands: fp8 caches as uint8 bits, absent scales as ``dummy``."""
+    if k_scale is None:
+        return k_cache, v_cache, dummy, dummy
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                            block_table: torch.Tensor, max_seqlen_q: int,
                            scale: float | None = None, return_mass: bool = False,
                            max_seqlen_k: int | None = None, *,
                            block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, num_splits: int | None = None):
+                           num_stages: int = 2, num_splits: int | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None):
     """q [T, H, D]; k/v_cache [num_pages, page_size, Hkv, D]; cu_seqlens_q [B+1], seq_lens_k [B],
     block_table [B, max_pages] int32 on q's device; ``max_seqlen_q`` a host int >= every request's
     query count -> out [T, H, D] (and mass [B, max_pages * page_size] fp32 if ``return_mass``).
 
     ``max_seqlen_k``: a host int >= every ``seq_lens_k`` (None: unknown, no split-KV); keys
-    beyond it are never read when the keys are split. ``num_splits`` forces a split (tests)."""
+    beyond it are never read when the keys are split. ``num_splits`` forces a split (tests).
+    fp8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` [num_pages, Hkv] fp32:
+    each key row is dequantised (code x its page's scale) as it is loaded."""
     check(HAS_TRITON, "paged_attention_triton: triton is not importable")
-    T, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table)
+    T, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
+                                    k_scale, v_scale)
     check_dtype("paged_attention: q", q, FLOAT_DTYPES)
-    check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+    fp8 = k_scale is not None
+    check(fp8 or (k_cache.dtype == q.dtype and v_cache.dtype == q.dtype),
           f"paged_attention: cache dtypes {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}")
     check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
           f"paged_attention: head_dim must be contiguous, strides q {q.stride()} k "
@@ -274,7 +329,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check(max_seqlen_k is None or (isinstance(max_seqlen_k, int) and max_seqlen_k >= 0),
           f"paged_attention: max_seqlen_k must be None or a host int, got {max_seqlen_k!r}")
     check_device("paged_attention", INTERPRET, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
-                 block_table)
+                 block_table, *((k_scale, v_scale) if fp8 else ()))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     page_size = k_cache.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)              # [T, H, D]
@@ -302,19 +357,21 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             lse = torch.empty((splits, T, H), dtype=torch.float32, device=q.device)
         else:
             part = lse = mass                                   # never touched
+        kq, vq, ks, vs = _kernel_caches(k_cache, v_cache, k_scale, v_scale, mass)
         _paged_attn_kernel[(m_tiles, H, B * splits)](
-            q, k_cache, v_cache, out, mass, cu_seqlens_q, seq_lens_k, block_table,
+            q, kq, vq, out, mass, cu_seqlens_q, seq_lens_k, block_table,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), mass.stride(0), scale * 1.4426950408889634, D, H // Hkv,
             chunk, part, lse, part.stride(0), part.stride(1) if splits > 1 else 0,
             part.stride(2) if splits > 1 else 0, lse.stride(0),
-            lse.stride(1) if splits > 1 else 0, splits,
+            lse.stride(1) if splits > 1 else 0, splits, ks, vs, ks.stride(0) if fp8 else 0,
             PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+            FP8=fp8,
             num_warps=num_warps, num_stages=num_stages)
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their
@@ -331,10 +388,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
        seq_lens_k: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int,
        scale: float | None = None, return_mass: bool = False,
-       max_seqlen_k: int | None = None):
-    """out [T, H, D] (, mass [B, max_pages * page_size]); Triton on CUDA, else the reference."""
+       max_seqlen_k: int | None = None, k_scale: torch.Tensor | None = None,
+       v_scale: torch.Tensor | None = None):
+    """out [T, H, D] (, mass [B, max_pages * page_size]); Triton on CUDA, else the reference.
+    fp8 caches take their ``k_scale`` / ``v_scale`` [num_pages, Hkv]."""
     if use_triton(q, k_cache, v_cache):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
-                                      max_seqlen_q, scale, return_mass, max_seqlen_k)
+                                      max_seqlen_q, scale, return_mass, max_seqlen_k,
+                                      k_scale=k_scale, v_scale=v_scale)
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
-                                     max_seqlen_q, scale, return_mass)
+                                     max_seqlen_q, scale, return_mass, k_scale, v_scale)

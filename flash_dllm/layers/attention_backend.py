@@ -23,6 +23,9 @@ special and documented here because the runner puts them into the metadata:
 - **probe rows** (the KV-consistency sentinel, ``Segment.probe``): canvas rows whose attention
   weights over the canvas are recorded at ``probe_layer`` (``Segment.probe_weights``).
 
+An fp8 pool (``kv_cache_dtype="fp8"``: ``kv_scales``) takes the unfused projection + RoPE and
+``write_kv``'s quantised write (``kernels/kv_quant``); every read of its pages dequantises.
+
 A step without special rows never takes those paths. On the CPU every kernel call runs the
 kernel's PyTorch reference.
 """
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flash_dllm.kernels import kv_quant
 from flash_dllm.kernels import paged_attention as paged_attention_op
 from flash_dllm.kernels import qkv_rope_cache as qkv_rope_cache_op
 from flash_dllm.kernels import rope_cache as rope_cache_op
@@ -40,6 +44,7 @@ from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.kernels.rope_cache import inv_freq as rope_inv_freq
 from flash_dllm.layers.attention import (attention_weights, masked_attention,
                                          masked_attention_batched)
+from flash_dllm.layers.paged_index import _align4, page_slots, split_blocks
 from flash_dllm.layers.rotary import Rotary
 from flash_dllm.transfer import h2d
 
@@ -105,6 +110,9 @@ class PagedAttentionMetadata:
     # statistics are summed over the ranks (each holds some heads), so every rank ranks keys by
     # the whole model's attention; None on one device
     tp: object = None
+    # fp8 pools: [layers, 2, pages, kv_heads] fp32 scales (``kernels/kv_quant.py``); None: the
+    # pool holds the model's dtype
+    kv_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.special = [s for s in self.segments if s.verify is not None or s.probe is not None]
@@ -116,12 +124,29 @@ class PagedAttentionMetadata:
         ``cache/io/kv_overflow.py``)."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp8 pools: layer ``layer``'s K and V scales ``[pages, kv_heads]``; else (None, None)."""
+        if self.kv_scales is None:
+            return None, None
+        return self.kv_scales[layer, 0], self.kv_scales[layer, 1]
+
+    def read_kv(self, layer: int, pages: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V of ``pages [..., n]`` as ``dtype`` values ``[..., n,
+        page_size, kv_heads, head_dim]`` (copies; dequantised from an fp8 pool)."""
+        (kc, vc), (ks, vs) = self.layer_kv(layer), self.layer_scales(layer)
+        return (kv_quant.read_pages(kc, ks, pages, dtype),
+                kv_quant.read_pages(vc, vs, pages, dtype))
+
     def attention(self, attn, layer: int, x: torch.Tensor, positions: torch.Tensor
                   ) -> torch.Tensor:
         """``attn``'s attention for packed rows ``x`` [T, d] -> [T, H * D]."""
         qkv = attn.qkv_proj
         H, Hkv = attn.num_heads, attn.num_kv_heads
-        if attn.q_norm is not None or attn.rotary.rotary_dim < attn.head_dim:
+        # NOTE: an fp8 pool takes the unfused path too: its page write quantises
+        # (``write_kv``), which the fused RoPE + cache-write kernels do not
+        if (attn.q_norm is not None or attn.rotary.rotary_dim < attn.head_dim
+                or self.kv_scales is not None):
             return self.attend_normed(layer, attn, x, positions)
         if qkv is not None and x.dim() == 2 and not self.special:
             if qkv_rope_cache_op.ENABLED and qkv_rope_cache_op.takes_triton(x, qkv.weight,
@@ -194,15 +219,26 @@ class PagedAttentionMetadata:
         if self.special:                   # (eager: only these steps have unwritten rows)
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
+        if self.kv_scales is not None:     # fp8 codes; the pages' scales grow as needed
+            # NOTE: K and V in ONE write: the layer's [2, pages] halves viewed as 2 x pages
+            # pages (V's page p is page pages + p), so each step's write costs one set of
+            # launches, not two
+            P = kc.shape[0]
+            kv_quant.write(self.kv[layer].view(2 * P, *kc.shape[1:]),
+                           self.kv_scales[layer].view(2 * P, Hkv),
+                           torch.cat([slots, slots + P * kc.shape[1]]), torch.cat([k, v]))
+            return
         kc.view(-1, Hkv, D).index_copy_(0, slots, k.to(kc.dtype))
         vc.view(-1, Hkv, D).index_copy_(0, slots, v.to(vc.dtype))
 
     def _attend_rotated(self, layer: int, qr: torch.Tensor) -> torch.Tensor:
         """Paged attention of the rotated queries (their step's K/V already in the pages)."""
         kc, vc = self.layer_kv(layer)
+        ks, vs = self.layer_scales(layer)
         track = layer == self.mass_layer
         out = paged_attention_op.op(qr, kc, vc, self.cu_q, self.seq_lens, self.block_table,
-                                    self.max_q, return_mass=track, max_seqlen_k=self.max_k or None)
+                                    self.max_q, return_mass=track, max_seqlen_k=self.max_k or None,
+                                    k_scale=ks, v_scale=vs)
         if track:
             out, self.mass = out
             if self.tp is not None:
@@ -217,9 +253,9 @@ class PagedAttentionMetadata:
         ps = self.kv.shape[3]
         n = -(-seg.length // ps)
         idx = seg.pages[:n].long()
-        kc, vc = self.layer_kv(layer)
-        ks = kc[idx].flatten(0, 1)[:seg.length]                    # [canvas, Hkv, D] (a copy)
-        vs = vc[idx].flatten(0, 1)[:seg.length]
+        kp, vp = self.read_kv(layer, idx, qr.dtype)                # [n, ps, Hkv, D] (copies)
+        ks = kp.flatten(0, 1)[:seg.length]                         # [canvas, Hkv, D]
+        vs = vp.flatten(0, 1)[:seg.length]
         if seg.verify is not None:
             vr = seg.verify
             d0, d1 = vr.start, vr.start + vr.num_keys
@@ -262,17 +298,21 @@ class VerifyBatchMetadata(PagedAttentionMetadata):
         q, k, v = attn.project(x[Tc:])                    # [B*R, H, D], [B*R, Hkv, D]
         kc, vc = self.layer_kv(layer)
         pos = positions[Tc:]
-        qr = rope_cache_op.op(q, k, v, pos, kc, vc, self.no_slots, self.inv_freq,
-                              attn.rotary.apply_in_fp32)                # rotated q, no write
+        if self.kv_scales is None:
+            qr = rope_cache_op.op(q, k, v, pos, kc, vc, self.no_slots, self.inv_freq,
+                                  attn.rotary.apply_in_fp32)            # rotated q, no write
+        else:                          # (the RoPE kernels take caches of q's dtype only)
+            qr = attn.rotary(q, pos)
         Hkv, D = k.shape[1], k.shape[2]
         k, v, pos = k.view(B, R, Hkv, D), v.view(B, R, Hkv, D), pos.view(B, R)
         kd = attn.rotary(k[:, :M - 1].reshape(-1, Hkv, D), pos[:, :M - 1].reshape(-1))
         idx = self.block_table[:, :self.dense_keys // kc.shape[1]].long()   # [B, pages]
-        ks = kc[idx].flatten(1, 2)                        # [B, dense_keys, Hkv, D] (a copy)
+        kp, vp = self.read_kv(layer, idx, qr.dtype)       # [B, pages, ps, Hkv, D] (copies)
+        ks = kp.flatten(1, 2)                             # [B, dense_keys, Hkv, D]
         # NOTE: keys past a request's canvas are slots nobody wrote (the pool is torch.empty:
         # any bits, NaN too). Their scores are masked, but 0 x NaN in p @ v is NaN: zero them
         past = self.key_pos[None, :] >= self.seq_lens[:, None]          # [B, dense_keys]
-        vs = vc[idx].flatten(1, 2).masked_fill(past[:, :, None, None], 0)
+        vs = vp.flatten(1, 2).masked_fill(past[:, :, None, None], 0)
         o = masked_attention_batched(qr.view(B, R, -1, D), ks, vs, kd.view(B, M - 1, Hkv, D),
                                      v[:, :M - 1], self.verify_allow)
         return torch.cat([out, o.view(B * R, -1)])
@@ -281,8 +321,10 @@ class VerifyBatchMetadata(PagedAttentionMetadata):
 class PagedAttentionBackend:
     """Owns the KV page pool of one model and builds each step's ``PagedAttentionMetadata``."""
 
-    def __init__(self, kv: torch.Tensor, head_dim: int, rope_theta: float, tp=None) -> None:
+    def __init__(self, kv: torch.Tensor, head_dim: int, rope_theta: float, tp=None,
+                 scales: torch.Tensor | None = None) -> None:
         self.kv = kv                        # [layers, 2, pages, page_size, kv_heads, head_dim]
+        self.scales = scales                # fp8 pools: [layers, 2, pages, kv_heads] fp32
         self.page_size = kv.shape[3]
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, kv.device)
         self.tp = tp                        # tensor parallelism (see PagedAttentionMetadata)
@@ -340,41 +382,4 @@ class PagedAttentionBackend:
         return PagedAttentionMetadata(self.kv, slots, cu_t, lens_t, table_t, max(counts),
                                       self.inv_freq, seqlen_bound(max(canvas_lens)),
                                       segments or [], probe_layer, mass_layer,
-                                      tp=self.tp)
-
-
-def split_blocks(table: np.ndarray, canvas_lens: list[int], pos: np.ndarray, cu: list[int],
-                 block_size: int) -> tuple[np.ndarray, list[int], list[int]]:
-    """Block-causal attention as bidirectional attention over shorter canvases: each request's
-    rows (a contiguous window, ``pos`` in order) are cut at block bounds, and the rows of block
-    k attend, through the request's own block table, to its first ``min(L, (k + 1) *
-    block_size)`` keys only: their own block and every earlier one. Returns the split (block
-    table rows, key counts, row boundaries); the packed rows keep their order, so the output
-    needs no reordering, and the paged kernels need no mask."""
-    rows, lens, bounds = [], [], [0]
-    for b in range(len(canvas_lens)):
-        a, e = cu[b], cu[b + 1]
-        if e == a:
-            rows.append(b)
-            lens.append(canvas_lens[b])
-            bounds.append(e)
-            continue
-        blk = pos[a:e] // block_size                        # non-decreasing: one window
-        cuts = np.flatnonzero(np.diff(blk)) + 1
-        for s, t_end, k in zip(np.r_[0, cuts], np.r_[cuts, e - a], blk[np.r_[0, cuts]]):
-            rows.append(b)
-            lens.append(min(canvas_lens[b], (int(k) + 1) * block_size))
-            bounds.append(a + int(t_end))
-    return table[rows], lens, bounds
-
-
-def _align4(n: int) -> int:
-    """``n`` int32 elements rounded up to a 16-byte boundary."""
-    return -(-n // 4) * 4
-
-
-def page_slots(table: np.ndarray, req: np.ndarray, pos: np.ndarray, page_size: int
-               ) -> np.ndarray:
-    """The page slot of each packed row (request ``req``, canvas position ``pos``), on the host:
-    ``table[req, pos // page_size] * page_size + pos % page_size``."""
-    return table[req, pos // page_size] * page_size + pos % page_size
+                                      tp=self.tp, kv_scales=self.scales)

@@ -317,7 +317,8 @@ class FusedSteps:
         meta = PagedAttentionMetadata(runner.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
                                       inp[sl["seq_lens"]].to(i32),
                                       inp[sl["table"]].to(i32).view(B, -1), lay.max_q,
-                                      runner.backend.inv_freq, lay.max_k)
+                                      runner.backend.inv_freq, lay.max_k,
+                                      kv_scales=runner.kv_scales)
         flat = runner.arena.view(-1)
         hidden = model.hidden(flat[inp[sl["ids_idx"]]], inp[sl["positions"]], meta)
         blk_idx = inp[sl["blk_idx"]]

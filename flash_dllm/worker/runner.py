@@ -26,7 +26,8 @@ import torch
 
 from flash_dllm.cache.io.kv_offload import KVOffloader
 from flash_dllm.cache.io.kv_overflow import OverflowKV, OverflowMemoryError, OverflowMetadata
-from flash_dllm.cache.paged import PagedKVLayout, allocate_kv_cache
+from flash_dllm.cache.paged import (PagedKVLayout, allocate_kv_cache, allocate_kv_scales,
+                                    kv_pool_dtype)
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
 from flash_dllm.layers.batch_invariant import batch_invariant
@@ -62,11 +63,15 @@ class ModelRunner:
         world = 1 if self.tp is None else self.tp.world
         # (more ranks than KV heads: a rank holds one KV head, see distributed/tp.py)
         self.kv_heads = cfg.num_kv_heads if self.tp is None else self.tp.kv_heads
-        kv_token = cfg.kv_bytes_per_token(self.dtype) * self.kv_heads // cfg.num_kv_heads
+        # the pool's element type: the model's, or fp8 codes + per-(page, head) scales
+        self.kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.dtype)
+        kv_token = cfg.kv_bytes_per_token(self.kv_dtype) * self.kv_heads // cfg.num_kv_heads
         self.table_width = -(-cfg.max_position // config.page_size)
         self.overflow = self._make_overflow(cfg, config)
         self.overflow_state = None              # the running one's OverflowState
-        self.num_pages = config.num_pages(kv_token, self._kv_budget())
+        one = PagedKVLayout(cfg.num_layers, 1, config.page_size, self.kv_heads, cfg.head_dim,
+                            self.kv_dtype)
+        self.num_pages = config.num_pages(kv_token, self._kv_budget(), one.scale_bytes_per_page)
         if self.tp is not None:        # every rank's ledger must be the same: the smallest pool
             self.num_pages = self.tp.group.min_int(self.num_pages, self.device)
         self.page_size = config.page_size
@@ -74,9 +79,10 @@ class ModelRunner:
         # write their K/V to one more page than the ledger hands out
         graphs = self.device.type == "cuda" and config.cuda_graphs
         layout = PagedKVLayout(cfg.num_layers, self.num_pages + graphs, self.page_size,
-                               self.kv_heads, cfg.head_dim, self.dtype)
+                               self.kv_heads, cfg.head_dim, self.kv_dtype)
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
-                                             cfg.head_dim, cfg.rope_theta, tp=self.tp)
+                                             cfg.head_dim, cfg.rope_theta, tp=self.tp,
+                                             scales=allocate_kv_scales(layout, self.device))
         # set by the engine when its placement policy uses attention evidence (``kv_manager``)
         self.collect_page_mass = False
         if self.device.type == "cuda":
@@ -85,11 +91,12 @@ class ModelRunner:
         self._tables = inputs.BlockTables()
         self._states: dict[str, SeqState] = {}
         # memory tiers: the offloader moves pages between the pool, pinned host slots and disk
-        self.page_bytes = self.page_size * kv_token
+        self.page_bytes = self.page_size * kv_token + one.scale_bytes_per_page
         self.compat = self._compat(config)
         self.offload: KVOffloader | None = None
         if config.kv_cpu_gb or config.kv_tier_stress:    # (the tiers: cache/tier_store.py)
-            self.offload = KVOffloader.from_config(self.kv, config, self.compat)
+            self.offload = KVOffloader.from_config(self.kv, config, self.compat,
+                                                   self.kv_scales)
         # the last plan, its requests' states and the step extensions active on it
         self._last_plan: StepPlan | None = None
         self._last_states: list[SeqState] = []
@@ -167,6 +174,8 @@ class ModelRunner:
         desc = (f"{c.num_layers}/{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{c.head_dim}/"
                 f"{c.vocab_size}/{c.rope_theta}/{self.dtype}/page{self.page_size}/"
                 f"layer-major-v1/{config.kv_offload_dtype}{tp}")
+        if config.kv_cache_dtype != "auto":          # (absent for auto: earlier keys stay)
+            desc += f"/kv-{config.kv_cache_dtype}"
         if c.attention.block_causal or c.qk_norm or c.rotary_dim not in (None, c.head_dim):
             # (what else a page's K/V depend on; absent for LLaDA / Dream, whose keys stay)
             desc += f"/{c.attention}/qk{int(c.qk_norm)}/rot{c.rotary_dim}"
@@ -176,6 +185,12 @@ class ModelRunner:
     def kv(self) -> torch.Tensor:
         """The KV page pool [layers, 2, pages, page_size, kv_heads, head_dim]."""
         return self.backend.kv
+
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """fp8 pools: the scales [layers, 2, pages, kv_heads] fp32 (``kernels/kv_quant.py``);
+        None for a pool of the model's dtype (or a backend with no pool: the tests' dense one)."""
+        return getattr(self.backend, "scales", None)
 
     # ------------------------------------------------------------------------ per-request state
     def seq(self, req: Request, pages: list[int] | None = None) -> SeqState:
@@ -190,6 +205,9 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device).manual_seed(seed)
             tokens, table = h2d(req.tokens, torch.long, self.device), h2d(pages, torch.int32,
                                                                           self.device)
+            if self.kv_scales is not None:   # fp8: the request's own pages start empty
+                fresh = pages[req.reused_len // self.page_size:]
+                self.kv_scales[:, :, h2d(fresh, torch.long, self.device)] = 0
             row = self._free_rows.pop()
             st = SeqState(row, self.arena[row, :req.canvas_len], table, gen, block=req.block)
             st.canvas.copy_(tokens)

@@ -39,7 +39,7 @@ from flash_dllm.cache.io.page_record import (  # noqa: F401 - RECORD_ALIGN: re-e
 from flash_dllm.cache.latency import LatencyHistogram
 from flash_dllm.cache.tier_store import build_tiers
 from flash_dllm.cache.tiers import L1, Fetch, Load, Spill, Store
-from flash_dllm.kernels import kv_pages
+from flash_dllm.kernels import kv_pages, kv_quant
 from flash_dllm.transfer import h2d
 
 MOVE_GROUP_PAGES = 16  # pages per pipelined group of a store or load (see ``_store``, ``load``)
@@ -70,14 +70,18 @@ class KVOffloader:
     pages per pipelined copy group."""
 
     def __init__(self, kv: torch.Tensor, stores: int | list, offload_dtype: str = "bf16",
-                 group_pages: int = MOVE_GROUP_PAGES) -> None:
+                 group_pages: int = MOVE_GROUP_PAGES, scales: torch.Tensor | None = None) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"kv_offload_dtype must be one of {sorted(OFFLOAD_DTYPES)}, got "
                              f"{offload_dtype!r}")
         self.kv = kv
         self.device = kv.device
-        self.qdtype = OFFLOAD_DTYPES[offload_dtype]
-        self.layout = RecordLayout.for_pool(kv, self.qdtype)
+        # fp8 pools (``kernels/kv_quant``): codes and the pool's scales travel as they are
+        self.scales = scales
+        if (scales is None) != (kv.dtype != kv_quant.FP8):
+            raise ValueError("an fp8 KV pool comes with its scales (and only an fp8 pool does)")
+        self.qdtype = OFFLOAD_DTYPES[offload_dtype] if scales is None else None
+        self.layout = RecordLayout.for_pool(kv, self.qdtype or OFFLOAD_DTYPES[offload_dtype])
         if isinstance(stores, int):
             stores = [HostStore(stores, self.layout.nbytes)]
         self.stores = list(stores)
@@ -109,13 +113,16 @@ class KVOffloader:
         self.latency = {"store": LatencyHistogram(), "load": LatencyHistogram()}  # s per page
 
     @classmethod
-    def from_config(cls, kv: torch.Tensor, config, compat: bytes) -> KVOffloader:
-        """The offloader of an ``EngineConfig``: the tiers it enables (``TIER_STORES``)."""
+    def from_config(cls, kv: torch.Tensor, config, compat: bytes,
+                    scales: torch.Tensor | None = None) -> KVOffloader:
+        """The offloader of an ``EngineConfig``: the tiers it enables (``TIER_STORES``);
+        ``scales``: an fp8 pool's."""
         if config.kv_offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"kv_offload_dtype must be one of {sorted(OFFLOAD_DTYPES)}, got "
                              f"{config.kv_offload_dtype!r}")
         layout = RecordLayout.for_pool(kv, OFFLOAD_DTYPES[config.kv_offload_dtype])
-        return cls(kv, build_tiers(config, layout.nbytes, compat), config.kv_offload_dtype)
+        return cls(kv, build_tiers(config, layout.nbytes, compat), config.kv_offload_dtype,
+                   scales=scales)
 
     @property
     def tier_slots(self) -> tuple[int, ...]:
@@ -252,8 +259,11 @@ class KVOffloader:
         n = ids.shape[0]
         lay = self.layout
         rec = torch.empty(n, lay.nbytes, dtype=torch.uint8, device=self.device)
-        _, scales = kv_pages.pack_pages(self.kv, ids, out=lay.payload_view(rec),
-                                        out_dtype=self.qdtype)
+        if self.scales is not None:                   # fp8 pool: codes + the pages' scales
+            scales = kv_quant.pack_pages(self.kv, self.scales, ids, lay.payload_view(rec))
+        else:
+            _, scales = kv_pages.pack_pages(self.kv, ids, out=lay.payload_view(rec),
+                                            out_dtype=self.qdtype)
         if scales is not None:
             rec[:, lay.payload:lay.key_at] = scales.reshape(n, -1).view(torch.uint8)
         rec[:, lay.key_at:lay.sums_at] = key_rows
@@ -364,6 +374,9 @@ class KVOffloader:
         -1, is written nowhere and counted into ``bad``)."""
         lay = self.layout
         scales = lay.scales_view(rec) if lay.scales else None
+        if self.scales is not None:
+            kv_quant.unpack_pages(lay.payload_view(rec), scales, ids, self.kv, self.scales)
+            return
         kv_pages.unpack_pages(lay.payload_view(rec), ids, self.kv, scales, bad=bad)
 
     # ------------------------------------------------------------------------------- stress

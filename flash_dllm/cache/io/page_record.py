@@ -53,8 +53,14 @@ class RecordLayout:
 
     @classmethod
     def for_pool(cls, kv: torch.Tensor, offload_dtype: torch.dtype | None) -> RecordLayout:
+        """``offload_dtype`` None: the pool's own bytes. An fp8 pool (``kv_cache_dtype="fp8"``)
+        always carries its pages' scales: its codes travel as they are."""
         L, _, _, S, H, D = kv.shape
-        dtype = offload_dtype or kv.dtype
+        fp8_pool = kv.dtype == torch.float8_e4m3fn
+        if fp8_pool and offload_dtype not in (None, kv.dtype):
+            raise ValueError(f"an fp8 KV pool's pages leave the GPU as fp8 (codes and scales): "
+                             f"kv_offload_dtype must be bf16 or fp8 with it, got {offload_dtype}")
+        dtype = kv.dtype if fp8_pool else (offload_dtype or kv.dtype)
         payload = L * 2 * S * H * D * torch.empty((), dtype=dtype).element_size()
-        scales = L * 2 * H * 4 if offload_dtype is not None else 0
+        scales = L * 2 * H * 4 if offload_dtype is not None or fp8_pool else 0
         return cls((1, L, 2, S, H, D), dtype, payload, scales)

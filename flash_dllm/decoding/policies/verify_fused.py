@@ -149,7 +149,7 @@ def body(runner, store: DraftStore, inp: torch.Tensor, lay) -> torch.Tensor:
                                lay.max_q, runner.backend.inv_freq, lay.max_k,
                                canvas_rows=T, num_verify=M, dense_keys=Lb, verify_allow=allow,
                                no_slots=torch.full((B * R,), -1, dtype=torch.long, device=dev),
-                               key_pos=keys)
+                               key_pos=keys, kv_scales=runner.kv_scales)
     hidden = model.hidden(ids, positions, meta)
 
     # one LM head: every block slot's row, then each draft's view row (draft 1: its canvas row)
