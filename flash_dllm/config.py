@@ -27,6 +27,12 @@ MAX_SEED = 2**64 - 1
 # canvas of an 8B model in one forward) and CUDA graphs.
 AUTO_GPU_MEMORY_UTILIZATION = 0.8
 _GIB_LIMIT = 1 << 20                     # host tiers: sizes below 1 PiB (an int() of bytes)
+# --quantization (``flash_dllm.layers.quant.QUANT_MODES``, checked equal in tests/test_quant.py;
+# not imported from there: the config stays free of torch)
+QUANT_MODES = ("fp8", "int8", "int4")
+# what each mode cost in accuracy, from the committed reports (benchmarks/README.md, "Quantized
+# weights"); filled in from benchmarks/results/accuracy/quant_*_cpu.json
+QUANT_ACCURACY = "Accuracy: not measured yet"
 
 
 @dataclass(frozen=True)
@@ -241,6 +247,18 @@ class EngineConfig:
     # results bit-identical to a plain forward of the same model).
     fuse_projections: bool | None = knob(None, "q/k/v and gate/up projections as one GEMM each "
                                                "(default: on CUDA only)", cli=False)
+    # --- quantized weights (issue 40; ``layers/quant.py``): the checkpoint's weights quantized at
+    # load, after the projections are fused; embeddings, LM head and MoE routers stay unquantized
+    quantization: str | None = knob(
+        None, "quantize the weights at load: fp8 (e4m3 weights, one scale per output channel, "
+              "activations quantized per token at each step, GEMMs on FP8 tensor cores: CUDA "
+              "compute capability >= 8.9; emulated on the CPU; 1 byte/weight), int8 or int4 "
+              "(weight-only, one scale per --quantization-group-size inputs, dequantized inside "
+              "the GEMM kernel; 1 or 0.5 byte/weight + scales). " + QUANT_ACCURACY
+              + " (default: none, the checkpoint's dtype)", choices=QUANT_MODES)
+    quantization_group_size: int = knob(
+        128, "int8 / int4: input columns sharing one scale; must divide every quantized "
+             "layer's input width (default: %(default)s)", ge=1)
     # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py,
     # cache/io/kv_offload.py)
     # keep finished requests' full pages as cached blocks and reuse them for prompts that start
