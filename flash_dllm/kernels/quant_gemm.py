@@ -60,7 +60,7 @@ if HAS_TRITON:
     def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                         stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP,
                         BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,7 +86,9 @@ if HAS_TRITON:
             s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_sn + ks[None, :] // GROUP,
                         mask=wmask, other=0.0).to(tl.float32)
             w = (q * s).to(x.dtype)                    # rounded once, as the reference
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -207,7 +209,8 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         x, qweight, scales, bias if bias is not None else scales, dst, M, N, K, per,
         x.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2),
         dst.stride(0) if split > 1 else 0, group,
-        BITS=bits, HAS_BIAS=bias is not None and split == 1, SPLIT=split,
+        BITS=bits, HAS_BIAS=bias is not None and split == 1, SPLIT=split, UPCAST=INTERPRET,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     if split > 1:
