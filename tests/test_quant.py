@@ -224,3 +224,17 @@ def test_lm_eval_model_args_accept_quantization():
 
     assert "quantization" in lm_eval._ENGINE_KEYS
     assert "quantization_group_size" in lm_eval._ENGINE_KEYS
+
+
+def test_bench_step_rows_for_each_mode_with_their_floors():
+    from flash_dllm.bench.step import run_bench
+
+    rep = run_bench("demo", [1], ["dual"], "cpu", "float32", prompt=16, gen=8, block=8,
+                    steps=2, warmup=1, progress=lambda _: None,
+                    quantization=["none", "int8", "int4", "fp8"])
+    assert [r["quantization"] for r in rep["rows"]] == ["none", "int8", "int4", "fp8"]
+    w = rep["weights_by_quantization"]
+    assert w["int4"]["weight_bytes"] < w["int8"]["weight_bytes"] < w["none"]["weight_bytes"]
+    assert w["none"]["weight_bytes"] == rep["weight_bytes"]
+    for r in rep["rows"]:       # each row's floor ratio is from its own mode's bytes
+        assert r["ratio_to_floor"] == pytest.approx(r["ms"] / w[r["quantization"]]["floor_ms"])
