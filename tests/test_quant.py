@@ -181,8 +181,10 @@ def test_bad_mode_and_group_size_are_one_line_errors():
 
 def test_fp8_refused_on_a_card_without_fp8_tensor_cores(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    fp8_gemm._capability.cache_clear()
     with pytest.raises(QuantError, match=r"needs FP8 tensor cores .*8\.9.* has 8\.0"):
         quant.Fp8Method().check("layers.0.attn.q_proj", 64, torch.device("cuda:0"))
+    fp8_gemm._capability.cache_clear()
 
 
 def test_config_modes_match_the_layer():
@@ -238,3 +240,46 @@ def test_bench_step_rows_for_each_mode_with_their_floors():
     assert w["none"]["weight_bytes"] == rep["weight_bytes"]
     for r in rep["rows"]:       # each row's floor ratio is from its own mode's bytes
         assert r["ratio_to_floor"] == pytest.approx(r["ms"] / w[r["quantization"]]["floor_ms"])
+
+
+def test_tensor_parallel_with_quantization_is_refused_clearly():
+    from flash_dllm.entrypoints.args import EngineArgs
+    from flash_dllm.entrypoints.loader import load_engine
+
+    with pytest.raises(ValueError, match="quantization='int8' with tensor_parallel_size=2 is "
+                                         "not supported yet"):
+        load_engine(EngineArgs(tensor_parallel_size=2, quantization="int8"))
+
+
+def test_startup_line_says_the_bytes(capsys):
+    from flash_dllm.entrypoints.loader import report_weights
+
+    m = tiny_model("llada", seed=0)
+    report_weights(quantize_model(m, "int4", 32))
+    err = capsys.readouterr().err
+    assert err.startswith("flash-dllm: weights ") and "as int4, group 32" in err
+    assert "MiB unquantized" in err
+
+
+def test_metrics_render_the_weight_bytes_gauge():
+    import asyncio
+
+    from flash_dllm import SamplingParams
+    from flash_dllm.engine.async_engine import AsyncEngine
+    from flash_dllm.engine.engine import Engine
+    from flash_dllm.server.metrics import ServerMetrics
+
+    for mode in (None, "int4"):
+        model = tiny_model("llada", seed=2)
+        eng = Engine(model, model.cfg, EngineConfig(num_kv_pages=64, quantization=mode,
+                                                    quantization_group_size=32))
+        aeng = AsyncEngine(eng)
+        metrics = ServerMetrics(aeng)
+
+        async def go():
+            return [o async for o in aeng.generate([5, 6, 7], SamplingParams(max_tokens=8))]
+        asyncio.run(go())
+        text = metrics.render().decode()
+        label = mode or "none"
+        line = f'flash_dllm_weight_bytes{{quantization="{label}"}} {float(eng.runner.weight_bytes)}'
+        assert line in text, text[:2000]

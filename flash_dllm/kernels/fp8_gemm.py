@@ -19,6 +19,8 @@ Paths (the same math):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,8 +31,13 @@ MIN_CAPABILITY = (8, 9)
 
 def supported(device: torch.device) -> bool:
     """Whether ``device`` runs FP8 GEMMs on tensor cores (CUDA, compute capability >= 8.9)."""
-    return (device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY)
+    return device.type == "cuda" and _capability(device.index) >= MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    # (asked once per card: the layer's forward asks at every call)
+    return torch.cuda.get_device_capability(index)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +82,9 @@ def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     if pad:                                   # the kernel wants rows in multiples of 16
         x2 = torch.cat([x2, x2.new_zeros(pad, K)])
     xq, xs = quantize_rows(x2)
+    # (row-wise scaling wants a bf16 output; fp16 activations are cast back below)
     out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=wscale.view(1, -1),
-                           out_dtype=torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
+                           out_dtype=torch.bfloat16)
     out = out[:M]
     if bias is not None:
         out = (out.float() + bias.float()).to(out.dtype)

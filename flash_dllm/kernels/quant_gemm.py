@@ -32,6 +32,8 @@ answers across batch sizes.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -165,6 +167,7 @@ def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> di
             "num_warps": 4, "num_stages": 3}
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
