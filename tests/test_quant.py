@@ -204,7 +204,7 @@ def test_engine_generates_with_each_mode_as_unquantized():
     full = base.engine.stats_snapshot().weight_bytes
     assert want == "23-12=11. 23+11=34. #### 34"
     for mode, ratio in (("int8", 0.3), ("int4", 0.16), ("fp8", 0.3)):
-        llm = LLM(engine_config=EngineConfig(quantization=mode))
+        llm = LLM(quantization=mode)                      # (the engine_config field)
         assert llm.generate([prompt], params)[0].text == want, mode
         snap = llm.engine.stats_snapshot()
         assert snap.quantization == mode and 0 < snap.weight_bytes < ratio * full
@@ -222,10 +222,16 @@ def test_the_flag_is_on_every_command():
 
 
 def test_lm_eval_model_args_accept_quantization():
-    from flash_dllm.integrations import lm_eval
+    pytest.importorskip("lm_eval")
+    from flash_dllm.integrations.lm_eval import FlashDLLM
 
-    assert "quantization" in lm_eval._ENGINE_KEYS
-    assert "quantization_group_size" in lm_eval._ENGINE_KEYS
+    # as lm-eval passes --model_args quantization=int4,quantization_group_size=64
+    lm = FlashDLLM(quantization="int4", quantization_group_size=64)
+    layer = lm.model.layers[0].attn
+    proj = layer.qkv_proj if layer.qkv_proj is not None else layer.q_proj
+    assert isinstance(proj, QuantLinear) and proj.method.group_size == 64
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        FlashDLLM(quantization="int2")
 
 
 def test_bench_step_rows_for_each_mode_with_their_floors():
