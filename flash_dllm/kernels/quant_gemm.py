@@ -19,7 +19,8 @@ Kernel, for skinny M (a batch-1 dLLM step is a 32-row GEMM: reading the weights 
 cost, 64 FLOPs per weight byte at most, far below the ridge): a 3-D grid of (BLOCK_N columns,
 SPLIT_K slices of K, BLOCK_M rows). Each program streams its ``[BLOCK_N, K / SPLIT_K]`` slice of
 packed weights once, dequantizes in registers, and ``tl.dot``s against the (tiny, cached) x
-tile. With few column tiles (N / BLOCK_N below ~2 waves of SMs) the K split gives every SM a
+tile (int4: each byte is loaded once and its two nibbles meet x's even and odd columns in two
+dots, so no unpacked copy of the weights ever exists). With few column tiles (N / BLOCK_N below ~2 waves of SMs) the K split gives every SM a
 slice of the weights to stream; the slices write fp32 partials ``[SPLIT_K, M, N]`` that one
 ``sum`` adds in a fixed order (deterministic: no atomics; at M = 32 the partials are
 32 x N x 4 bytes per slice, ~2 % of an int4 4096 x 4096 weight per slice). SPLIT_K = 1 writes
@@ -71,26 +72,44 @@ if HAS_TRITON:
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_end
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)      # [BM, BK]
-            wmask = col_ok[:, None] & k_ok[None, :]
             if BITS == 8:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_end
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+                wmask = col_ok[:, None] & k_ok[None, :]
                 q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + ks[None, :],
                             mask=wmask, other=0).to(tl.float32)               # [BN, BK]
+                s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_sn + ks[None, :] // GROUP,
+                            mask=wmask, other=0.0).to(tl.float32)
+                w = (q * s).to(x.dtype)                # rounded once, as the reference
+                if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc += tl.dot(x, tl.trans(w), input_precision=PREC)
             else:
-                # two weights per byte: each byte is loaded for both of its columns (the second
-                # load hits the cache), its nibble picked by the column's parity
-                b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + ks[None, :] // 2,
-                            mask=wmask, other=0).to(tl.int32)
-                q = ((b >> ((ks[None, :] % 2) * 4)) & 0xF).to(tl.float32) - 8.0
-            s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_sn + ks[None, :] // GROUP,
-                        mask=wmask, other=0.0).to(tl.float32)
-            w = (q * s).to(x.dtype)                    # rounded once, as the reference
-            if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+                # each byte once: its low nibbles are the even columns, its high ones the odd
+                # columns; x's even and odd columns (strided, from cache) meet them in two dots
+                jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                     # byte index
+                ke = 2 * jb                                                   # even columns
+                k_ok = ke < k_end                     # (k_end is even: so are K and the slices)
+                xmask = row_ok[:, None] & k_ok[None, :]
+                xrow = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+                xe = tl.load(xrow + ke[None, :], mask=xmask, other=0.0)       # [BM, BK/2]
+                xo = tl.load(xrow + ke[None, :] + 1, mask=xmask, other=0.0)
+                wmask = col_ok[:, None] & k_ok[None, :]
+                b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + jb[None, :],
+                            mask=wmask, other=0).to(tl.int32)                 # [BN, BK/2]
+                srow = s_ptr + cols[:, None].to(tl.int64) * stride_sn
+                se = tl.load(srow + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+                so = tl.load(srow + (ke[None, :] + 1) // GROUP, mask=wmask,
+                             other=0.0).to(tl.float32)
+                we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
+                wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
+                if UPCAST:
+                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                    we, wo = we.to(tl.float32), wo.to(tl.float32)
+                acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
+                acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -154,11 +173,11 @@ def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
 # ------------------------------------------------------------------------------------ Triton
 def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> dict:
     """Tiles for an ``[M, K] x [N, K]^T`` GEMM: BLOCK_M covers the rows (16-64), BLOCK_N 64 (32
-    when N is small), BLOCK_K 128 (<= K); SPLIT_K grows (powers of 2) until the grid holds ~2
+    when N is small), BLOCK_K 128 (32-128 for small K); SPLIT_K grows (powers of 2) until the grid holds ~2
     waves of ``num_sms`` programs, keeping at least 4 BLOCK_K steps per slice."""
     block_m = min(64, max(16, next_pow2(M)))
     block_n = 64 if N >= 64 * num_sms // 2 else 32
-    block_k = min(128, max(16, next_pow2(K) // 2 if K < 256 else 128))
+    block_k = min(128, max(32, next_pow2(K)))        # (int4: BLOCK_K / 2 >= 16 for tl.dot)
     tiles = -(-N // block_n) * -(-M // block_m)
     split = 1
     while tiles * split < 2 * num_sms and K // (split * 2) >= 4 * block_k:
@@ -199,6 +218,8 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     check_device("quant_gemm", INTERPRET, x, qweight, scales)
     group = K // scales.shape[1]
     cfg = config or default_config(M, N, K, group, _num_sms(x.device))
+    check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
+          f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
     split = cfg["SPLIT_K"]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:

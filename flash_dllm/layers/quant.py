@@ -70,6 +70,9 @@ class IntMethod:
         self.name = f"int{bits}"
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
+        if self.bits == 4 and in_features % 2:
+            raise QuantError(f"quantization='int4' packs two weights per byte: the input width "
+                             f"{in_features} of layer {layer} is odd (use 'int8')")
         if in_features % self.group_size:
             raise QuantError(f"quantization_group_size={self.group_size} does not divide the "
                              f"input width {in_features} of layer {layer}: pass a group size "
