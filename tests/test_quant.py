@@ -289,3 +289,13 @@ def test_metrics_render_the_weight_bytes_gauge():
         label = mode or "none"
         line = f'flash_dllm_weight_bytes{{quantization="{label}"}} {float(eng.runner.weight_bytes)}'
         assert line in text, text[:2000]
+
+
+def test_eval_report_names_the_quantization():
+    from flash_dllm import LLM, SamplingParams
+    from flash_dllm.evals.runner import run_eval
+
+    llm = LLM(quantization="int8")
+    rep = run_eval(llm, "arith", 2, SamplingParams(max_tokens=32), progress=False)
+    assert rep["quantization"]["quantization"] == "int8"
+    assert rep["quantization"]["weight_bytes"] < rep["quantization"]["unquantized_bytes"]
