@@ -19,6 +19,7 @@
 #           eval     accuracy matrix, exact-sampler accuracy, batch-1 verify      ~6 min
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
+#           quant    bench step of bf16 / fp8 / int8 / int4 weights, LLaDA-8B shape (not timed yet)
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -26,7 +27,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -98,6 +99,14 @@ group_step() {
   run step_demo_h200 120 "$OUT/step/step_demo_h200.json" \
     "${FD[@]}" bench step --model-shape demo --prompt-len 256 --gen-len 256 --batch 1 8 64 \
     --cache dual --json "$OUT/step/step_demo_h200.json"
+}
+
+group_quant() {
+  # issue 40: one random-init model per weight mode, dual steps side by side; each row's floor
+  # is from its mode's stored bytes
+  run step_quant_h200 540 "$OUT/step/step_quant_h200.json" \
+    "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 8 32 \
+    --json "$OUT/step/step_quant_h200.json"
 }
 
 group_profile() {

@@ -18,13 +18,20 @@ def weight_read_bytes(model, cfg: ModelConfig, tokens: int,
     if cfg.mlp_kind != "moe":
         return total
     m = cfg.moe
-    elem = next(model.parameters()).element_size()
-    per_expert = 3 * cfg.hidden_size * m.intermediate_size * elem
+    per_expert = expert_bytes(model) / m.num_experts
     if touched is not None:
         return total - sum(m.num_experts - t for t in touched) * per_expert
     untouched = m.num_experts * (1 - m.top_k / m.num_experts) ** tokens
     layers = sum(cfg.layer_mlp_kind(i) == "moe" for i in range(cfg.num_layers))
     return total - layers * untouched * per_expert
+
+
+def expert_bytes(model) -> int:
+    """Bytes of one MoE layer's routed experts as stored (quantized ones included)."""
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    parts = (list(moe.quant_experts.parameters()) if moe.quant_experts is not None
+             else [moe.w_gate_up, moe.w_down])
+    return sum(p.numel() * p.element_size() for p in parts)
 
 
 ROUTINGS = ("model", "uniform")
@@ -42,7 +49,7 @@ def install_uniform_routing(model, seed: int = 0) -> int:
     g = torch.Generator().manual_seed(seed)
     for m in moes:
         E, k = m.cfg.num_experts, m.cfg.top_k
-        dev = m.w_down.device
+        dev = m.gate.weight.device
         table = torch.rand(UNIFORM_TABLE_ROWS, E, generator=g).argsort(dim=1)[:, :k].to(dev)
         weight = torch.full((1, k), m.cfg.routed_scaling_factor / k, device=dev)
 

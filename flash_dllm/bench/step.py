@@ -20,6 +20,7 @@ from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.bench.moe_floor import moe_floor, set_routing, touched_experts
+from flash_dllm.layers.quant import DEFAULT_GROUP_SIZE, quantize_model
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.loader import build_model, read_json
 
@@ -259,11 +260,18 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               flash_budget: int | None = None, decode: str = "vanilla",
               fused_step: bool = True, fused_max_rows: int | None = None,
               tensor_parallel_size: int = 1, tp=None, routing: str = "model",
-              kv_cache_dtype: str = "auto") -> dict:
+              quantization: list[str] | None = None,
+              group_size: int = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto") -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
-    forward includes the collectives. ``tp``: this rank's group (set by the launcher)."""
+    forward includes the collectives. ``tp``: this rank's group (set by the launcher).
+    ``quantization``: the weight modes to time, one model each (``none``: the dtype's own; the
+    default is ``["none"]``); each row says its mode, and its floor is from that mode's bytes."""
+    modes = list(quantization or ["none"])
     if tensor_parallel_size > 1 and tp is None:
+        if modes != ["none"]:
+            raise ValueError("bench step --quantization runs on one device (quantized weights "
+                             "are not tensor-parallel yet)")
         return _launch_tp(tensor_parallel_size, dict(
             shape=shape, batches=batches, caches=caches, device=device, dtype=dtype,
             prompt=prompt, gen=gen, block=block, steps=steps, warmup=warmup,
@@ -273,56 +281,76 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     world = 1 if tp is None else tp.world
     dev = torch.device(device) if tp is None else _tp_device(device, tp.rank, world)
     cfg_dict = shape_config(shape)
-    model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0, tp=tp)
-    cfg = model.cfg
-    set_routing(model, cfg, routing, shape)
-    tdtype = next(model.parameters()).dtype
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27)
-    rate = matmul_rate(dev, tdtype, 8192 if dev.type == "cuda" else 1024)
-    floor_ms = 1e3 * weight_bytes / bw
-    kv_per_token = cfg.kv_bytes_per_token(torch.float8_e4m3fn if kv_cache_dtype == "fp8"
-                                          else tdtype)
-    rows = []
-    cases = [(c, b) for c in caches for b in batches]
-    for cache, b in cases:
-        r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
-                       cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,
-                       kv_cache_dtype)
-        if cache == "flash":
-            r["flash_budget"] = (flash_budget if flash_budget is not None
-                                 else SamplingParams.flash_budget)
-        if cfg.mlp_kind == "moe":        # the experts this step's rows reach (steady steps)
-            r.update(moe_floor(model, cfg, r, b * (block if cache != "none" else prompt + gen),
-                               bw, routing))
-        r["ratio_to_floor"] = r["ms"] / r.get("floor_ms", floor_ms)
-        r["mfu"] = r["flops_per_s"] / (rate * world) if r["flops_per_s"] else None
-        # the forward alone at the same FLOPs (what the step would reach with no host work)
-        r["mfu_forward"] = (r["mfu"] * r["ms"] / r["ms_forward"]
-                            if r["mfu"] and r["ms_forward"] else None)
-        # per step over a whole block: prefix/dual pay one full refresh per block, flash none
-        if r["ms_refresh"] is not None and cache in ("prefix", "dual"):
-            r["ms_per_step_in_block"] = (r["ms_refresh"] + (block - 1) * r["ms"]) / block
-        else:
-            r["ms_per_step_in_block"] = r["ms"]
-        # the paged layout writes K/V to pages in every mode
-        exact_kv = kv_per_token * (prompt + gen) * b
-        r["expected_bytes"] = weight_bytes + exact_kv
-        r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
-        r["expected_gib"] = r["expected_bytes"] / 2**30
-        r["peak_over_expected"] = (r["peak_bytes"] / r["expected_bytes"]
-                                   if r["peak_bytes"] is not None else None)
-        rows.append(r)
-        progress(row_line(r))
-    return {"model_shape": shape, "device": str(dev), "tensor_parallel_size": world,
-            "routing": routing if cfg.mlp_kind == "moe" else None,
-            # per rank under tensor parallelism (what one GPU reads: the floor's numerator)
-            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "dtype": str(tdtype).replace("torch.", ""), "kv_cache_dtype": kv_cache_dtype,
-            "torch": torch.__version__,
-            "params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
-            "copy_bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": rate / 1e12,
-            "floor_ms": floor_ms, "rows": rows}
+    report, rows, weights = None, [], {}
+    for mode in modes:
+        model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0, tp=tp)
+        cfg = model.cfg
+        if mode != "none":
+            quantize_model(model, mode, group_size)
+        set_routing(model, cfg, routing, shape)
+        tdtype = next(model.parameters()).dtype
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if report is None:
+            rate = matmul_rate(dev, tdtype, 8192 if dev.type == "cuda" else 1024)
+            report = {
+                "model_shape": shape, "device": str(dev), "tensor_parallel_size": world,
+                "routing": routing if cfg.mlp_kind == "moe" else None,
+                # per rank under tensor parallelism (what one GPU reads: the floor's numerator)
+                "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "dtype": str(tdtype).replace("torch.", ""), "kv_cache_dtype": kv_cache_dtype,
+                "torch": torch.__version__, "params": sum(p.numel() for p in model.parameters()),
+                "weight_bytes": weight_bytes, "copy_bandwidth_GBps": bw / 1e9,
+                "matmul_TFLOPs": rate / 1e12, "floor_ms": 1e3 * weight_bytes / bw}
+        weights[mode] = {"weight_bytes": weight_bytes, "floor_ms": 1e3 * weight_bytes / bw,
+                         "group_size": group_size if mode in ("int8", "int4") else None}
+        for cache, b in [(c, b) for c in caches for b in batches]:
+            r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
+                           cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,
+                           kv_cache_dtype)
+            _finish_row(r, model, cfg, cache, b, prompt, gen, block, bw, rate * world, routing,
+                        flash_budget, weight_bytes,
+                        torch.float8_e4m3fn if kv_cache_dtype == "fp8" else tdtype)
+            r["quantization"] = mode
+            rows.append(r)
+            progress(row_line(r))
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    report["weights_by_quantization"] = weights
+    report["rows"] = rows
+    return report
+
+
+def _finish_row(r: dict, model, cfg: ModelConfig, cache: str, b: int, prompt: int, gen: int,
+                block: int, bw: float, rate: float, routing: str, flash_budget: int | None,
+                weight_bytes: int, kv_dtype: torch.dtype) -> None:
+    """A timed case's derived figures: floors (from this model's stored weight bytes), MFU,
+    per-step-in-block time and memory against weights + exact KV (``kv_dtype``'s bytes)."""
+    if cache == "flash":
+        r["flash_budget"] = (flash_budget if flash_budget is not None
+                             else SamplingParams.flash_budget)
+    if cfg.mlp_kind == "moe":        # the experts this step's rows reach (steady steps)
+        r.update(moe_floor(model, cfg, r, b * (block if cache != "none" else prompt + gen),
+                           bw, routing))
+    r["ratio_to_floor"] = r["ms"] / r.get("floor_ms", 1e3 * weight_bytes / bw)
+    r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
+    # the forward alone at the same FLOPs (what the step would reach with no host work)
+    r["mfu_forward"] = (r["mfu"] * r["ms"] / r["ms_forward"]
+                        if r["mfu"] and r["ms_forward"] else None)
+    # per step over a whole block: prefix/dual pay one full refresh per block, flash none
+    if r["ms_refresh"] is not None and cache in ("prefix", "dual"):
+        r["ms_per_step_in_block"] = (r["ms_refresh"] + (block - 1) * r["ms"]) / block
+    else:
+        r["ms_per_step_in_block"] = r["ms"]
+    # the paged layout writes K/V to pages in every mode
+    exact_kv = cfg.kv_bytes_per_token(kv_dtype) * (prompt + gen) * b
+    r["expected_bytes"] = weight_bytes + exact_kv
+    r["peak_gib"] = r["peak_bytes"] / 2**30 if r["peak_bytes"] is not None else None
+    r["expected_gib"] = r["expected_bytes"] / 2**30
+    r["peak_over_expected"] = (r["peak_bytes"] / r["expected_bytes"]
+                               if r["peak_bytes"] is not None else None)
 
 
 def _tp_device(device: str, rank: int, world: int) -> torch.device:
@@ -366,7 +394,8 @@ def _launch_tp(world: int, kw: dict, progress) -> dict:
 def row_line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   n/a"
     peak = f"{r['peak_gib']:7.2f}" if r["peak_gib"] is not None else "    n/a"
-    return (f"batch {r['batch']:3d}  cache {r['cache']:6s}  "
+    quant = r.get("quantization", "none")
+    return (f"{'' if quant == 'none' else quant + '  '}batch {r['batch']:3d}  cache {r['cache']:6s}  "
             f"{r['ms']:9.2f} ms (forward {r.get('ms_forward') or float('nan'):8.2f}, per step in "
             f"block {r.get('ms_per_step_in_block', float('nan')):8.2f})  "
             f"x{r['ratio_to_floor']:6.2f} floor  MFU {mfu}  peak {peak} GiB "

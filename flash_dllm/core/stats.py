@@ -136,3 +136,5 @@ class EngineStats:
     overflow: OverflowStats | None = None   # None: no --kv-overflow-gb
     disagg: DisaggStats | None = None       # None: not a disaggregated router
     runtime: RuntimeStats = field(default_factory=RuntimeStats)
+    weight_bytes: int = 0                   # the model's weights as stored (0: not known here)
+    quantization: str = "none"              # --quantization (fp8, int8, int4) or none

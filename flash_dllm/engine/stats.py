@@ -37,7 +37,8 @@ def engine_stats(engine) -> EngineStats:
         overflow=None if ov is None else OverflowStats(
             h2d_bytes=ov.stats["h2d_bytes"], d2h_bytes=ov.stats["d2h_bytes"],
             steps=ov.stats["steps"]),
-        runtime=runtime_stats(runner))
+        runtime=runtime_stats(runner), weight_bytes=runner.weight_bytes,
+        quantization=runner.quantization or "none")
 
 
 def tier_stats(kv, offload) -> TierStats:

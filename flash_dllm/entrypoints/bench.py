@@ -8,6 +8,7 @@ import sys
 
 from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
+from flash_dllm.config import QUANT_MODES
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
 from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server, request_knobs,
                                                  run_against)
@@ -123,6 +124,13 @@ def add_parser(sub) -> None:
                         "as the real model would)")
     t.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV page pool element type (EngineConfig.kv_cache_dtype)")
+    t.add_argument("--quantization", nargs="+", default=["none"],
+                   choices=["none", *QUANT_MODES],
+                   help="weight modes to time, one model each, rows side by side (e.g. none "
+                        "fp8 int8 int4); each row's weight-read floor is from its mode's stored "
+                        "bytes (default: none, the --dtype weights)")
+    t.add_argument("--quantization-group-size", type=int, default=128,
+                   help="int8 / int4: inputs per scale (default: %(default)s)")
     t.add_argument("--json", default=None, help="write the report here")
     t.set_defaults(func=cmd_bench_step)
     add_multiturn_parser(bsub)
@@ -173,10 +181,15 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        flash_budget=a.flash_budget, decode=a.decode,
                        fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows,
                        tensor_parallel_size=a.tensor_parallel_size, routing=a.routing,
-                       kv_cache_dtype=a.kv_cache_dtype)
+                       kv_cache_dtype=a.kv_cache_dtype,
+                       quantization=a.quantization, group_size=a.quantization_group_size)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")
+    for mode, w in report["weights_by_quantization"].items():
+        if mode != "none":
+            print(f"  {mode}: floor {w['floor_ms']:.2f} ms (weights {w['weight_bytes'] / 1e9:.2f} "
+                  "GB)")
     return 0
 
 

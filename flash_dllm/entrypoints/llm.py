@@ -13,8 +13,10 @@ from flash_dllm.core.request import RequestOutput
 from flash_dllm.defaults import SamplingDefaults
 from flash_dllm.engine.engine import Engine, run_to_completion
 from flash_dllm.entrypoints.args import EngineArgs
-from flash_dllm.entrypoints.loader import close_engine, load_engine, tensor_parallel_world
+from flash_dllm.entrypoints.loader import (close_engine, load_engine, report_weights,
+                                          tensor_parallel_world)
 from flash_dllm.layers.attention import block_causal
+from flash_dllm.layers.quant import quantize_model
 from flash_dllm.models.loader import load_model, model_path, read_config, resolve_device
 from flash_dllm.models.tokenizer import Tokenizer
 
@@ -35,7 +37,9 @@ class LLM:
     or N CPU processes: the other ranks are worker processes started here and stopped by
     ``close()`` (or ``with LLM(...) as llm:``, or at exit). ``deterministic=True``
     (``EngineConfig.deterministic``): a request's answer does not depend on what else runs or
-    is cached (docs/serving.md#same-answer-under-load).
+    is cached (docs/serving.md#same-answer-under-load). ``quantization="fp8" | "int8" | "int4"``
+    (``EngineConfig.quantization``, with ``quantization_group_size``): the weights quantized at
+    load (``flash_dllm/layers/quant.py``).
 
     NOTE: a model the paged engine cannot run (``ModelConfig.paged_unsupported`` says why) loads
     without an engine: ``logits`` works through the dense forward, while ``generate`` / ``chat``
@@ -47,12 +51,14 @@ class LLM:
                  engine_config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1,
                  sampling_defaults: dict | None = None,
-                 deterministic: bool | None = None) -> None:
+                 deterministic: bool | None = None, quantization: str | None = None,
+                 quantization_group_size: int | None = None) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
-        if max_num_seqs is not None:
-            override["max_num_seqs"] = max_num_seqs
-        if deterministic is not None:
-            override["deterministic"] = deterministic
+        for name, value in (("max_num_seqs", max_num_seqs), ("deterministic", deterministic),
+                            ("quantization", quantization),
+                            ("quantization_group_size", quantization_group_size)):
+            if value is not None:
+                override[name] = value
         args = EngineArgs(model=None if model is None else str(model), device=device,
                           dtype=dtype, tensor_parallel_size=tensor_parallel_size)
         self._engine: Engine | None = None
@@ -70,9 +76,12 @@ class LLM:
                 sampling_defaults, self.model_path, flags_source="LLM(sampling_defaults)",
                 model_block=self.cfg.attention.block_size or None)
             return
-        args.engine_config(**override)              # bad knobs fail here, as with an engine
+        config = args.engine_config(**override)     # bad knobs fail here, as with an engine
         self.device = resolve_device(args.device)
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
+        if config.quantization is not None:         # as the engine's runner would
+            report_weights(quantize_model(self._model, config.quantization,
+                                          config.quantization_group_size))
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)
         self.sampling_defaults = SamplingDefaults.of(

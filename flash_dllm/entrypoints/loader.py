@@ -3,6 +3,7 @@ turns a checkpoint folder and ``EngineArgs`` into a ready engine and its tokeniz
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     engine; ``config_override`` replaces ``EngineConfig`` fields."""
     args = args or EngineArgs()
     world = tensor_parallel_world(args)
+    quant = config_override.get("quantization", args.quantization)
+    if world > 1 and quant is not None:
+        raise ValueError(f"quantization={quant!r} with tensor_parallel_size={world} is not "
+                         "supported yet (each rank's shards would need their own group "
+                         "boundaries): use one device")
     if world > 1:
         from flash_dllm.entrypoints import tp_launch
         if "WORLD_SIZE" in os.environ:
@@ -33,7 +39,20 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     net, cfg = load_model(folder, device=resolve_device(args.device), dtype=args.dtype)
     tok = Tokenizer(folder)
     cfg = tok.resolve_ids(cfg)
-    return LoadedEngine(Engine(net, cfg, args.engine_config(**config_override)), tok, folder)
+    engine = Engine(net, cfg, args.engine_config(**config_override))
+    report_weights(engine.runner.weight_info)
+    return LoadedEngine(engine, tok, folder)
+
+
+def report_weights(info: dict) -> None:
+    """The start-up line of a quantized model: its stored weight bytes against unquantized."""
+    if info.get("quantization") is None:
+        return
+    group = f", group {info['group_size']}" if info.get("group_size") else ""
+    print(f"flash-dllm: weights {info['weight_bytes'] / 2**20:.1f} MiB as "
+          f"{info['quantization']}{group} ({info['unquantized_bytes'] / 2**20:.1f} MiB "
+          f"unquantized; {info['layers']} layers quantized; embeddings, LM head and MoE routers "
+          "kept)", file=sys.stderr, flush=True)
 
 
 def tensor_parallel_world(args: EngineArgs) -> int:

@@ -69,6 +69,11 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
         "model": str(llm.model_path), "device": str(llm.device),
         "dtype": str(next(llm.engine.model.parameters()).dtype).replace("torch.", ""),
     }
+    runner = getattr(getattr(llm, "engine", None), "runner", None)
+    info = getattr(runner, "weight_info", None)
+    if info is not None and info.get("quantization") is not None:     # --quantization
+        report["quantization"] = {k: info[k] for k in ("quantization", "group_size",
+                                                       "weight_bytes", "unquantized_bytes")}
     kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
     if kv is not None and getattr(kv, "prefix_reuse", False):
         st = kv.stats

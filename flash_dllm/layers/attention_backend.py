@@ -149,8 +149,9 @@ class PagedAttentionMetadata:
                 or self.kv_scales is not None):
             return self.attend_normed(layer, attn, x, positions)
         if qkv is not None and x.dim() == 2 and not self.special:
-            if qkv_rope_cache_op.ENABLED and qkv_rope_cache_op.takes_triton(x, qkv.weight,
-                                                                            self.kv):
+            # (the fused kernel reads a plain weight: a quantized projection runs its own GEMM)
+            if qkv_rope_cache_op.ENABLED and hasattr(qkv, "weight") \
+                    and qkv_rope_cache_op.takes_triton(x, qkv.weight, self.kv):
                 return self.attend_projected(layer, x, qkv, H, Hkv, positions, attn.rotary)
             if x.shape[0] > self.QKV_CHUNK_ROWS and not torch.is_grad_enabled():
                 return self.attend_chunked(layer, x, qkv, H, Hkv, positions, attn.rotary,

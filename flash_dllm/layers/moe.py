@@ -128,6 +128,9 @@ class MoE(nn.Module):
         # rank's experts [ep.start, ep.end) are the packed weights above, and ``ep.combine``
         # sums the ranks' partial outputs; None on one device
         self.ep = None
+        # quantized weights (``layers/quant.quantize_model``): the experts, called as
+        # ``(x, ids, weights)``, replace ``w_gate_up`` / ``w_down``; None: unquantized
+        self.quant_experts = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -168,7 +171,10 @@ class MoE(nn.Module):
             # another rank holds fall outside [0, E / N), which ``fused_moe`` skips, so this
             # rank computes exactly its experts' share of each token's weighted sum
             ids = ids - self.ep.start
-        out = fused_moe.op(flat, self.w_gate_up, self.w_down, ids, w)
+        if self.quant_experts is not None:
+            out = self.quant_experts(flat, ids, w)
+        else:
+            out = fused_moe.op(flat, self.w_gate_up, self.w_down, ids, w)
         if self.shared is not None:
             out = out + self.shared(flat)      # (under EP: this rank's slice of its width)
         if self.ep is not None:

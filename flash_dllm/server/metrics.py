@@ -115,6 +115,12 @@ class _SnapshotCollector:
                        "batch failed (each with an error naming the exception) and the engine "
                        "went on. A failure that stops the engine is not counted here.",
                        snap.failed_steps)
+        if snap.weight_bytes:
+            g = GaugeMetricFamily(PREFIX + "weight_bytes", "Bytes of the model's weights as "
+                                  "stored, by --quantization (none: the checkpoint's dtype).",
+                                  labels=["quantization"])
+            g.add_metric([snap.quantization], snap.weight_bytes)
+            yield g
         yield from _sentinels(snap)
         if snap.tiers is not None:
             yield from self._tiers(snap.tiers)

@@ -31,6 +31,7 @@ from flash_dllm.cache.paged import (PagedKVLayout, allocate_kv_cache, allocate_k
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
 from flash_dllm.layers.batch_invariant import batch_invariant
+from flash_dllm.layers.quant import quantize_model, weight_bytes
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request
 from flash_dllm.decoding.policies import DECODE_POLICIES
@@ -52,6 +53,14 @@ class ModelRunner:
         fuse = config.fuse_projections
         if fuse or (fuse is None and self.device.type == "cuda"):
             model.fuse_projections()
+        # quantized weights (``layers/quant.py``): after fusing, so q/k/v and gate/up are
+        # quantized as the GEMMs that run; the bytes are reported at start-up and in /metrics
+        self.quantization = config.quantization
+        self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
+        if config.quantization is not None:
+            self.weight_info = quantize_model(model, config.quantization,
+                                              config.quantization_group_size)
+        self.weight_bytes = self.weight_info["weight_bytes"]
         # NOTE: allocated before the KV pool is sized from gpu_memory_utilization, so the pool
         # accounts for it
         self.arena = torch.full((config.max_num_seqs, cfg.max_position), cfg.mask_token_id,

@@ -1,0 +1,99 @@
+"""FP8 (e4m3) GEMM with per-output-channel weight scales and per-token dynamic activation scales:
+``out = (q(x) * sx) @ (q(W) * sw)^T + bias``.
+
+Layout: ``qweight`` float8_e4m3fn ``[N, K]``, ``wscale`` float32 ``[N]`` (``W[n] ~ q(W)[n] *
+wscale[n]``, ``wscale = absmax(W[n]) / 448``). At each call every row of ``x`` is quantized the
+same way with its own scale (``absmax(x[m]) / 448``): no calibration, an outlier token costs only
+its own row's resolution.
+
+Paths (the same math):
+
+- CUDA with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper): ``torch._scaled_mm`` on
+  the e4m3 operands with row-wise scales (cuBLASLt), bf16/fp16 out; rows padded to a multiple of
+  16 (the kernel's alignment). ``supported(device)`` says whether a card has them; the layer
+  refuses ``fp8`` on one that does not (``layers/quant.py``).
+- Everywhere else (the CPU, tests): ``fp8_reference`` emulates it exactly as the tensor cores
+  compute it up to the accumulation order: quantize x per token to e4m3, dequantize both operands
+  to fp32, matmul in fp32, scale, add the bias, round once to x's dtype. The CPU measures the
+  accuracy of the format this way.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                       # torch.finfo(torch.float8_e4m3fn).max
+MIN_CAPABILITY = (8, 9)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether ``device`` runs FP8 GEMMs on tensor cores (CUDA, compute capability >= 8.9)."""
+    return device.type == "cuda" and _capability(device.index) >= MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    # (asked once per card: the layer's forward asks at every call)
+    return torch.cuda.get_device_capability(index)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` -> (e4m3 ``[..., N, K]``, float32 scales ``[..., N]``), per output row."""
+    wf = w.float()
+    scale = (wf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)              # [..., N]
+    q = (wf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic quantization: ``x [M, K]`` -> (e4m3 ``[M, K]``, float32 ``[M, 1]``)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # [M, 1]
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(qweight: torch.Tensor, wscale: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (qweight.float() * wscale.float().unsqueeze(-1)).to(dtype)
+
+
+def fp8_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: the FP8 GEMM emulated in fp32 (see the module)."""
+    lead = x.shape[:-1]
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    # NOTE: the scales are applied to the fp32 product, as the tensor cores' epilogue does
+    acc = F.linear(xq.float(), qweight.float()) * xs * wscale.float()    # [M, N]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype).view(*lead, -1)
+
+
+def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """The CUDA path: ``torch._scaled_mm`` with row-wise scales (x bf16 / fp16)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    pad = -M % 16
+    if pad:                                   # the kernel wants rows in multiples of 16
+        x2 = torch.cat([x2, x2.new_zeros(pad, K)])
+    xq, xs = quantize_rows(x2)
+    # (row-wise scaling wants a bf16 output; fp16 activations are cast back below)
+    out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=wscale.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    out = out[:M]
+    if bias is not None:
+        out = (out.float() + bias.float()).to(out.dtype)
+    return out.to(x.dtype).view(*lead, -1)
+
+
+def op(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+       bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 tensor cores where the device has them, the emulation elsewhere."""
+    if x.is_cuda and x.dtype != torch.float32 and supported(x.device):
+        return fp8_scaled_mm(x, qweight, wscale, bias)
+    return fp8_reference(x, qweight, wscale, bias)

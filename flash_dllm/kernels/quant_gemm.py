@@ -1,0 +1,257 @@
+"""Weight-only int8 / int4 GEMMs (W8A16 / W4A16): ``out = x @ dequant(W)^T + bias``, the weight
+dequantized inside the kernel from its packed integers and group scales.
+
+Layout (what ``quantize`` returns and the kernels read):
+
+- ``qweight``: int8 ``[N, K]`` (bits 8), or uint8 ``[N, K / 2]`` (bits 4: two weights per byte,
+  column ``2j`` in the low nibble, ``2j + 1`` in the high one, each stored as ``q + 8`` in
+  ``[0, 15]``);
+- ``scales``: float16 ``[N, K / group]``, one per output row and ``group`` consecutive inputs;
+- the weight is ``W[n, k] = q[n, k] * scales[n, k // group]`` (symmetric, no zero point):
+  ``q`` in [-127, 127] (int8) or [-8, 7] (int4, scale = group absmax / 7).
+
+Math (the reference and the kernel round at the same points): ``W`` dequantized in fp32, rounded
+once to x's dtype (the tensor-core input), the GEMM accumulated in fp32, bias added in fp32,
+rounded once to x's dtype. The kernel's K-order of accumulation is its tiling's (as any GEMM's):
+results agree with the reference to the dtype's rounding, not bitwise.
+
+Kernel, for skinny M (a batch-1 dLLM step is a 32-row GEMM: reading the weights is the whole
+cost, 64 FLOPs per weight byte at most, far below the ridge): a 3-D grid of (BLOCK_N columns,
+SPLIT_K slices of K, BLOCK_M rows). Each program streams its ``[BLOCK_N, K / SPLIT_K]`` slice of
+packed weights once, dequantizes in registers, and ``tl.dot``s against the (tiny, cached) x
+tile (int4: each byte is loaded once and its two nibbles meet x's even and odd columns in two
+dots, so no unpacked copy of the weights ever exists). With few column tiles (N / BLOCK_N below ~2 waves of SMs) the K split gives every SM a
+slice of the weights to stream; the slices write fp32 partials ``[SPLIT_K, M, N]`` that one
+``sum`` adds in a fixed order (deterministic: no atomics; at M = 32 the partials are
+32 x N x 4 bytes per slice, ~2 % of an int4 4096 x 4096 weight per slice). SPLIT_K = 1 writes
+the output directly. ``default_config`` picks the tiles from the shape and the SM count; the
+lead's H100 timings may retune it (``config=``).
+
+NOTE (batch invariance): the split and the tiles follow M (through ``default_config``), so a
+row's reduction order may change with the batch size; pass one ``config`` for bit-stable
+answers across batch sizes.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from flash_dllm.kernels._triton import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    check,
+    check_device,
+    check_dtype,
+    describe,
+    interpreting,
+    next_pow2,
+    use_triton,
+)
+
+INTERPRET = interpreting()  # see _triton: fixed when this module is imported
+INT_BITS = (8, 4)
+SCALE_DTYPE = torch.float16
+_QMAX = {8: 127, 4: 7}
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+                        stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP,
+                        BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if BITS == 8:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_end
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+                wmask = col_ok[:, None] & k_ok[None, :]
+                q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + ks[None, :],
+                            mask=wmask, other=0).to(tl.float32)               # [BN, BK]
+                s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_sn + ks[None, :] // GROUP,
+                            mask=wmask, other=0.0).to(tl.float32)
+                w = (q * s).to(x.dtype)                # rounded once, as the reference
+                if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+            else:
+                # each byte once: its low nibbles are the even columns, its high ones the odd
+                # columns; x's even and odd columns (strided, from cache) meet them in two dots
+                jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                     # byte index
+                ke = 2 * jb                                                   # even columns
+                k_ok = ke < k_end                     # (k_end is even: so are K and the slices)
+                xmask = row_ok[:, None] & k_ok[None, :]
+                xrow = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+                xe = tl.load(xrow + ke[None, :], mask=xmask, other=0.0)       # [BM, BK/2]
+                xo = tl.load(xrow + ke[None, :] + 1, mask=xmask, other=0.0)
+                wmask = col_ok[:, None] & k_ok[None, :]
+                b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + jb[None, :],
+                            mask=wmask, other=0).to(tl.int32)                 # [BN, BK/2]
+                srow = s_ptr + cols[:, None].to(tl.int64) * stride_sn
+                se = tl.load(srow + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+                so = tl.load(srow + (ke[None, :] + 1) // GROUP, mask=wmask,
+                             other=0.0).to(tl.float32)
+                we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
+                wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
+                if UPCAST:
+                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                    we, wo = we.to(tl.float32), wo.to(tl.float32)
+                acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
+                acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+        omask = row_ok[:, None] & col_ok[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=omask)
+        else:                                          # fp32 partials [SPLIT, M, N]
+            tl.store(out_ptr + pid_k.to(tl.int64) * stride_os
+                     + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc, mask=omask)
+
+
+# ------------------------------------------------------------------------------ quantization
+def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` (any float dtype; leading dims allowed, ``[..., N, K]``) -> (qweight,
+    scales) in the layout above. ``group`` must divide K (the caller names the layer when it
+    does not)."""
+    check(bits in INT_BITS, f"quantize: bits must be one of {INT_BITS}, got {bits}")
+    K = w.shape[-1]
+    check(group >= 1 and K % group == 0, f"quantize: group {group} must divide K = {K}")
+    check(bits == 8 or K % 2 == 0, f"quantize: int4 packs two weights per byte, K = {K} is odd")
+    wf = w.float().unflatten(-1, (K // group, group))                  # [..., N, K/g, g]
+    amax = wf.abs().amax(-1, keepdim=True)
+    # NOTE: the scale is rounded to its storage dtype first and the weights are quantized with
+    # the rounded scale, so dequant(q) is the nearest grid point of the scale actually stored
+    scale = (amax / _QMAX[bits]).clamp_min(1e-7).to(SCALE_DTYPE)
+    q = torch.round(wf / scale.float()).clamp(-_QMAX[bits] - (bits == 4), _QMAX[bits])
+    q = q.flatten(-2).to(torch.int8)                                   # [..., N, K]
+    if bits == 4:
+        u = (q + 8).to(torch.uint8)
+        q = u[..., 0::2] | (u[..., 1::2] << 4)                          # [..., N, K/2]
+    return q.contiguous(), scale.squeeze(-1).contiguous()
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers ``q`` [..., N, K] (int8) of a packed ``qweight``."""
+    if bits == 8:
+        return qweight
+    lo = (qweight & 0xF).to(torch.int8) - 8
+    hi = (qweight >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], dim=-1).flatten(-2)                   # [..., N, K]
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W = q * scale`` [..., N, K], computed in fp32 and rounded once to ``dtype``."""
+    q = unpack(qweight, bits).float()
+    group = q.shape[-1] // scales.shape[-1]
+    w = q.unflatten(-1, (scales.shape[-1], group)) * scales.float().unsqueeze(-1)
+    return w.flatten(-2).to(dtype)
+
+
+def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """PyTorch reference: x [..., K] -> [..., N] with the weight dequantized to x's dtype."""
+    w = dequantize(qweight, scales, bits, x.dtype)
+    if bias is None:
+        return F.linear(x, w)
+    return (F.linear(x, w).float() + bias.float()).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ Triton
+def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> dict:
+    """Tiles for an ``[M, K] x [N, K]^T`` GEMM: BLOCK_M covers the rows (16-64), BLOCK_N 64 (32
+    when N is small), BLOCK_K 128 (32-128 for small K); SPLIT_K grows (powers of 2) until the grid holds ~2
+    waves of ``num_sms`` programs, keeping at least 4 BLOCK_K steps per slice."""
+    block_m = min(64, max(16, next_pow2(M)))
+    block_n = 64 if N >= 64 * num_sms // 2 else 32
+    block_k = min(128, max(32, next_pow2(K)))        # (int4: BLOCK_K / 2 >= 16 for tl.dot)
+    tiles = -(-N // block_n) * -(-M // block_m)
+    split = 1
+    while tiles * split < 2 * num_sms and K // (split * 2) >= 4 * block_k:
+        split *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
+            "num_warps": 4, "num_stages": 3}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None, bits: int, config: dict | None = None
+                       ) -> torch.Tensor:
+    """x [M, K] (rows contiguous) -> [M, N] in x's dtype, as ``weight_only_reference``."""
+    check(HAS_TRITON, "quant_gemm: triton is not importable")
+    check(bits in INT_BITS, f"quant_gemm: bits must be one of {INT_BITS}, got {bits}")
+    check(x.dim() == 2 and x.stride(1) == 1,
+          f"quant_gemm: x must be [M, K] with contiguous rows, got {describe(x)} strides "
+          f"{x.stride()}")
+    check_dtype("quant_gemm: x", x, FLOAT_DTYPES)
+    M, K = x.shape
+    N = qweight.shape[0]
+    want = torch.int8 if bits == 8 else torch.uint8
+    check(qweight.dtype == want and qweight.dim() == 2 and qweight.is_contiguous()
+          and qweight.shape[1] * (8 // bits) == K,
+          f"quant_gemm: int{bits} qweight must be a contiguous {want} [N, {K * bits // 8}], got "
+          f"{describe(qweight)}")
+    check(scales.dim() == 2 and scales.shape[0] == N and scales.shape[1] >= 1
+          and K % scales.shape[1] == 0 and scales.stride(1) == 1,
+          f"quant_gemm: scales must be [N={N}, K / group] with K = {K}, got {describe(scales)}")
+    check(bias is None or (bias.shape == (N,) and bias.is_contiguous()),
+          f"quant_gemm: bias must be None or [N={N}], got {describe(bias)}")
+    check_device("quant_gemm", INTERPRET, x, qweight, scales)
+    group = K // scales.shape[1]
+    cfg = config or default_config(M, N, K, group, _num_sms(x.device))
+    check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
+          f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
+    split = cfg["SPLIT_K"]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    per = -(-K // split)
+    per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]        # slices start on a BLOCK_K boundary
+    split = -(-K // per)
+    dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
+    _wq_gemm_kernel[grid](
+        x, qweight, scales, bias if bias is not None else scales, dst, M, N, K, per,
+        x.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0, group,
+        BITS=bits, HAS_BIAS=bias is not None and split == 1, SPLIT=split, UPCAST=INTERPRET,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+    if split > 1:
+        acc = dst.sum(0)                                     # fixed order: deterministic
+        if bias is not None:
+            acc += bias.float()
+        out.copy_(acc)
+    return out
+
+
+def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+       bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """``x [..., K] -> [..., N]``: Triton on CUDA, the reference elsewhere."""
+    if not use_triton(x, qweight):
+        return weight_only_reference(x, qweight, scales, bias, bits)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, -1)

@@ -1,0 +1,198 @@
+"""Quantized weights: a linear method per mode, the module that holds a quantized weight, and
+``quantize_model`` that swaps them in after loading (and after ``fuse_projections``).
+
+One seam, as vLLM's ``LinearMethod``: a ``QuantLinear`` keeps its packed tensors as (frozen)
+parameters and its ``forward`` is ``method.apply(self, x)``; the attention, MLP and MoE code call
+it as they call an ``nn.Linear``. Modes (``QUANT_MODES``):
+
+- ``fp8``: e4m3 weights with one float32 scale per output channel, activations quantized per
+  token at every call (dynamic), the GEMM on FP8 tensor cores (``kernels/fp8_gemm.py``; the CPU
+  emulates it). 1 byte per weight.
+- ``int8`` / ``int4``: weight-only, one float16 scale per output row and ``group_size`` inputs,
+  dequantized inside the GEMM kernel (``kernels/quant_gemm.py``, W8A16 / W4A16). 1 / 0.5 bytes
+  per weight plus 2 / group_size for the scales.
+
+What is quantized: every projection of the transformer blocks (q/k/v or qkv, o, gate/up or
+gate_up, down, a MoE layer's packed experts and its shared expert). Kept in the model's dtype:
+the embeddings, the LM head (the confidence every decode policy ranks slots by is read from its
+logits) and a MoE router (which experts run is a discrete choice; its weight is E x d, tiny).
+
+NOTE (MoE experts): the packed experts are stored quantized but computed by dequantizing the
+whole layer's experts into the model's dtype and running ``kernels/fused_moe`` on them: the
+memory saving is real, the step is not faster (it reads more bytes than bf16). A grouped GEMM
+that dequantizes inside the kernel is future work. Under ``fp8`` the experts are weight-only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flash_dllm.kernels import fp8_gemm, fused_moe, quant_gemm
+from flash_dllm.layers.moe import MoE
+
+QUANT_MODES = ("fp8", "int8", "int4")
+DEFAULT_GROUP_SIZE = 128
+
+
+class QuantError(ValueError):
+    """A quantization request this model cannot take, in one line naming the field and layer."""
+
+
+class Fp8Method:
+    """fp8 e4m3 weights, per-output-channel scales, per-token dynamic activation scales."""
+
+    name = "fp8"
+    names = ("qweight", "wscale")
+
+    def check(self, layer: str, in_features: int, device: torch.device) -> None:
+        if device.type == "cuda" and not fp8_gemm.supported(device):
+            cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            raise QuantError(f"quantization='fp8' needs FP8 tensor cores (CUDA compute "
+                             f"capability >= 8.9), {device} has {cap}: use 'int8' or 'int4'")
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fp8_gemm.quantize_weight(w)
+
+    def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
+        return fp8_gemm.dequantize(*tensors, dtype)
+
+    def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
+        return fp8_gemm.op(x, layer.qweight, layer.wscale, layer.bias)
+
+
+class IntMethod:
+    """int8 / int4 weight-only with group scales (W8A16 / W4A16)."""
+
+    names = ("qweight", "scales")
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.name = f"int{bits}"
+
+    def check(self, layer: str, in_features: int, device: torch.device) -> None:
+        if self.bits == 4 and in_features % 2:
+            raise QuantError(f"quantization='int4' packs two weights per byte: the input width "
+                             f"{in_features} of layer {layer} is odd (use 'int8')")
+        if in_features % self.group_size:
+            raise QuantError(f"quantization_group_size={self.group_size} does not divide the "
+                             f"input width {in_features} of layer {layer}: pass a group size "
+                             f"that divides it (e.g. --quantization-group-size "
+                             f"{_largest_pow2_divisor(in_features, self.group_size)})")
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quant_gemm.quantize(w, self.bits, self.group_size)
+
+    def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
+        return quant_gemm.dequantize(*tensors, self.bits, dtype)
+
+    def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
+        return quant_gemm.op(x, layer.qweight, layer.scales, layer.bias, self.bits)
+
+
+def _largest_pow2_divisor(n: int, at_most: int) -> int:
+    g = 1
+    while g * 2 <= at_most and n % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def make_method(mode: str, group_size: int = DEFAULT_GROUP_SIZE):
+    if mode == "fp8":
+        return Fp8Method()
+    if mode in ("int8", "int4"):
+        return IntMethod(int(mode[3:]), group_size)
+    raise QuantError(f"quantization must be one of {list(QUANT_MODES)}, got {mode!r}")
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored quantized (``method``'s tensors, as parameters, so
+    ``.to()`` moves them and weight counts see them); the bias stays in the model's dtype."""
+
+    def __init__(self, linear: nn.Linear, method) -> None:
+        super().__init__()
+        self.method = method
+        self.out_features, self.in_features = linear.weight.shape
+        for name, t in zip(method.names, method.quantize(linear.weight.detach())):
+            setattr(self, name, _frozen(t))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as the GEMM sees it, [out, in] (tests, debugging)."""
+        return self.method.dequantize([getattr(self, n) for n in self.method.names], dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.method.name}"
+
+
+class QuantExperts(nn.Module):
+    """A MoE layer's packed experts, quantized (``w_gate_up`` [E, 2I, d], ``w_down`` [E, d, I])
+    and called as ``(x, topk_ids, topk_weights) -> out``; see the module's NOTE."""
+
+    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, method) -> None:
+        super().__init__()
+        self.method = method
+        for part, w in (("gate_up", w_gate_up), ("down", w_down)):
+            for name, t in zip(method.names, method.quantize(w.detach())):
+                setattr(self, f"{part}_{name}", _frozen(t))
+
+    def weights(self, part: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.method.dequantize([getattr(self, f"{part}_{n}") for n in self.method.names],
+                                      dtype)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe.op(x, self.weights("gate_up", x.dtype), self.weights("down", x.dtype),
+                            topk_ids, topk_weights)
+
+
+# the linears kept in the model's dtype, by their attribute name (see the module)
+KEEP = ("lm_head", "embed")
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict:
+    """Replace the model's projections (and MoE experts) by quantized ones, in place.
+
+    Every layer is checked before any is changed, so a bad group size fails with the model
+    intact. Returns ``{"quantization", "group_size", "weight_bytes", "unquantized_bytes",
+    "layers"}``."""
+    if getattr(model, "tp", None) is not None:
+        raise QuantError(f"quantization={mode!r} with tensor parallelism is not supported yet "
+                         "(the shards would need their own group boundaries): use one device")
+    method = make_method(mode, group_size)
+    before = weight_bytes(model)
+    device = next(model.parameters()).device
+    targets = []                                   # (parent, attribute, qualified name)
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            qual = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and child_name not in KEEP \
+                    and not (isinstance(module, MoE) and child_name == "gate"):
+                method.check(qual, child.in_features, device)
+                targets.append((module, child_name, qual))
+        if isinstance(module, MoE):
+            method.check(f"{name}.w_gate_up", module.w_gate_up.shape[-1], device)
+            method.check(f"{name}.w_down", module.w_down.shape[-1], device)
+            targets.append((module, None, name))
+    for parent, attr, _ in targets:
+        if attr is None:                                       # a MoE layer's experts
+            parent.quant_experts = QuantExperts(parent.w_gate_up, parent.w_down, method)
+            del parent.w_gate_up, parent.w_down
+        else:
+            setattr(parent, attr, QuantLinear(getattr(parent, attr), method))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"quantization": mode, "group_size": group_size if mode != "fp8" else None,
+            "weight_bytes": weight_bytes(model), "unquantized_bytes": before,
+            "layers": len(targets)}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters as stored (quantized ones included)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
