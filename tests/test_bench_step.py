@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from flash_dllm.bench.step import SHAPES, run_bench, shape_config, step_flops
+from flash_dllm.bench.shapes import SHAPES, shape_config
+from flash_dllm.bench.step import run_bench, step_flops
 
 
 def test_report_fields_and_refresh_split():

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from conftest import (EOS_ID, EOT_ID, EXACT, MASK_ID, TINY_VOCAB_SIZE, llada2_tensors,
                       tiny_llada2_config, write_tiny_llada2_checkpoint)
 from flash_dllm import LLM, SamplingParams
-from flash_dllm.bench.step import SHAPES
+from flash_dllm.bench.shapes import SHAPES
 from flash_dllm.kernels import fused_moe
 from flash_dllm.layers.attention import block_causal
 from flash_dllm.layers.moe import MoE, MoEConfig

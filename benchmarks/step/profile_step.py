@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from flash_dllm.bench.step import copy_bandwidth, shape_config
+from flash_dllm.bench.shapes import shape_config
+from flash_dllm.bench.step import copy_bandwidth
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.models.loader import build_model

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from flash_dllm.bench.step import shape_config
+from flash_dllm.bench.shapes import shape_config
 from flash_dllm.cache.io.kv_offload import MOVE_GROUP_PAGES, KVOffloader
 from flash_dllm.cache.tiers import Block, Store
 from flash_dllm.models.loader import parse_dtype

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from flash_dllm.bench.memory import _sync, _time
-from flash_dllm.bench.step import shape_config, with_max_len
+from flash_dllm.bench.shapes import shape_config, with_max_len
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.models.loader import build_model, parse_dtype

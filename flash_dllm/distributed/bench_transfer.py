@@ -64,7 +64,7 @@ class KVShape:
         return (pages, self.layers, 2, self.page_size, self.kv_heads, self.head_dim)
 
 
-# The KV side of flash_dllm.bench.step.SHAPES: LLaDA-8B is 512 KiB per token in bf16.
+# The KV side of flash_dllm.bench.shapes.SHAPES: LLaDA-8B is 512 KiB per token in bf16.
 KV_SHAPES: dict[str, KVShape] = {
     "llada-8b": KVShape(layers=32, kv_heads=32, head_dim=128),
     "dream-7b": KVShape(layers=28, kv_heads=4, head_dim=128),

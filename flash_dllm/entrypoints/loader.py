@@ -85,7 +85,7 @@ def load_random_engine(shape: str, args: EngineArgs | None = None, max_len: int 
     with the demo model's tokenizer and chat template: what serving benchmarks time where no
     checkpoint of that size can be shipped (its answers are noise; its costs are real).
     ``max_len``: at least this many positions."""
-    from flash_dllm.bench.step import shape_config, with_max_len
+    from flash_dllm.bench.shapes import shape_config, with_max_len
     from flash_dllm.models.loader import DEMO_MODEL, build_model
 
     args = args or EngineArgs()

@@ -54,7 +54,7 @@ def launch(args, prefill_workers: int = 1, decode_workers: int = 1, *,
         raise ValueError("--kv-overflow-gb (requests larger than the GPU pool) is not supported "
                          "with --disaggregate yet")
     if model_shape:
-        from flash_dllm.bench.step import shape_config
+        from flash_dllm.bench.shapes import shape_config
         from flash_dllm.models import registry
         raw = shape_config(model_shape)
         cfg = registry.resolve(raw).parse_config(raw)

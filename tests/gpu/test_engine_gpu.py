@@ -87,7 +87,7 @@ def test_fused_step_graphs_random_model(cache, decode, steps):
     """A random-init model of the demo shape is unsure of everything, so threshold commits one
     token per step: 32 steps per block, so the fused graphs are captured and replayed across
     blocks and batch changes (requests of different lengths finish at different times)."""
-    from flash_dllm.bench.step import shape_config
+    from flash_dllm.bench.shapes import shape_config
     from flash_dllm.engine.engine import Engine
     from flash_dllm.models.loader import build_model
     model = build_model(shape_config("demo"), device=torch.device("cuda"), dtype="float32",
@@ -120,7 +120,7 @@ def test_fused_verify_graphs_random_model(cache):
     so every step verifies up to 31 drafts (gamma 1e-6: agreement alone decides). The batched verification
     attention sums in another order than the per-request one, so a near-tie may flip: at most
     one of the four requests may differ."""
-    from flash_dllm.bench.step import shape_config
+    from flash_dllm.bench.shapes import shape_config
     from flash_dllm.engine.engine import Engine
     from flash_dllm.models.loader import build_model
     model = build_model(shape_config("demo"), device=torch.device("cuda"), dtype="float32",
