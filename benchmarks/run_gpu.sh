@@ -20,6 +20,10 @@
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
 #           quant    bench step of bf16 / fp8 / int8 / int4 weights, LLaDA-8B shape (not timed yet)
+#           kvfp8    bench step with fp8 KV pages against the model dtype, batch 1 and 64 (not timed yet)
+#           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
+#                    llada2-mini (model and uniform routing; the graph bug's re-check) (not timed yet)
+#           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites, n = 200
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -27,7 +31,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families llada2)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -105,8 +109,47 @@ group_quant() {
   # issue 40: one random-init model per weight mode, dual steps side by side; each row's floor
   # is from its mode's stored bytes
   run step_quant_h200 540 "$OUT/step/step_quant_h200.json" \
-    "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 8 32 \
+    "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 64 \
     --json "$OUT/step/step_quant_h200.json"
+}
+
+group_kvfp8() {
+  # issue 40: fp8 K/V pages must not slow the batch-64 step (same card, same call)
+  for dt in auto fp8; do
+    run step_kv_${dt}_h200 240 "$OUT/step/step_kv_${dt}_h200.json" \
+      "${FD[@]}" bench step --kv-cache-dtype $dt --cache dual --batch 1 64 \
+      --json "$OUT/step/step_kv_${dt}_h200.json"
+  done
+}
+
+group_families() {
+  # issue 41 (and 39's re-check of the CUDA-graph fix at batch 64 with the random router)
+  run step_sdar4b_h200 240 "$OUT/step/step_sdar4b_block4_h200.json" \
+    "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 128 \
+    --json "$OUT/step/step_sdar4b_block4_h200.json"
+  run step_sdar30b_h200 240 "$OUT/step/step_sdar30b_block4_uniform_h200.json" \
+    "${FD[@]}" bench step --model-shape sdar-30b-a3b --cache block --block-length 4 --batch 1 \
+    --routing uniform --json "$OUT/step/step_sdar30b_block4_uniform_h200.json"
+  run step_lladamoe_h200 240 "$OUT/step/step_llada_moe_7b_h200.json" \
+    "${FD[@]}" bench step --model-shape llada-moe-7b --cache prefix dual --batch 1 \
+    --routing uniform --json "$OUT/step/step_llada_moe_7b_h200.json"
+  run step_llada2_mini_h200 240 "$OUT/step/step_llada2_mini_block_h200.json" \
+    "${FD[@]}" bench step --model-shape llada2-mini --cache block --batch 1 8 64 \
+    --json "$OUT/step/step_llada2_mini_block_h200.json"
+}
+
+group_llada2() {
+  # issue 39: the trained LLaDA2 proxy under CUDA graphs, then its accuracy (exact / threshold)
+  run llada2_gpu_test 240 - python3 -m pytest -q tests/gpu/test_engine_gpu.py -k block_causal_moe
+  for S in chain code-long; do
+    run llada2_exact_$S 120 "$OUT/accuracy/eval_exact_llada2_${S}_h200.json" \
+      "${FD[@]}" eval --model proxy-llada2 --suite $S --n 200 --device cuda --dtype float32 \
+      --decode vanilla --cache block --no-progress --json "$OUT/accuracy/eval_exact_llada2_${S}_h200.json"
+    run llada2_threshold_$S 120 "$OUT/accuracy/eval_threshold_llada2_${S}_h200.json" \
+      "${FD[@]}" eval --model proxy-llada2 --suite $S --n 200 --device cuda --dtype float32 \
+      --decode threshold --threshold 0.9 --cache block --no-progress \
+      --json "$OUT/accuracy/eval_threshold_llada2_${S}_h200.json"
+  done
 }
 
 group_profile() {
