@@ -96,10 +96,11 @@ def run(a: argparse.Namespace) -> int:
               if a.matrix else [(base.cache, base.decode)])
     reports = []
     for cache, decode in combos:
-        # the verify-only sentinels apply to the verify rows of a matrix only
-        only_verify = {} if decode == "verify" else {"entropy_max": None, "perturb_sigma": None}
+        # a policy's own knobs (verify's sentinels) apply to that policy's rows of a matrix only
+        others = {k: None for p in DECODE_POLICIES.values() for k in p.own_knobs
+                  if k not in DECODE_POLICIES[decode].own_knobs}
         params = sampling_from_args(a, defaults=llm.sampling_defaults, cache=cache,
-                                    decode=decode, **only_verify)
+                                    decode=decode, **others)
         r = run_eval(llm, suite, a.n, params, seed=a.eval_seed, chat=a.chat,
                      progress=not a.no_progress, repeat=a.repeat)
         if a.suite == "jsonl":

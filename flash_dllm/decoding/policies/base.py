@@ -78,6 +78,9 @@ class DecodePolicy:
     # its fused index vector depends only on the requests and their blocks (not on the step
     # within the block), so it is reused for every step of a block
     fused_static_per_block: bool = True
+    # SamplingParams knobs only this policy reads: a run that compares policies (``eval
+    # --matrix``) resets them to None for every other policy
+    own_knobs: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------------------ general path
     def extra_rows(self, req, state, logit_shift: int, start: int):

@@ -56,6 +56,7 @@ class VerifyPolicy(DecodePolicy):
     needs_logits = True
     adds_rows = True
     fusable = True
+    own_knobs = ("entropy_max", "perturb_sigma")     # its sentinels act on verification rows
     # a fused verify step's largest tensor (logits, gathered canvas K or V, attention scores;
     # ``verify_fused.fits``), in elements: 2**27 is 256 MiB of bf16 logits, LLaDA-8B's
     # vocabulary at batch 16 with 32 + 32 rows per request
