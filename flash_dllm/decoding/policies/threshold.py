@@ -13,6 +13,7 @@ from flash_dllm.transfer import h2d
 class ThresholdPolicy(DecodePolicy):
     name = "threshold"
     fusable = True
+    holds_back = True
 
     def select(self, ctx, members):
         conf = ctx.conf
@@ -23,7 +24,10 @@ class ThresholdPolicy(DecodePolicy):
         tau = h2d([ctx.batch[i].params.threshold for i in members] + [float("inf")], conf.dtype,
                   conf.device)
         mine = gid >= 0
-        ctx.keep |= select_threshold(conf, torch.where(mine, gid, G), G + 1, tau) & mine
+        keep = select_threshold(conf, torch.where(mine, gid, G), G + 1, tau) & mine
+        for ext in ctx.holders:           # (the precision-fallback sentinel)
+            keep &= ~ext.hold_back(ctx, members, keep, gid)
+        ctx.keep |= keep
 
     def fused_fields(self, batch, signature, dims):
         return (), [("tau", len(batch))]
