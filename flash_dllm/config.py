@@ -166,10 +166,13 @@ class SamplingParams:
         if self.max_verify > self.block_length:
             raise ValueError(f"max_verify must be in [1, block_length={self.block_length}], "
                              f"got {self.max_verify}")
-        for name in ("entropy_max", "perturb_sigma"):
-            if getattr(self, name) is not None and self.decode != "verify":
-                raise ValueError(f"{name} needs decode='verify' (a slot it flags is drafted for "
-                                 f"verification), got decode={self.decode!r}")
+        # a policy's own knobs (``DecodePolicy.own_knobs``: verify's sentinels) with another
+        own = DECODE_POLICIES[self.decode].own_knobs
+        for owner in DECODE_POLICIES:
+            for name in DECODE_POLICIES[owner].own_knobs:
+                if getattr(self, name) is not None and name not in own:
+                    raise ValueError(f"{name} needs decode={owner!r} (a knob of that policy "
+                                     f"only), got decode={self.decode!r}")
         if self.drift_min is not None and self.decode == "verify":
             raise ValueError("drift_min does not run with decode='verify' (the verification "
                              "rows' attention would enter the drift test's mass)")
