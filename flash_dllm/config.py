@@ -35,7 +35,6 @@ _GIB_LIMIT = 1 << 20                     # host tiers: sizes below 1 PiB (an int
 # --quantization (``flash_dllm.layers.quant.QUANT_MODES``, checked equal in tests/test_quant.py;
 # not imported from there: the config stays free of torch)
 QUANT_MODES = ("fp8", "int8", "int4")
-QUANT_FALLBACK_MODES = ("int8", "fp8")     # ``layers.quant.FALLBACK_MODES``, likewise
 # what each mode cost in accuracy, from the committed reports (benchmarks/README.md, "Quantized
 # weights"); filled in from benchmarks/results/accuracy/quant_*_cpu.json
 QUANT_ACCURACY = ("Measured on the CPU against unquantized: demo model, exact sampler, n = 200: "
@@ -113,11 +112,6 @@ class SamplingParams:
                                              "under this logit noise", gt=0)
     kv_jaccard_min: float | None = knob(None, "KV sentinel: refresh keys when a slot's top-k "
                                               "overlap drops below this", gt=0, le=1)
-    precision_fallback: float | None = knob(
-        None, "precision-fallback sentinel (a model loaded with --quantization-fallback; decode "
-              "threshold): a slot the step would commit whose entropy is above this (nats) is "
-              "held back, and the request's next forward runs at the fallback precision "
-              "(eagerly), which commits by the normal rule", gt=0)
     kv_top_k: int = knob(8, "k of the KV sentinel and of the drift test (default: %(default)s)",
                          ge=1)
     # --- cache="flash": cached positions (most attended last step) recomputed per step
@@ -279,12 +273,6 @@ class EngineConfig:
               "(weight-only, one scale per --quantization-group-size inputs, dequantized inside "
               "the GEMM kernel; 1 or 0.5 byte/weight + scales). " + QUANT_ACCURACY
               + " (default: none, the checkpoint's dtype)", choices=QUANT_MODES)
-    # the precision-fallback sentinel's second copy (``SamplingParams.precision_fallback``)
-    quantization_fallback: str | None = knob(
-        None, "with --quantization int4: keep a second copy of the quantized layers at this "
-              "finer mode; a request's step that its --precision-fallback sentinel flags is "
-              "recomputed with it (the weights' memory grows by that copy) (default: none)",
-        choices=QUANT_FALLBACK_MODES)
     quantization_group_size: int = knob(
         128, "int8 / int4: input columns sharing one scale; must divide every quantized "
              "layer's input width (default: %(default)s)", ge=1)
@@ -418,9 +406,6 @@ class EngineConfig:
                 raise ValueError("kv_cache_dtype='fp8' pages leave the GPU as they are (fp8 "
                                  "codes and scales): kv_offload_dtype must be bf16 or fp8 "
                                  "with it, got 'int8'")
-        if self.quantization_fallback is not None and self.quantization is None:
-            raise ValueError("quantization_fallback is a second copy of quantized weights: set "
-                             "quantization (--quantization int4) too")
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")

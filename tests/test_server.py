@@ -268,11 +268,8 @@ def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
     defaults = SamplingParams()
     for body in (verify, drift, edit):
         assert all(v != getattr(defaults, k) for k, v in body.items()), body
-    # a new knob is a new body field (generated): send it here too. precision_fallback needs a
-    # model quantized with a fallback copy: this one refuses it (400 below); it runs in
-    # tests/test_precision_fallback.py
-    assert set(verify) | set(drift) | set(edit) | {"precision_fallback"} \
-        == {f.name for f in fields(SamplingParams)}
+    # a new knob is a new body field (generated): send it here too
+    assert set(verify) | set(drift) | set(edit) == {f.name for f in fields(SamplingParams)}
 
     async def go():
         async with client(app) as c:
@@ -280,8 +277,7 @@ def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
                   for kw in (verify, drift, edit)]
             bad = [await c.post("/v1/completions", json={"prompt": "Hello", **kw})
                    for kw in ({"kv_jaccard_min": 1.5}, {"max_verify": 0, "decode": "verify"},
-                              {"verify_rule": "majority"}, {"drift_min": "0.9"},
-                              {"precision_fallback": 0.5})]
+                              {"verify_rule": "majority"}, {"drift_min": "0.9"})]
             return ok, bad, metrics_of((await c.get("/metrics")).text)
     ok, bad, m = run(go())
     for r, body, params in zip(ok, (verify, drift, edit), seen):
@@ -292,8 +288,7 @@ def test_every_sampling_knob_rides_in_the_body(ckpt, llm):
     checks = aeng.engine.stats["sentinel_checks"]
     assert all(checks[s] > 0 for s in ("kv_consistency", "entropy", "perturbation", "drift"))
     assert 0 <= m["flash_dllm_sentinel_trigger_rate"] <= 1
-    for r, field in zip(bad, ("kv_jaccard_min", "max_verify", "verify_rule", "drift_min",
-                              "precision_fallback")):
+    for r, field in zip(bad, ("kv_jaccard_min", "max_verify", "verify_rule", "drift_min")):
         assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 
 

@@ -8,7 +8,7 @@ one each; a step hands back one per request that counted anything (``StepResult.
 from __future__ import annotations
 
 # the sentinels and triggers whose checks and triggers are counted (and exported as metrics)
-SENTINELS = ("entropy", "perturbation", "kv_consistency", "lazy_load", "drift", "precision")
+SENTINELS = ("entropy", "perturbation", "kv_consistency", "lazy_load", "drift")
 
 
 def new_counters() -> dict:

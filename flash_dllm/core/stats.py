@@ -138,4 +138,3 @@ class EngineStats:
     runtime: RuntimeStats = field(default_factory=RuntimeStats)
     weight_bytes: int = 0                   # the model's weights as stored (0: not known here)
     quantization: str = "none"              # --quantization (fp8, int8, int4) or none
-    fallback_forwards: int = 0              # forwards on the --quantization-fallback copy

@@ -42,7 +42,7 @@ from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.transformer import DiffusionTransformer
-from flash_dllm.worker.extensions import EXTENSIONS, has_hook, refusal
+from flash_dllm.worker.extensions import EXTENSIONS, has_hook
 from flash_dllm.worker.runner import ModelRunner
 from flash_dllm.worker.state import SeqState
 
@@ -120,11 +120,8 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request can never run. Reads only
         immutable configuration (the async engine calls it from the event loop)."""
-        params = resolve_params(params, self.cfg)
-        check_request(prompt_ids, params, self.limits, self._overflow_refusal)
-        why = refusal(params, self.runner)
-        if why is not None:
-            raise ValueError(why)
+        check_request(prompt_ids, resolve_params(params, self.cfg), self.limits,
+                      self._overflow_refusal)
 
     def _overflow_refusal(self, total: int, params: SamplingParams) -> str | None:
         """Why a request larger than the pool cannot stream its overflow (None: it can)."""

@@ -38,8 +38,7 @@ def engine_stats(engine) -> EngineStats:
             h2d_bytes=ov.stats["h2d_bytes"], d2h_bytes=ov.stats["d2h_bytes"],
             steps=ov.stats["steps"]),
         runtime=runtime_stats(runner), weight_bytes=runner.weight_bytes,
-        quantization=runner.quantization or "none",
-        fallback_forwards=getattr(runner, "fallback_forwards", 0))
+        quantization=runner.quantization or "none")
 
 
 def tier_stats(kv, offload) -> TierStats:

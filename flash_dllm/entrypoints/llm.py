@@ -39,8 +39,7 @@ class LLM:
     (``EngineConfig.deterministic``): a request's answer does not depend on what else runs or
     is cached (docs/serving.md#same-answer-under-load). ``quantization="fp8" | "int8" | "int4"``
     (``EngineConfig.quantization``, with ``quantization_group_size``): the weights quantized at
-    load (``flash_dllm/layers/quant.py``); ``quantization_fallback="int8"`` keeps a second copy
-    for the precision-fallback sentinel (``SamplingParams.precision_fallback``).
+    load (``flash_dllm/layers/quant.py``).
 
     NOTE: a model the paged engine cannot run (``ModelConfig.paged_unsupported`` says why) loads
     without an engine: ``logits`` works through the dense forward, while ``generate`` / ``chat``
@@ -53,13 +52,11 @@ class LLM:
                  tensor_parallel_size: int = 1,
                  sampling_defaults: dict | None = None,
                  deterministic: bool | None = None, quantization: str | None = None,
-                 quantization_group_size: int | None = None,
-                 quantization_fallback: str | None = None) -> None:
+                 quantization_group_size: int | None = None) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
         for name, value in (("max_num_seqs", max_num_seqs), ("deterministic", deterministic),
                             ("quantization", quantization),
-                            ("quantization_group_size", quantization_group_size),
-                            ("quantization_fallback", quantization_fallback)):
+                            ("quantization_group_size", quantization_group_size)):
             if value is not None:
                 override[name] = value
         args = EngineArgs(model=None if model is None else str(model), device=device,
@@ -84,8 +81,7 @@ class LLM:
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
         if config.quantization is not None:         # as the engine's runner would
             report_weights(quantize_model(self._model, config.quantization,
-                                          config.quantization_group_size,
-                                          config.quantization_fallback))
+                                          config.quantization_group_size))
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)
         self.sampling_defaults = SamplingDefaults.of(

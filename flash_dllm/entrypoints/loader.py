@@ -52,9 +52,7 @@ def report_weights(info: dict) -> None:
     print(f"flash-dllm: weights {info['weight_bytes'] / 2**20:.1f} MiB as "
           f"{info['quantization']}{group} ({info['unquantized_bytes'] / 2**20:.1f} MiB "
           f"unquantized; {info['layers']} layers quantized; embeddings, LM head and MoE routers "
-          "kept)" + (f"; of which {info['fallback_bytes'] / 2**20:.1f} MiB the {info['fallback']} "
-                     "fallback copy" if info.get("fallback") else ""),
-          file=sys.stderr, flush=True)
+          "kept)", file=sys.stderr, flush=True)
 
 
 def tensor_parallel_world(args: EngineArgs) -> int:

@@ -69,9 +69,11 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
         "model": str(llm.model_path), "device": str(llm.device),
         "dtype": str(next(llm.engine.model.parameters()).dtype).replace("torch.", ""),
     }
-    weights = _weights_report(getattr(getattr(llm, "engine", None), "runner", None), outs)
-    if weights is not None:                                           # --quantization
-        report["quantization"] = weights
+    runner = getattr(getattr(llm, "engine", None), "runner", None)
+    info = getattr(runner, "weight_info", None)
+    if info is not None and info.get("quantization") is not None:     # --quantization
+        report["quantization"] = {k: info[k] for k in ("quantization", "group_size",
+                                                       "weight_bytes", "unquantized_bytes")}
     kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
     if kv is not None and getattr(kv, "prefix_reuse", False):
         st = kv.stats
@@ -87,26 +89,6 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
              "forwards": o.num_forwards}
             for p, c, k, o in zip(problems, completions, ok, outs)]
     return report
-
-
-def _weights_report(runner, outs) -> dict | None:
-    """A quantized model's mode and bytes; with a fallback copy, how much the run used it."""
-    info = getattr(runner, "weight_info", None)
-    if info is None or info.get("quantization") is None:
-        return None
-    out = {k: info[k] for k in ("quantization", "group_size", "weight_bytes",
-                                "unquantized_bytes")}
-    if info.get("fallback"):               # the precision-fallback sentinel's copy and its use
-        fwd = sum(o.num_forwards for o in outs)
-        n_fb, rb = runner.fallback_forwards, info["read_bytes"]
-        out.update(fallback=info["fallback"], fallback_bytes=info["fallback_bytes"],
-                   read_bytes_per_forward=rb, fallback_forwards=n_fb,
-                   fallback_share=n_fb / max(fwd, 1),
-                   # what the run's forwards read, per answer (batch 1: the batch's forward is
-                   # the request's; at larger batches a fallback forward serves every member)
-                   read_bytes_per_sample=(rb["main"] * (fwd - n_fb) + rb["fallback"] * n_fb)
-                   / max(len(outs), 1))
-    return out
 
 
 def _decode(llm, problems, params: SamplingParams, chat: bool, progress: bool | str) -> list:

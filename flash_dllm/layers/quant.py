@@ -24,8 +24,6 @@ that dequantizes inside the kernel is future work. Under ``fp8`` the experts are
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
@@ -34,35 +32,6 @@ from flash_dllm.layers.moe import MoE
 
 QUANT_MODES = ("fp8", "int8", "int4")
 DEFAULT_GROUP_SIZE = 128
-# the modes a second, finer copy of the projections may take (``quantize_model(fallback=...)``),
-# finest first: what a step flagged by the precision-fallback sentinel is recomputed at
-FALLBACK_MODES = ("int8", "fp8")
-_BYTES_PER_WEIGHT = {"fp8": 1.0, "int8": 1.0, "int4": 0.5}
-
-
-class _Precision:
-    """Which copy a forward reads: the fallback copy while ``fallback`` is set
-    (``fallback_precision``); one engine step at a time, so one flag for the process."""
-
-    fallback = False
-
-
-_PRECISION = _Precision()
-
-
-@contextmanager
-def fallback_precision(on: bool = True):
-    """Within it, every quantized layer that has a fallback copy computes with that copy (the
-    precision-fallback sentinel's recompute, ``worker/extensions/precision.py``)."""
-    prev, _PRECISION.fallback = _PRECISION.fallback, bool(on)
-    try:
-        yield
-    finally:
-        _PRECISION.fallback = prev
-
-
-def fallback_active() -> bool:
-    return _PRECISION.fallback
 
 
 class QuantError(ValueError):
@@ -143,19 +112,15 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight is stored quantized (``method``'s tensors, as parameters, so
     ``.to()`` moves them and weight counts see them); the bias stays in the model's dtype."""
 
-    def __init__(self, linear: nn.Linear, method, fallback=None) -> None:
+    def __init__(self, linear: nn.Linear, method) -> None:
         super().__init__()
         self.method = method
         self.out_features, self.in_features = linear.weight.shape
         for name, t in zip(method.names, method.quantize(linear.weight.detach())):
             setattr(self, name, _frozen(t))
         self.bias = linear.bias
-        # a second copy at a finer mode (``fallback`` method), read under ``fallback_precision``
-        self.fallback = None if fallback is None else QuantLinear(linear, fallback)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _PRECISION.fallback and self.fallback is not None:
-            return self.fallback(x)
         return self.method.apply(self, x)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -170,15 +135,12 @@ class QuantExperts(nn.Module):
     """A MoE layer's packed experts, quantized (``w_gate_up`` [E, 2I, d], ``w_down`` [E, d, I])
     and called as ``(x, topk_ids, topk_weights) -> out``; see the module's NOTE."""
 
-    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, method,
-                 fallback=None) -> None:
+    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, method) -> None:
         super().__init__()
         self.method = method
         for part, w in (("gate_up", w_gate_up), ("down", w_down)):
             for name, t in zip(method.names, method.quantize(w.detach())):
                 setattr(self, f"{part}_{name}", _frozen(t))
-        self.fallback = (None if fallback is None
-                         else QuantExperts(w_gate_up, w_down, fallback))
 
     def weights(self, part: str, dtype: torch.dtype) -> torch.Tensor:
         return self.method.dequantize([getattr(self, f"{part}_{n}") for n in self.method.names],
@@ -186,8 +148,6 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        if _PRECISION.fallback and self.fallback is not None:
-            return self.fallback(x, topk_ids, topk_weights)
         return fused_moe.op(x, self.weights("gate_up", x.dtype), self.weights("down", x.dtype),
                             topk_ids, topk_weights)
 
@@ -196,28 +156,16 @@ class QuantExperts(nn.Module):
 KEEP = ("lm_head", "embed")
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   fallback: str | None = None) -> dict:
+def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict:
     """Replace the model's projections (and MoE experts) by quantized ones, in place.
 
-    ``fallback`` (one of ``FALLBACK_MODES``, finer than ``mode``): each quantized layer also
-    keeps a copy at that mode, which a forward under ``fallback_precision`` reads (the
-    precision-fallback sentinel). Every layer is checked before any is changed, so a bad group
-    size fails with the model intact. Returns ``{"quantization", "group_size", "fallback",
-    "weight_bytes", "unquantized_bytes", "layers"}``."""
+    Every layer is checked before any is changed, so a bad group size fails with the model
+    intact. Returns ``{"quantization", "group_size", "weight_bytes", "unquantized_bytes",
+    "layers"}``."""
     if getattr(model, "tp", None) is not None:
         raise QuantError(f"quantization={mode!r} with tensor parallelism is not supported yet "
                          "(the shards would need their own group boundaries): use one device")
     method = make_method(mode, group_size)
-    finer = None
-    if fallback is not None:
-        if fallback not in FALLBACK_MODES:
-            raise QuantError(f"quantization_fallback must be one of {list(FALLBACK_MODES)}, "
-                             f"got {fallback!r}")
-        if _BYTES_PER_WEIGHT[fallback] <= _BYTES_PER_WEIGHT[mode]:
-            raise QuantError(f"quantization_fallback={fallback!r} is not finer than "
-                             f"quantization={mode!r}: use --quantization int4 with it")
-        finer = make_method(fallback, group_size)
     before = weight_bytes(model)
     device = next(model.parameters()).device
     targets = []                                   # (parent, attribute, qualified name)
@@ -226,52 +174,25 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_
             qual = f"{name}.{child_name}" if name else child_name
             if type(child) is nn.Linear and child_name not in KEEP \
                     and not (isinstance(module, MoE) and child_name == "gate"):
-                for m in (method, finer) if finer is not None else (method,):
-                    m.check(qual, child.in_features, device)
+                method.check(qual, child.in_features, device)
                 targets.append((module, child_name, qual))
         if isinstance(module, MoE):
-            for m in (method, finer) if finer is not None else (method,):
-                m.check(f"{name}.w_gate_up", module.w_gate_up.shape[-1], device)
-                m.check(f"{name}.w_down", module.w_down.shape[-1], device)
+            method.check(f"{name}.w_gate_up", module.w_gate_up.shape[-1], device)
+            method.check(f"{name}.w_down", module.w_down.shape[-1], device)
             targets.append((module, None, name))
     for parent, attr, _ in targets:
         if attr is None:                                       # a MoE layer's experts
-            parent.quant_experts = QuantExperts(parent.w_gate_up, parent.w_down, method,
-                                                finer)
+            parent.quant_experts = QuantExperts(parent.w_gate_up, parent.w_down, method)
             del parent.w_gate_up, parent.w_down
         else:
-            setattr(parent, attr, QuantLinear(getattr(parent, attr), method, finer))
+            setattr(parent, attr, QuantLinear(getattr(parent, attr), method))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"quantization": mode, "group_size": group_size if mode != "fp8" else None,
-            "fallback": fallback, "weight_bytes": weight_bytes(model),
-            "fallback_bytes": fallback_bytes(model), "read_bytes": read_bytes(model),
-            "unquantized_bytes": before,
+            "weight_bytes": weight_bytes(model), "unquantized_bytes": before,
             "layers": len(targets)}
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters as stored (quantized ones, and fallback copies, included)."""
+    """Bytes of the model's parameters as stored (quantized ones included)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def fallback_bytes(model: nn.Module) -> int:
-    """Bytes of the fallback copies alone (0 without ``quantize_model(fallback=...)``): a forward
-    reads ``weight_bytes - fallback_bytes`` normally, and under ``fallback_precision`` the
-    fallback copies in place of the quantized layers they shadow."""
-    return sum(weight_bytes(m.fallback) for m in model.modules()
-               if isinstance(m, (QuantLinear, QuantExperts)) and m.fallback is not None)
-
-
-def read_bytes(model: nn.Module) -> dict:
-    """The stored bytes one forward reads: ``{"main": ..., "fallback": ...}`` (under
-    ``fallback_precision`` the quantized layers' fallback copies replace their main tensors;
-    without fallback copies both are the same). Every parameter counts once, embeddings whole
-    (an upper bound: a forward gathers only its tokens' rows)."""
-    def own(m):                                       # its quantized tensors (not the bias)
-        return sum(p.numel() * p.element_size() for n, p in m.named_parameters(recurse=False)
-                   if n != "bias")
-    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts))
-              and m.fallback is not None]
-    main = weight_bytes(model) - sum(own(m.fallback) for m in layers)
-    return {"main": main, "fallback": main - sum(own(m) - own(m.fallback) for m in layers)}

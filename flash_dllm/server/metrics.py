@@ -121,10 +121,6 @@ class _SnapshotCollector:
                                   labels=["quantization"])
             g.add_metric([snap.quantization], snap.weight_bytes)
             yield g
-        if snap.quantization != "none":
-            yield _counter("fallback_forwards", "Forwards run on the --quantization-fallback "
-                           "copy (a step the precision-fallback sentinel flagged; 0 without "
-                           "one).", snap.fallback_forwards)
         yield from _sentinels(snap)
         if snap.tiers is not None:
             yield from self._tiers(snap.tiers)

@@ -31,7 +31,7 @@ def run(runner, plan: StepPlan, states: list, extensions: list) -> StepResult:
     for ext, _ in extensions:
         if has_hook(ext, "wrap_metadata"):
             ext.wrap_metadata(runner, plan, step)
-    hidden = runner.forward(step.ids, step.positions, step.meta, step.fallback_precision)
+    hidden = runner.forward(step.ids, step.positions, step.meta)
     for ext, members in extensions:
         if has_hook(ext, "after_forward"):
             ext.after_forward(runner, step, states, members)

@@ -108,9 +108,6 @@ class StepInputs:
     windows: list[tuple[int, int]]
     segments: list[Segment]
     ext: dict = field(default_factory=dict)
-    # the forward reads the quantized layers' fallback copies (set by the precision-fallback
-    # extension before the forward; ``layers/quant.fallback_precision``)
-    fallback_precision: bool = False
 
 
 def _extra_positions(batch, states, windows, extensions, dev) -> dict[int, torch.Tensor]:

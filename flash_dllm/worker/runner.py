@@ -31,7 +31,7 @@ from flash_dllm.cache.paged import (PagedKVLayout, allocate_kv_cache, allocate_k
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
 from flash_dllm.layers.batch_invariant import batch_invariant
-from flash_dllm.layers.quant import fallback_precision, quantize_model, weight_bytes
+from flash_dllm.layers.quant import quantize_model, weight_bytes
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request
 from flash_dllm.decoding.policies import DECODE_POLICIES
@@ -59,10 +59,8 @@ class ModelRunner:
         self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
         if config.quantization is not None:
             self.weight_info = quantize_model(model, config.quantization,
-                                              config.quantization_group_size,
-                                              config.quantization_fallback)
+                                              config.quantization_group_size)
         self.weight_bytes = self.weight_info["weight_bytes"]
-        self.fallback_forwards = 0      # forwards run on the fallback copies (precision sentinel)
         # NOTE: allocated before the KV pool is sized from gpu_memory_utilization, so the pool
         # accounts for it
         self.arena = torch.full((config.max_num_seqs, cfg.max_position), cfg.mask_token_id,
@@ -318,14 +316,8 @@ class ModelRunner:
                 return result
         return general_step.run(self, plan, states, exts)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta,
-                fallback: bool = False) -> torch.Tensor:
-        """The model forward of one step (from a CUDA graph when one fits). ``fallback``: with
-        the quantized layers' fallback copies, eagerly (the graphs replay the main copies)."""
-        if fallback:
-            self.fallback_forwards += 1
-            with fallback_precision():
-                return self._forward(ids, positions, meta, graphs=False)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model forward of one step (from a CUDA graph when one fits)."""
         if not self.time_forward:
             return self._forward(ids, positions, meta)
         # NOTE: events recorded around the forward and read after the step: timing it adds no
@@ -343,7 +335,7 @@ class ModelRunner:
         self.forward_events = [time.perf_counter() - t0]
         return out
 
-    def _forward(self, ids, positions, meta, graphs: bool = True) -> torch.Tensor:
+    def _forward(self, ids, positions, meta) -> torch.Tensor:
         hook = self.layer_hook
         if hook is not None and hook.wants(self._last_plan):
             # disaggregation's pipelined send: ``hook(plan, layer)`` runs once each layer's K/V
@@ -360,7 +352,7 @@ class ModelRunner:
                 return self.model.hidden(ids, positions, meta)
             finally:
                 del meta.attention
-        if graphs and self.forward_graphs is not None and not isinstance(meta, OverflowMetadata):
+        if self.forward_graphs is not None and not isinstance(meta, OverflowMetadata):
             return self.forward_graphs.forward(ids, positions, meta)
         return self.model.hidden(ids, positions, meta)
 

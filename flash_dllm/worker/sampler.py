@@ -31,10 +31,9 @@ def sample_and_commit(model, arena: torch.Tensor, mask_id: int, step: StepInputs
     policies' groups."""
     batch, n = step.batch, step.n_slot
     policies = by_policy(batch)
-    holders = [ext for ext, _ in extensions if has_hook(ext, "hold_back")]
     logits = None
-    if not any(p.needs_logits for p in policies) and not holders \
-            and all(g.temperature <= 0 for g in step.groups):
+    if not any(p.needs_logits for p in policies) and all(g.temperature <= 0
+                                                          for g in step.groups):
         # greedy: the argmax and its probability in one pass, no logits kept (under tensor
         # parallelism not even gathered)
         tokens, conf = model.greedy(hidden[step.slot_rows], mask_id)
@@ -48,7 +47,7 @@ def sample_and_commit(model, arena: torch.Tensor, mask_id: int, step: StepInputs
     ctx = SelectContext(batch, states, [None] * len(batch), tokens, conf, step.slot_pos,
                         step.bounds, torch.zeros_like(conf, dtype=torch.bool), mask_id, logits,
                         step.plans, [ext for ext, _ in extensions if has_hook(ext, "demote")],
-                        holders, current)
+                        current)
     for policy, members in policies.items():
         policy.select(ctx, members)
     rest = torch.full_like(ctx.tokens, mask_id) if current is None else current

@@ -25,10 +25,6 @@ class SeqState:
     # cache="flash": (the last step's mass [batch, keys], this request's row in it)
     mass_src: tuple[torch.Tensor, int] | None = None
     drift_prev: tuple | None = None          # the drift test's last step (``decoding/drift.py``)
-    # the precision-fallback sentinel: the next forward runs on the fallback copies (set when a
-    # step held slots back), and whether this step's did
-    fallback_next: bool = False
-    fallback_now: bool = False
     # a decode policy's or step extension's own per-block state, by its name
     block_state: dict = field(default_factory=dict)
 

@@ -37,9 +37,7 @@ class SelectContext:
     ``current`` [n_slot]: the slots' tokens before the step when some request's policy edits
     (its slots are every answer slot of its block, MASK or not; None: every slot is MASK);
     ``demoters``: the step extensions that may demote slots from commit to verification
-    (sentinels), each with ``demote(ctx, members, passing, gid) -> bool [n_slot]``;
-    ``holders``: those that may hold committed slots back (MASK for a step), each with
-    ``hold_back(ctx, members, passing, gid) -> bool [n_slot]`` (policies with ``holds_back``)."""
+    (sentinels), each with ``demote(ctx, members, passing, gid) -> bool [n_slot]``."""
 
     batch: list
     states: list
@@ -53,7 +51,6 @@ class SelectContext:
     logits: torch.Tensor | None = None
     plans: list = field(default_factory=list)
     demoters: list = field(default_factory=list)
-    holders: list = field(default_factory=list)
     current: torch.Tensor | None = None
 
     @property
@@ -81,9 +78,6 @@ class DecodePolicy:
     # its fused index vector depends only on the requests and their blocks (not on the step
     # within the block), so it is reused for every step of a block
     fused_static_per_block: bool = True
-    # its select lets the step extensions with a ``hold_back`` hook (``SelectContext.holders``:
-    # the precision-fallback sentinel) keep slots it would commit MASK for a step
-    holds_back: bool = False
     # SamplingParams knobs only this policy reads: a run that compares policies (``eval
     # --matrix``) resets them to None for every other policy
     own_knobs: tuple[str, ...] = ()

@@ -13,7 +13,6 @@ from flash_dllm.transfer import h2d
 class ThresholdPolicy(DecodePolicy):
     name = "threshold"
     fusable = True
-    holds_back = True
 
     def select(self, ctx, members):
         conf = ctx.conf
@@ -24,10 +23,7 @@ class ThresholdPolicy(DecodePolicy):
         tau = h2d([ctx.batch[i].params.threshold for i in members] + [float("inf")], conf.dtype,
                   conf.device)
         mine = gid >= 0
-        keep = select_threshold(conf, torch.where(mine, gid, G), G + 1, tau) & mine
-        for ext in ctx.holders:           # (the precision-fallback sentinel)
-            keep &= ~ext.hold_back(ctx, members, keep, gid)
-        ctx.keep |= keep
+        ctx.keep |= select_threshold(conf, torch.where(mine, gid, G), G + 1, tau) & mine
 
     def fused_fields(self, batch, signature, dims):
         return (), [("tau", len(batch))]

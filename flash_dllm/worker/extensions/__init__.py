@@ -7,7 +7,6 @@ from flash_dllm.worker.extensions.drift import DriftTrigger
 from flash_dllm.worker.extensions.kv_sentinel import KVSentinel
 from flash_dllm.worker.extensions.mass import AttentionMass
 from flash_dllm.worker.extensions.overflow import OverflowStream
-from flash_dllm.worker.extensions.precision import PrecisionFallback
 from flash_dllm.worker.extensions.sentinels import EntropySentinel, PerturbationSentinel
 
 EXTENSIONS: list[StepExtension] = [
@@ -17,7 +16,6 @@ EXTENSIONS: list[StepExtension] = [
     EntropySentinel(),
     PerturbationSentinel(),
     DriftTrigger(),
-    PrecisionFallback(),
 ]
 
 
@@ -29,17 +27,6 @@ def active_on(batch) -> list[tuple[StepExtension, list[int]]]:
         if members:
             out.append((ext, members))
     return out
-
-
-def refusal(params, runner) -> str | None:
-    """Why a request of ``params`` cannot run on ``runner``, as an extension says (None: it
-    can)."""
-    for ext in EXTENSIONS:
-        if has_hook(ext, "refuse"):
-            why = ext.refuse(params, runner)
-            if why is not None:
-                return why
-    return None
 
 
 def refresh(req) -> bool | None:
@@ -54,5 +41,4 @@ def refresh(req) -> bool | None:
     return decided
 
 
-__all__ = ["EXTENSIONS", "HOOKS", "StepExtension", "active_on", "has_hook", "refresh",
-           "refusal"]
+__all__ = ["EXTENSIONS", "HOOKS", "StepExtension", "active_on", "has_hook", "refresh"]

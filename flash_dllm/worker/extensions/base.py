@@ -13,11 +13,9 @@ on which no extension is active calls none of them (off the hot path). Every hoo
 | ``wrap_metadata(runner, plan, step)`` | before the forward | another KV layout (overflow) |
 | ``after_forward(runner, step, states, members)`` | after the forward | read the attention mass |
 | ``demote(ctx, members, passing, gid)`` | inside a policy's ``select`` | sentinels: commit -> verify |
-| ``hold_back(ctx, members, passing, gid)`` | inside a ``holds_back`` policy's ``select`` | commit -> MASK for a step (precision fallback) |
 | ``after_commit(runner, step, states, members, counters)`` | after the commit | device tests; may return one int64 [B] column that rides on the step's device->host copy |
 | ``read_back(runner, step, members, column, counters)`` | after that copy | its result for the engine, put in ``StepResult.extensions[name]`` |
 | ``apply(engine, req, value)`` | ``Engine._apply``, per request | host state (e.g. a refresh for the next step) |
-| ``refuse(params, runner)`` | ``Engine.validate`` | why a request cannot run on this engine (None: it can) |
 
 A new extension is one module with a ``StepExtension`` subclass plus one entry in the explicit
 list ``worker/extensions/__init__.py``. ``wants_mass``: the step must keep the last layer's per-key
@@ -45,7 +43,7 @@ class StepExtension:
 
 
 HOOKS = ("refresh", "extra_positions", "pack", "wrap_metadata", "after_forward", "demote",
-         "hold_back", "after_commit", "read_back", "apply", "refuse")
+         "after_commit", "read_back", "apply")
 
 
 def has_hook(ext: StepExtension, hook: str) -> bool:
