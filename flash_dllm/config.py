@@ -36,11 +36,12 @@ _GIB_LIMIT = 1 << 20                     # host tiers: sizes below 1 PiB (an int
 # not imported from there: the config stays free of torch)
 QUANT_MODES = ("fp8", "int8", "int4")
 # what each mode cost in accuracy, from the committed reports (benchmarks/README.md, "Quantized
-# weights"); filled in from benchmarks/results/accuracy/quant_*_cpu.json
+# weights"); filled in from benchmarks/results/accuracy/quant_*_cpu.json and
+# precision_fallback_chain_*_b1_cpu.json
 QUANT_ACCURACY = ("Measured on the CPU against unquantized: demo model, exact sampler, n = 200: "
                   "arith int8 97.5%% (same), int4 96.5%% (-1), fp8 98%% (+0.5), code 100%% in "
-                  "each mode; proxy-llada chain, default mode, n = 100, group 32: int8 84%% "
-                  "(+1), int4 79%% (-4)")
+                  "each mode; proxy-llada chain, default mode, batch 1, n = 200, group 32: "
+                  "int8 88.5%% (+1), int4 85.5%% (-2)")
 
 
 @dataclass(frozen=True)
