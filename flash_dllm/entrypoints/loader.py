@@ -9,7 +9,8 @@ from pathlib import Path
 
 from flash_dllm.engine.engine import Engine
 from flash_dllm.entrypoints.args import EngineArgs
-from flash_dllm.models.loader import load_model, model_path, resolve_device
+from flash_dllm.models.ckpt_quant import checkpoint_quantization
+from flash_dllm.models.loader import load_model, model_path, read_config, resolve_device
 from flash_dllm.models.tokenizer import Tokenizer
 
 
@@ -26,6 +27,13 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     args = args or EngineArgs()
     world = tensor_parallel_world(args)
     quant = config_override.get("quantization", args.quantization)
+    if quant is None and world == 1:
+        # a checkpoint published quantized keeps its mode unless told otherwise (as vLLM)
+        folder = model_path(args.model)
+        ckq = checkpoint_quantization(read_config(folder)[2], folder)
+        quant = None if ckq is None else ckq.mode
+        if quant is not None:
+            config_override = {**config_override, "quantization": quant}
     if world > 1 and quant is not None:
         raise ValueError(f"quantization={quant!r} with tensor_parallel_size={world} is not "
                          "supported yet (each rank's shards would need their own group "

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from flash_dllm.models import registry
+from flash_dllm.models.ckpt_quant import Dequantizer, checkpoint_quantization
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, Piece, as_id_tuple
 
@@ -117,6 +118,18 @@ def _open_weights(path: Path):
                               "corrupt? Download it again") from None
 
 
+def _quantized_reader(folder: Path, raw: dict, files: list[Path], tp):
+    """A checkpoint published quantized (``models/ckpt_quant.py``): its layout and the reader
+    that dequantizes its weights (None, None: not quantized)."""
+    ckq = checkpoint_quantization(raw, folder)
+    if ckq is None:
+        return None, None
+    if tp is not None and tp.world > 1:
+        raise CheckpointError(f"{folder}: a {ckq.layout} checkpoint with tensor parallelism is "
+                              "not supported yet: use one device")
+    return ckq, Dequantizer(files, lambda p: tensor_names([p]))
+
+
 def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = torch.float32, init: bool = True,
                 seed: int | None = None, tp=None) -> nn.Module:
@@ -145,10 +158,12 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     """Load a checkpoint folder strictly: every tensor must map, fit and be present. ``tp``
     (``distributed.tp.TPGroup``): read only this rank's slice of each sharded tensor."""
     folder = Path(folder)
-    family, cfg, _ = read_config(folder)
+    family, cfg, raw = read_config(folder)
     files = weight_files(folder)
+    ckq, deq = _quantized_reader(folder, raw, files, tp)
     if family.check_tensors is not None:       # before anything is allocated
-        why = family.check_tensors(cfg, tensor_names(files))
+        names = [n for n in tensor_names(files) if ckq is None or not ckq.hidden(n)]
+        why = family.check_tensors(cfg, names)
         if why is not None:
             raise CheckpointError(f"{folder}: {why}")
     model = build_model(cfg, device=device, dtype=dtype, init=False, tp=tp)
@@ -171,6 +186,8 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     for path in files:
         with _open_weights(path) as f:
             for name in f.keys():
+                if ckq is not None and ckq.hidden(name):
+                    continue
                 targets = plan.get(name)
                 if targets is None:
                     unexpected.append(name)
@@ -191,12 +208,14 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
                             target.copy_(handle[src].reshape(target.shape).to(dtype=p.dtype))
                 elif len(targets) == 1 and targets[0][1].whole:
                     ours = targets[0][0]
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(name) if deq is None else deq.read(f, path, name,
+                                                                         _open_weights)
                     _check_shape(name, path, tuple(t.shape), tuple(params[ours].shape))
                     with torch.no_grad():
                         params[ours].copy_(t.to(dtype=params[ours].dtype))
                 else:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(name) if deq is None else deq.read(f, path, name,
+                                                                         _open_weights)
                     _check_shape(name, path, tuple(t.shape), targets[0][1].shape)
                     with torch.no_grad():
                         for ours, piece in targets:
