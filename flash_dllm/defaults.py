@@ -31,6 +31,10 @@ from typing import Any
 from flash_dllm.config import DEFAULT_BLOCK_LENGTH, SamplingParams
 from flash_dllm.knobs import knob_of, knobs
 
+# the exact reference sampler (LLaDA's, one token per forward, no cache): what accuracy is
+# measured against (``eval --matrix``'s baseline, the docs' "exact")
+EXACT_REFERENCE = {"decode": "vanilla", "cache": "none"}
+
 log = logging.getLogger("flash_dllm")
 
 GENERATION_CONFIG = "generation_config.json"

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flash_dllm.defaults import EXACT_REFERENCE
+
 
 def matrix_table(reports: list[dict]) -> str:
-    base = next((r for r in reports if r["params"]["cache"] == "none"
-                 and r["params"]["decode"] == "vanilla"), reports[0])
+    base = next((r for r in reports
+                 if all(r["params"][k] == v for k, v in EXACT_REFERENCE.items())), reports[0])
     lines = [f"{'cache':7s} {'decode':10s} {'accuracy':>9s} {'fwd/sample':>11s} {'tok/fwd':>8s} "
              f"{'seconds':>8s} {'speed-up':>9s}"]
     for r in reports:
