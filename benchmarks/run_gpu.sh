@@ -19,7 +19,8 @@
 #           eval     accuracy matrix, exact-sampler accuracy, batch-1 verify      ~6 min
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
-#           quant    bench step of bf16 / fp8 / int8 / int4 weights, LLaDA-8B shape (not timed yet)
+#           quant    bench step of bf16 / fp8 / int8 / int4 weights, LLaDA-8B shape; LLaDA2-mini
+#                    int4 experts against bf16 (not timed yet)
 #           kvfp8    bench step with fp8 KV pages against the model dtype, batch 1 and 64 (not timed yet)
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini (model and uniform routing; the graph bug's re-check) (not timed yet)
@@ -111,6 +112,10 @@ group_quant() {
   run step_quant_h200 540 "$OUT/step/step_quant_h200.json" \
     "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 64 \
     --json "$OUT/step/step_quant_h200.json"
+  # issue 40: int4 experts (kernels/fused_moe_quant) against bf16 on the LLaDA2-mini shape
+  run step_quant_llada2_mini_h200 240 "$OUT/step/step_quant_llada2_mini_h200.json" \
+    "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none int4 \
+    --batch 1 64 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
 }
 
 group_kvfp8() {

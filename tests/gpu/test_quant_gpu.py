@@ -79,3 +79,24 @@ def test_engine_answers_as_unquantized_with_graphs(mode):
     # int4 may move a token of an answer (the CPU's 200-problem figures: docs/models.md); the
     # answers themselves must hold
     assert got == want if mode != "int4" else got[0].endswith("#### 34"), (got, want)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("T", [32, 512])
+def test_fused_moe_on_packed_experts_matches_reference(bits, T):
+    """The fused MoE on int8 / int4 experts (``kernels/fused_moe_quant``) at a LLaDA2-mini-like
+    layer (d 2048, I 512, 64 experts, top 8), bf16, against its reference."""
+    from flash_dllm.kernels import fused_moe_quant as fq
+    g = torch.Generator(device=DEV).manual_seed(T + bits)
+    E, d, I, k = 64, 2048, 512, 8
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    gq, gs = quant_gemm.quantize(torch.randn(E, 2 * I, d, device=DEV, generator=g) / d ** 0.5,
+                                 bits, 128)
+    dq, ds = quant_gemm.quantize(torch.randn(E, d, I, device=DEV, generator=g) / I ** 0.5,
+                                 bits, 128)
+    ids = torch.rand(T, E, device=DEV, generator=g).topk(k, dim=1).indices
+    w = torch.rand(ids.shape, device=DEV, generator=g) + 0.1
+    ref = fq.fused_moe_quant_reference(x, gq, gs, dq, ds, bits, ids, w)
+    got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, bits, ids, w)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2,
+                               atol=2e-2 * ref.float().abs().max().item())

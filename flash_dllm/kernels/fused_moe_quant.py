@@ -1,0 +1,184 @@
+"""Fused mixture-of-experts on int8 / int4 experts (W8A16 / W4A16): ``kernels/fused_moe.py``'s
+grouped GEMMs with each expert's weights dequantized in registers from the packed integers and
+group scales of ``kernels/quant_gemm.py`` (no dequantized copy of the experts ever exists).
+
+``op(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights)``: the experts as
+``quant_gemm.quantize`` lays them out, per expert: ``gu_q [E, 2I, d]`` int8 (or ``[E, 2I, d/2]``
+uint8, two int4 per byte, even column in the low nibble) with ``gu_s [E, 2I, d/group]`` float16
+scales; ``dn_q [E, d, I(/2)]``, ``dn_s [E, d, I/group]``. Everything else (routing, alignment,
+the SwiGLU epilogue, the mixing weights, the deterministic sum over a token's k slots, ids outside
+``[0, E)`` contributing nothing) is ``fused_moe``'s, and so are the rounding points: each weight
+tile is dequantized in fp32 and rounded once to x's dtype, as ``quant_gemm.dequantize`` does, so
+the reference is ``fused_moe_reference`` on the dequantized experts (``fused_moe_quant_reference``).
+
+Bytes: an int4 expert is 0.5 + 2 / group bytes per weight (0.27x bf16's at group 128), which is
+the whole cost of a batch-1 MoE step (``fused_moe``'s floors table); int4 takes each byte once,
+its two nibbles meeting x's (or h's) even and odd columns in two dots. Not timed on a GPU yet.
+"""
+from __future__ import annotations
+
+import torch
+
+from flash_dllm.kernels import fused_moe, quant_gemm
+from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, use_triton
+
+INTERPRET = fused_moe.INTERPRET
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _wq_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, K, GROUP, BITS: tl.constexpr,
+                BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """acc [BM, BN] += A [BM, K] @ dequant(Q [BN, K])^T: ``a_rows`` / ``q_rows`` / ``s_rows``
+        are [BM, 1] / [BN, 1] pointers to each row's start."""
+        for k0 in range(0, K, BLOCK_K):
+            if BITS == 8:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+                wmask = w_ok[:, None] & k_ok[None, :]
+                q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
+                s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+                w = (q * s).to(a.dtype)
+                if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            else:
+                jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                 # byte index
+                ke = 2 * jb                                               # even columns
+                k_ok = ke < K
+                amask = a_ok[:, None] & k_ok[None, :]
+                ae = tl.load(a_rows + ke[None, :], mask=amask, other=0.0)
+                ao = tl.load(a_rows + ke[None, :] + 1, mask=amask, other=0.0)
+                wmask = w_ok[:, None] & k_ok[None, :]
+                b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
+                se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+                so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
+                             other=0.0).to(tl.float32)
+                we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(ae.dtype)
+                wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(ae.dtype)
+                if UPCAST:
+                    ae, ao = ae.to(tl.float32), ao.to(tl.float32)
+                    we, wo = we.to(tl.float32), wo.to(tl.float32)
+                acc = tl.dot(ae, tl.trans(we), acc, input_precision=PREC)
+                acc = tl.dot(ao, tl.trans(wo), acc, input_precision=PREC)
+        return acc
+
+    @triton.jit
+    def _gate_up_wq_kernel(x_ptr, q_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, total_ptr, P,
+                           TOPK, D, I, GROUP, stride_xt, stride_qe, stride_qn, stride_se,
+                           stride_sn, stride_ht, num_n, BITS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           UPCAST: tl.constexpr, PREC: tl.constexpr):
+        pid_m = tl.program_id(0) // num_n
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e, offs_m, pair, m_ok = fused_moe._rows(pid_m, sorted_ptr, expert_ptr, P, BLOCK_M)
+        offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        a_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xt
+        g_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
+        g_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+        zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_g = _wq_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, D, GROUP, BITS, BLOCK_K, UPCAST,
+                        PREC)
+        acc_u = _wq_acc(zero, a_rows, m_ok, g_q + I * stride_qn, g_s + I * stride_sn, n_ok, D,
+                        GROUP, BITS, BLOCK_K, UPCAST, PREC)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u              # SwiGLU in fp32, rounded once
+        tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_n[None, :],
+                 h.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_wq_kernel(h_ptr, q_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, expert_ptr, total_ptr,
+                        P, D, I, GROUP, stride_ht, stride_qe, stride_qn, stride_se, stride_sn,
+                        stride_ot, num_n, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                        PREC: tl.constexpr):
+        pid_m = tl.program_id(0) // num_n
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e, offs_m, pair, m_ok = fused_moe._rows(pid_m, sorted_ptr, expert_ptr, P, BLOCK_M)
+        offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < D
+        a_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_ht
+        w_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
+        w_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+        acc = _wq_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok, w_q, w_s, n_ok,
+                      I, GROUP, BITS, BLOCK_K, UPCAST, PREC)
+        acc *= tl.load(tw_ptr + pair, mask=m_ok, other=0.0)[:, None]        # mixing weight
+        tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int]:
+    """(d, E, I, group) after checking the packed experts against x."""
+    check(bits in quant_gemm.INT_BITS, f"fused_moe_quant: bits must be one of "
+                                       f"{quant_gemm.INT_BITS}, got {bits}")
+    d, per = x.shape[1], 1 if bits == 8 else 2
+    check(gu_q.dim() == 3 and gu_q.shape[2] * per == d and gu_q.shape[1] % 2 == 0,
+          f"fused_moe_quant: gu_q must be [E, 2I, {d // per}], got {tuple(gu_q.shape)}")
+    E, I = gu_q.shape[0], gu_q.shape[1] // 2
+    check(tuple(dn_q.shape) == (E, d, I // per),
+          f"fused_moe_quant: dn_q must be [{E}, {d}, {I // per}], got {tuple(dn_q.shape)}")
+    check(gu_s.shape[:2] == gu_q.shape[:2] and d % gu_s.shape[2] == 0,
+          f"fused_moe_quant: gu_s must be [{E}, {2 * I}, d / group], got {tuple(gu_s.shape)}")
+    group = d // gu_s.shape[2]
+    check(tuple(dn_s.shape) == (E, d, I // group) and I % group == 0,
+          f"fused_moe_quant: dn_s must be [{E}, {d}, {I // group}] (group {group}), got "
+          f"{tuple(dn_s.shape)}")
+    return d, E, I, group
+
+
+def fused_moe_quant_reference(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights):
+    """The experts dequantized to x's dtype, then ``fused_moe_reference`` (the CPU path)."""
+    _shapes(x, gu_q, gu_s, dn_q, dn_s, bits)
+    return fused_moe.fused_moe_reference(
+        x, quant_gemm.dequantize(gu_q, gu_s, bits, x.dtype),
+        quant_gemm.dequantize(dn_q, dn_s, bits, x.dtype), topk_ids, topk_weights)
+
+
+def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights, *,
+                           config: dict | None = None) -> torch.Tensor:
+    """The fused layer on packed experts (module docstring); ``config`` as ``fused_moe``'s
+    (``GU_K`` / ``DN_K`` >= 32 for int4: each dot takes half of them)."""
+    check(HAS_TRITON, "fused_moe_quant_triton: triton is not importable")
+    d, E, I, group = _shapes(x, gu_q, gu_s, dn_q, dn_s, bits)
+    T, k = topk_ids.shape
+    check(x.is_contiguous() and all(t.is_contiguous() for t in (gu_q, gu_s, dn_q, dn_s)),
+          "fused_moe_quant: x and the packed experts must be contiguous")
+    check_device("fused_moe_quant", INTERPRET, x, gu_q, gu_s, dn_q, dn_s, topk_ids, topk_weights)
+    cfg = fused_moe._resolve_config(T, k, E, config)
+    check(bits == 8 or (cfg["GU_K"] >= 32 and cfg["DN_K"] >= 32),
+          "fused_moe_quant: int4 needs GU_K and DN_K >= 32")
+    out = torch.empty((T, d), dtype=x.dtype, device=x.device)
+    if T == 0 or k == 0 or E == 0:
+        return out.zero_()
+    P, bm = T * k, cfg["BLOCK_M"]
+    ids, tw = topk_ids.contiguous().view(-1), topk_weights.contiguous().view(-1)
+    sorted_ids, block_expert, total = fused_moe.moe_align_triton(ids, E, bm)
+    h = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)
+    prec = fused_moe.FP32_PRECISION if x.dtype == torch.float32 else "tf32"
+    launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
+              "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
+    _gate_up_wq_kernel[(blocks * n_gu,)](
+        x, gu_q, gu_s, h, sorted_ids, block_expert, total, P, k, d, I, group, x.stride(0),
+        gu_q.stride(0), gu_q.stride(1), gu_s.stride(0), gu_s.stride(1), h.stride(0), n_gu,
+        BLOCK_N=cfg["GU_N"], BLOCK_K=cfg["GU_K"], **launch)
+    buf = torch.empty((P, d), dtype=torch.float32, device=x.device)
+    _down_wq_kernel[(blocks * n_dn,)](
+        h, dn_q, dn_s, buf, tw, sorted_ids, block_expert, total, P, d, I, group, h.stride(0),
+        dn_q.stride(0), dn_q.stride(1), dn_s.stride(0), dn_s.stride(1), buf.stride(0), n_dn,
+        BLOCK_N=cfg["DN_N"], BLOCK_K=cfg["DN_K"], **launch)
+    block = min(1024, max(16, triton.next_power_of_2(d)))
+    fused_moe._sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4)
+    return out
+
+
+def op(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights) -> torch.Tensor:
+    """Triton on CUDA tensors, the PyTorch reference otherwise."""
+    if use_triton(x, gu_q, gu_s, dn_q, dn_s, topk_ids, topk_weights):
+        return fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights)
+    return fused_moe_quant_reference(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights)

@@ -1,0 +1,69 @@
+"""The fused MoE on int8 / int4 experts (issue 40) against its PyTorch reference under the
+interpreter: routing with padding rows, several K steps and column tiles, a group smaller than
+the K tile, ids outside [0, E); the reference equals the fp experts' reference on the dequantized
+weights; ``QuantExperts`` runs it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm.kernels import fused_moe as fm
+from flash_dllm.kernels import fused_moe_quant as fq
+from flash_dllm.kernels import quant_gemm
+from flash_dllm.kernels._triton import HAS_TRITON
+
+needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and fq.INTERPRET),
+                                       reason="needs triton under TRITON_INTERPRET=1")
+SMALL = {"BLOCK_M": 16, "GU_N": 16, "GU_K": 32, "DN_N": 16, "DN_K": 32}
+# bf16: h is rounded to bf16 between the GEMMs, so an fp32 sum summed in another order may round
+# one h element the other way (seen: one of 576 outputs 1.6 % of the scale off)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _problem(T, E, k, d, I, dtype, bits, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g).to(dtype)
+    gu = torch.randn(E, 2 * I, d, generator=g) / d ** 0.5
+    dn = torch.randn(E, d, I, generator=g) / I ** 0.5
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    w = torch.rand(ids.shape, generator=g) + 0.1
+    return (x, *quant_gemm.quantize(gu, bits, group), *quant_gemm.quantize(dn, bits, group),
+            ids, w)
+
+
+def test_reference_is_the_fp_reference_on_the_dequantized_experts():
+    for bits in (8, 4):
+        x, gq, gs, dq, ds, ids, w = _problem(7, 5, 2, 64, 32, torch.float32, bits, 32, seed=1)
+        want = fm.fused_moe_reference(x, quant_gemm.dequantize(gq, gs, bits, x.dtype),
+                                      quant_gemm.dequantize(dq, ds, bits, x.dtype), ids, w)
+        assert torch.equal(fq.op(x, gq, gs, dq, ds, bits, ids, w), want)     # the CPU path
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(bits, dtype):
+    # d 64 / I 48: two K steps of 32 and a ragged last column tile; group 16 < the K tile
+    x, gq, gs, dq, ds, ids, w = _problem(9, 6, 3, 64, 48, dtype, bits, 16, seed=bits)
+    ids[0, 0] = -1                          # a non-local expert (expert parallelism): nothing
+    ref = fq.fused_moe_quant_reference(x, gq, gs, dq, ds, bits, ids, w)
+    got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, bits, ids, w, config=SMALL)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol,
+                               atol=tol * ref.float().abs().max().item())
+
+
+@needs_interpreter
+def test_int4_needs_k_tiles_of_32():
+    x, gq, gs, dq, ds, ids, w = _problem(3, 4, 2, 64, 32, torch.float32, 4, 32, seed=0)
+    with pytest.raises(ValueError, match="int4 needs GU_K and DN_K >= 32"):
+        fq.fused_moe_quant_triton(x, gq, gs, dq, ds, 4, ids, w, config={**SMALL, "GU_K": 16})
+
+
+def test_bad_shapes_name_the_operand():
+    x, gq, gs, dq, ds, ids, w = _problem(3, 4, 2, 64, 32, torch.float32, 4, 32, seed=0)
+    with pytest.raises(ValueError, match=r"gu_q must be \[E, 2I, 32\]"):
+        fq.op(x, gq[:, :, :16], gs, dq, ds, 4, ids, w)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        fq.op(x, gq, gs, dq, ds, 3, ids, w)
