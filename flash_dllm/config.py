@@ -168,9 +168,9 @@ class SamplingParams:
                 if getattr(self, name) is not None and name not in own:
                     raise ValueError(f"{name} needs decode={owner!r} (a knob of that policy "
                                      f"only), got decode={self.decode!r}")
-        if self.drift_min is not None and self.decode == "verify":
-            raise ValueError("drift_min does not run with decode='verify' (the verification "
-                             "rows' attention would enter the drift test's mass)")
+        if self.drift_min is not None and DECODE_POLICIES[self.decode].adds_rows:
+            raise ValueError(f"drift_min does not run with decode={self.decode!r} (its extra "
+                             "query rows' attention would enter the drift test's mass)")
         # (cache None is checked once the engine resolved it: ``dataclasses.replace`` runs this
         # again)
         if self.drift_min is not None and self.cache is not None \

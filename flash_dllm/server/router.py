@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flash_dllm.core.request import RequestOutput
+from flash_dllm.decoding.registry import DECODE_POLICIES
 from flash_dllm.server.choices import (Choice, final_output, run_choices, sse_choices,
                                        submit_choices, total_usage, usage)
 from flash_dllm.server.context import (ServerContext, check_text, make_params, new_request_id,
@@ -26,6 +27,9 @@ from flash_dllm.server.protocol import (ChatChoice, ChatChunkChoice, ChatComplet
                                         ChatMessageOut, CompletionChoice, CompletionChunk,
                                         CompletionRequest, CompletionResponse, GenerateRequest,
                                         GenerateResponse, MEDIA_PARTS)
+
+# the decode policy a bare step count selects (the first that reads ``steps``)
+STEPS_POLICY = next(n for n in DECODE_POLICIES if DECODE_POLICIES[n].reads_steps)
 
 router = APIRouter()
 Ctx = Annotated[ServerContext, Depends(server_context)]
@@ -186,10 +190,11 @@ def chat_stream(rid: str, model: str, choices: list[Choice], include_usage: bool
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, ctx: Ctx):
     ids, text = ctx.encode_prompt(body.prompt)
-    # num_inference_steps is the vanilla sampler's step count: a request that sends it and no
-    # decode policy decodes with vanilla (under the default threshold policy it did nothing)
+    # num_inference_steps is a step count: a request that sends it and no decode policy
+    # decodes with the policy that follows one (``DecodePolicy.reads_steps``: LLaDA's vanilla;
+    # under the default threshold policy it did nothing)
     knobs = body.model_copy(update={"steps": body.num_inference_steps,
-                                    **({"decode": "vanilla"} if body.decode is None else {})}) \
+                                    **({"decode": STEPS_POLICY} if body.decode is None else {})}) \
         if body.num_inference_steps is not None else body
     stream = ctx.submit(ids, make_params(knobs, body.max_new_tokens,
                                           ctx.sampling_defaults), new_request_id("gen"), text)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flash_dllm.config import SamplingParams
+from flash_dllm.decoding.registry import DECODE_POLICIES
 from flash_dllm.models.registry import default_cache
 from flash_dllm.kernels._triton import next_pow2
 from flash_dllm.kernels.paged_attention import seqlen_bound
@@ -111,20 +112,19 @@ def graph_grid(engine, level: str) -> list[PaddedShape]:
 def cases(level: str, cfg=None, default: SamplingParams | None = None) -> list[SamplingParams]:
     """The requests a warm-up of ``level`` runs: ``default`` (what a bare request gets: the
     server's sampling defaults; ``SamplingParams()`` when None), then, for ``full``, threshold
-    and verify on the family's fast cache (verify only on bidirectional models: block-causal
-    ones refuse it). With the model's ``cfg``, a cache left None is the family's default cache,
+    and verify on the family's fast cache (the policies with ``warm_up``; one that adds query
+    rows only on bidirectional models: block-causal ones refuse those). With the model's ``cfg``, a cache left None is the family's default cache,
     and a case equal to an earlier one is dropped; without it, the fast cases run on dual."""
     default = SamplingParams() if default is None else default
     out = [default]
     if level != "minimal":
-        fast = SamplingParams(max_tokens=64, block_length=32, decode="threshold",
-                              cache=None if cfg is not None else "dual")
-        out.append(fast)
-        if cfg is None or not cfg.attention.block_causal:
-            # Flash-Verify's fused step (``decoding/policies/verify_fused.py``) at its default
-            # knobs: its graphs are keyed by the batch's padded draft count (max_verify: the
-            # block length by default)
-            out.append(dataclasses.replace(fast, decode="verify"))
+        # each at its default knobs (Flash-Verify's fused-step graphs are keyed by the batch's
+        # padded draft count: max_verify, the block length by default)
+        block_causal = cfg is not None and cfg.attention.block_causal
+        out += [SamplingParams(max_tokens=64, block_length=32, decode=name,
+                               cache=None if cfg is not None else "dual")
+                for name in DECODE_POLICIES if DECODE_POLICIES[name].warm_up
+                and not (block_causal and DECODE_POLICIES[name].adds_rows)]
     if cfg is not None:
         out = [p if p.cache is not None else dataclasses.replace(p, cache=default_cache(cfg))
                for p in out]

@@ -78,6 +78,12 @@ class DecodePolicy:
     # its fused index vector depends only on the requests and their blocks (not on the step
     # within the block), so it is reused for every step of a block
     fused_static_per_block: bool = True
+    # its commit count follows ``SamplingParams.steps`` (LLaDA's schedule): what a client's
+    # step count (``/generate``'s ``num_inference_steps``) asks for when it names no policy
+    reads_steps: bool = False
+    # a server's full warm-up runs a request of it on the family's fast cache (its fused-step
+    # graphs captured before ready; ``worker/warmup.cases``)
+    warm_up: bool = False
     # SamplingParams knobs only this policy reads: a run that compares policies (``eval
     # --matrix``) resets them to None for every other policy
     own_knobs: tuple[str, ...] = ()

@@ -13,6 +13,7 @@ from flash_dllm.transfer import h2d
 class ThresholdPolicy(DecodePolicy):
     name = "threshold"
     fusable = True
+    warm_up = True
 
     def select(self, ctx, members):
         conf = ctx.conf

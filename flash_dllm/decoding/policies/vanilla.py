@@ -11,6 +11,7 @@ from flash_dllm.decoding.schedule import transfer_count
 class VanillaPolicy(DecodePolicy):
     name = "vanilla"
     fusable = True
+    reads_steps = True
     # k follows the step within the block (the schedule)
     fused_static_per_block = False
 

@@ -55,6 +55,7 @@ class VerifyPolicy(DecodePolicy):
     name = "verify"
     needs_logits = True
     adds_rows = True
+    warm_up = True
     fusable = True
     own_knobs = ("entropy_max", "perturb_sigma")     # its sentinels act on verification rows
     # a fused verify step's largest tensor (logits, gathered canvas K or V, attention scores;
