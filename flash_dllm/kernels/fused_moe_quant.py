@@ -1,6 +1,7 @@
 """Fused mixture-of-experts on int8 / int4 experts (W8A16 / W4A16): ``kernels/fused_moe.py``'s
 grouped GEMMs with each expert's weights dequantized in registers from the packed integers and
-group scales of ``kernels/quant_gemm.py`` (no dequantized copy of the experts ever exists).
+group scales of ``kernels/quant_gemm.py``, by its tile loop (``quant_gemm.wq_dot_acc``; no
+dequantized copy of the experts ever exists).
 
 ``op(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights)``: the experts as
 ``quant_gemm.quantize`` lays them out, per expert: ``gu_q [E, 2I, d]`` int8 (or ``[E, 2I, d/2]``
@@ -29,44 +30,6 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _wq_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, K, GROUP, BITS: tl.constexpr,
-                BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-        """acc [BM, BN] += A [BM, K] @ dequant(Q [BN, K])^T: ``a_rows`` / ``q_rows`` / ``s_rows``
-        are [BM, 1] / [BN, 1] pointers to each row's start."""
-        for k0 in range(0, K, BLOCK_K):
-            if BITS == 8:
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-                wmask = w_ok[:, None] & k_ok[None, :]
-                q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
-                s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
-                w = (q * s).to(a.dtype)
-                if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
-                    a, w = a.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
-            else:
-                jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                 # byte index
-                ke = 2 * jb                                               # even columns
-                k_ok = ke < K
-                amask = a_ok[:, None] & k_ok[None, :]
-                ae = tl.load(a_rows + ke[None, :], mask=amask, other=0.0)
-                ao = tl.load(a_rows + ke[None, :] + 1, mask=amask, other=0.0)
-                wmask = w_ok[:, None] & k_ok[None, :]
-                b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
-                se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
-                so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
-                             other=0.0).to(tl.float32)
-                we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(ae.dtype)
-                wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(ae.dtype)
-                if UPCAST:
-                    ae, ao = ae.to(tl.float32), ao.to(tl.float32)
-                    we, wo = we.to(tl.float32), wo.to(tl.float32)
-                acc = tl.dot(ae, tl.trans(we), acc, input_precision=PREC)
-                acc = tl.dot(ao, tl.trans(wo), acc, input_precision=PREC)
-        return acc
-
-    @triton.jit
     def _gate_up_wq_kernel(x_ptr, q_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, total_ptr, P,
                            TOPK, D, I, GROUP, stride_xt, stride_qe, stride_qn, stride_se,
                            stride_sn, stride_ht, num_n, BITS: tl.constexpr,
@@ -82,10 +45,11 @@ if HAS_TRITON:
         g_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
         g_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_g = _wq_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, D, GROUP, BITS, BLOCK_K, UPCAST,
-                        PREC)
-        acc_u = _wq_acc(zero, a_rows, m_ok, g_q + I * stride_qn, g_s + I * stride_sn, n_ok, D,
-                        GROUP, BITS, BLOCK_K, UPCAST, PREC)
+        acc_g = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, 0, D, GROUP, BITS,
+                                      BLOCK_K, UPCAST, PREC)
+        acc_u = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q + I * stride_qn,
+                                      g_s + I * stride_sn, n_ok, 0, D, GROUP, BITS, BLOCK_K,
+                                      UPCAST, PREC)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u              # SwiGLU in fp32, rounded once
         tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -105,8 +69,8 @@ if HAS_TRITON:
         a_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_ht
         w_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
         w_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-        acc = _wq_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok, w_q, w_s, n_ok,
-                      I, GROUP, BITS, BLOCK_K, UPCAST, PREC)
+        acc = quant_gemm.wq_dot_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok,
+                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC)
         acc *= tl.load(tw_ptr + pair, mask=m_ok, other=0.0)[:, None]        # mixing weight
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])

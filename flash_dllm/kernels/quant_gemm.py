@@ -60,28 +60,22 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                        stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP,
-                        BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < M, cols < N
-        k_start = pid_k * K_PER_SPLIT
-        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end, GROUP,
+                   BITS: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                   PREC: tl.constexpr):
+        """acc [BM, BN] += A[:, k_start:k_end] @ dequant(Q[:, k_start:k_end])^T, the weight
+        dequantized in registers: ``a_rows`` [BM, 1] / ``q_rows``, ``s_rows`` [BN, 1] point at
+        each row's start (x / packed integers / scales, in this module's layout); ``a_ok`` /
+        ``w_ok`` mask the rows. Also the fused MoE's on packed experts (``fused_moe_quant``)."""
         for k0 in range(k_start, k_end, BLOCK_K):
             if BITS == 8:
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < k_end
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-                wmask = col_ok[:, None] & k_ok[None, :]
-                q = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + ks[None, :],
-                            mask=wmask, other=0).to(tl.float32)               # [BN, BK]
-                s = tl.load(s_ptr + cols[:, None].to(tl.int64) * stride_sn + ks[None, :] // GROUP,
-                            mask=wmask, other=0.0).to(tl.float32)
+                x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                            other=0.0)                                        # [BM, BK]
+                wmask = w_ok[:, None] & k_ok[None, :]
+                q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
+                s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
                 w = (q * s).to(x.dtype)                # rounded once, as the reference
                 if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
                     x, w = x.to(tl.float32), w.to(tl.float32)
@@ -92,16 +86,13 @@ if HAS_TRITON:
                 jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                     # byte index
                 ke = 2 * jb                                                   # even columns
                 k_ok = ke < k_end                     # (k_end is even: so are K and the slices)
-                xmask = row_ok[:, None] & k_ok[None, :]
-                xrow = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-                xe = tl.load(xrow + ke[None, :], mask=xmask, other=0.0)       # [BM, BK/2]
-                xo = tl.load(xrow + ke[None, :] + 1, mask=xmask, other=0.0)
-                wmask = col_ok[:, None] & k_ok[None, :]
-                b = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + jb[None, :],
-                            mask=wmask, other=0).to(tl.int32)                 # [BN, BK/2]
-                srow = s_ptr + cols[:, None].to(tl.int64) * stride_sn
-                se = tl.load(srow + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
-                so = tl.load(srow + (ke[None, :] + 1) // GROUP, mask=wmask,
+                xmask = a_ok[:, None] & k_ok[None, :]
+                xe = tl.load(a_rows + ke[None, :], mask=xmask, other=0.0)     # [BM, BK/2]
+                xo = tl.load(a_rows + ke[None, :] + 1, mask=xmask, other=0.0)
+                wmask = w_ok[:, None] & k_ok[None, :]
+                b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
+                se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+                so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
                              other=0.0).to(tl.float32)
                 we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
                 wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
@@ -110,6 +101,24 @@ if HAS_TRITON:
                     we, wo = we.to(tl.float32), wo.to(tl.float32)
                 acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
                 acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+        return acc
+
+    @triton.jit
+    def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+                        stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP,
+                        BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        acc = wq_dot_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                         x_ptr + rows[:, None].to(tl.int64) * stride_xm, row_ok,
+                         q_ptr + cols[:, None].to(tl.int64) * stride_qn,
+                         s_ptr + cols[:, None].to(tl.int64) * stride_sn, col_ok, k_start, k_end,
+                         GROUP, BITS, BLOCK_K, UPCAST, PREC)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:

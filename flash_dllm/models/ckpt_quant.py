@@ -35,16 +35,7 @@ class CheckpointQuant:
     """How a checkpoint's weights are stored, and the ``--quantization`` mode that keeps them."""
 
     mode: str                    # "fp8"
-    layout: str                  # for messages and the start-up line
-
-    @staticmethod
-    def hidden(name: str) -> bool:
-        """A companion tensor (scale, zero point) rather than a parameter of the model."""
-        return name.rsplit(".", 1)[-1] in _COMPANIONS
-
-    @staticmethod
-    def scale_name(name: str) -> str | None:
-        return name[: -len("weight")] + "weight_scale" if name.endswith(".weight") else None
+    layout: str                  # for messages
 
 
 def _refuse(where, what: str) -> UnreadQuantization:
@@ -89,16 +80,23 @@ class Dequantizer:
     """Reads a quantized checkpoint's weights dequantized: ``weight`` codes x ``weight_scale``
     (the scale may sit in another shard of the checkpoint)."""
 
-    def __init__(self, files: list[Path], names_of) -> None:
-        self._where = {n: p for p in files for n in names_of(p)
+    def __init__(self, layout: CheckpointQuant, names: dict[Path, list[str]]) -> None:
+        """``names``: each weight file's tensor names."""
+        self.layout = layout
+        self._where = {n: p for p, ns in names.items() for n in ns
                        if n.endswith(".weight_scale")}
+
+    @staticmethod
+    def hidden(name: str) -> bool:
+        """A companion tensor (scale, zero point) rather than a parameter of the model."""
+        return name.rsplit(".", 1)[-1] in _COMPANIONS
 
     def read(self, f, path: Path, name: str, open_file) -> torch.Tensor:
         """Tensor ``name`` of the open file ``f`` (at ``path``), dequantized when it has a
         scale; ``open_file(path)``: a context manager opening another shard."""
         t = f.get_tensor(name)
-        sname = CheckpointQuant.scale_name(name)
-        if sname is None or sname not in self._where:
+        sname = name[: -len("weight")] + "weight_scale" if name.endswith(".weight") else None
+        if sname not in self._where:
             return t
         if self._where[sname] == path:
             s = f.get_tensor(sname)
@@ -112,3 +110,9 @@ class Dequantizer:
             raise UnreadQuantization(f"{sname} has shape {tuple(s.shape)}: per-channel FP8 "
                                      f"scales are [{t.shape[0]}, 1] (or one per tensor)")
         return t.float() * s
+
+
+def read_weight(f, path: Path, name: str, deq: Dequantizer | None, open_file) -> torch.Tensor:
+    """Tensor ``name`` of the open weight file ``f``, through ``deq`` when the checkpoint is
+    quantized."""
+    return f.get_tensor(name) if deq is None else deq.read(f, path, name, open_file)

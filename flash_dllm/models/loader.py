@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from flash_dllm.models import registry
-from flash_dllm.models.ckpt_quant import Dequantizer, checkpoint_quantization
+from flash_dllm.models.ckpt_quant import Dequantizer, checkpoint_quantization, read_weight
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, Piece, as_id_tuple
 
@@ -118,16 +118,15 @@ def _open_weights(path: Path):
                               "corrupt? Download it again") from None
 
 
-def _quantized_reader(folder: Path, raw: dict, files: list[Path], tp):
-    """A checkpoint published quantized (``models/ckpt_quant.py``): its layout and the reader
-    that dequantizes its weights (None, None: not quantized)."""
+def _quantized_reader(folder: Path, raw: dict, names: dict, tp) -> Dequantizer | None:
+    """The reader of a checkpoint published quantized (``models/ckpt_quant.py``), or None."""
     ckq = checkpoint_quantization(raw, folder)
     if ckq is None:
-        return None, None
+        return None
     if tp is not None and tp.world > 1:
         raise CheckpointError(f"{folder}: a {ckq.layout} checkpoint with tensor parallelism is "
                               "not supported yet: use one device")
-    return ckq, Dequantizer(files, lambda p: tensor_names([p]))
+    return Dequantizer(ckq, names)
 
 
 def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
@@ -160,10 +159,13 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     folder = Path(folder)
     family, cfg, raw = read_config(folder)
     files = weight_files(folder)
-    ckq, deq = _quantized_reader(folder, raw, files, tp)
+    # the headers, read once, when a check or a quantized layout needs the names up front
+    names = ({p: tensor_names([p]) for p in files}
+             if family.check_tensors or "quantization_config" in raw else {})
+    deq = _quantized_reader(folder, raw, names, tp)
     if family.check_tensors is not None:       # before anything is allocated
-        names = [n for n in tensor_names(files) if ckq is None or not ckq.hidden(n)]
-        why = family.check_tensors(cfg, names)
+        why = family.check_tensors(cfg, [n for ns in names.values() for n in ns
+                                         if deq is None or not deq.hidden(n)])
         if why is not None:
             raise CheckpointError(f"{folder}: {why}")
     model = build_model(cfg, device=device, dtype=dtype, init=False, tp=tp)
@@ -186,7 +188,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     for path in files:
         with _open_weights(path) as f:
             for name in f.keys():
-                if ckq is not None and ckq.hidden(name):
+                if deq is not None and deq.hidden(name):
                     continue
                 targets = plan.get(name)
                 if targets is None:
@@ -208,14 +210,12 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
                             target.copy_(handle[src].reshape(target.shape).to(dtype=p.dtype))
                 elif len(targets) == 1 and targets[0][1].whole:
                     ours = targets[0][0]
-                    t = f.get_tensor(name) if deq is None else deq.read(f, path, name,
-                                                                         _open_weights)
+                    t = read_weight(f, path, name, deq, _open_weights)
                     _check_shape(name, path, tuple(t.shape), tuple(params[ours].shape))
                     with torch.no_grad():
                         params[ours].copy_(t.to(dtype=params[ours].dtype))
                 else:
-                    t = f.get_tensor(name) if deq is None else deq.read(f, path, name,
-                                                                         _open_weights)
+                    t = read_weight(f, path, name, deq, _open_weights)
                     _check_shape(name, path, tuple(t.shape), targets[0][1].shape)
                     with torch.no_grad():
                         for ours, piece in targets:
