@@ -31,12 +31,22 @@ def _problem(T, E, k, d, I, dtype, bits, group, seed):
             ids, w)
 
 
-def test_reference_is_the_fp_reference_on_the_dequantized_experts():
+def _unpacked(q, s, bits, group):
+    """The weight from the layout written out by hand: nibbles (low = even column), q * scale."""
+    if bits == 4:
+        q = torch.stack([(q & 0xF).to(torch.int8) - 8, (q >> 4).to(torch.int8) - 8], -1)
+        q = q.flatten(-2)
+    return q.float() * s.float().repeat_interleave(group, dim=-1)
+
+
+def test_reference_is_the_fp_reference_on_the_unpacked_experts():
+    """The CPU path (``op`` off CUDA) equals the fp experts' reference on weights unpacked
+    independently of ``quant_gemm.dequantize``."""
     for bits in (8, 4):
         x, gq, gs, dq, ds, ids, w = _problem(7, 5, 2, 64, 32, torch.float32, bits, 32, seed=1)
-        want = fm.fused_moe_reference(x, quant_gemm.dequantize(gq, gs, bits, x.dtype),
-                                      quant_gemm.dequantize(dq, ds, bits, x.dtype), ids, w)
-        assert torch.equal(fq.op(x, gq, gs, dq, ds, bits, ids, w), want)     # the CPU path
+        want = fm.fused_moe_reference(x, _unpacked(gq, gs, bits, 32), _unpacked(dq, ds, bits, 32),
+                                      ids, w)
+        assert torch.equal(fq.op(x, gq, gs, dq, ds, bits, ids, w), want)
 
 
 @needs_interpreter
