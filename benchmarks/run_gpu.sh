@@ -145,7 +145,7 @@ group_families() {
 
 group_llada2() {
   # issue 39: the trained LLaDA2 proxy under CUDA graphs, then its accuracy (exact / threshold)
-  run llada2_gpu_test 240 - python3 -m pytest -q tests/gpu/test_engine_gpu.py -k block_causal_moe
+  run llada2_gpu_test 240 - python3 -m pytest -m gpu -q tests/gpu/test_engine_gpu.py -k block_causal_moe
   for S in chain code-long; do
     run llada2_exact_$S 120 "$OUT/accuracy/eval_exact_llada2_${S}_h200.json" \
       "${FD[@]}" eval --model proxy-llada2 --suite $S --n 200 --device cuda --dtype float32 \

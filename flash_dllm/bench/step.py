@@ -204,6 +204,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0, tp=tp)
         cfg = model.cfg
         if mode != "none":
+            if dev.type == "cuda":           # the runner's order: fuse, then quantize the GEMMs
+                model.fuse_projections()
             quantize_model(model, mode, group_size)
         set_routing(model, cfg, routing, shape)
         tdtype = next(model.parameters()).dtype

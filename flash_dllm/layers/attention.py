@@ -200,9 +200,9 @@ class Attention(nn.Module):
         """Inference: replace q/k/v_proj by one Linear over their concatenated weights (one GEMM
         that streams the weights once, instead of three launches). The separate weights are
         freed; the math is unchanged."""
-        if self.qkv_proj is not None:
-            return
         parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_proj is not None or any(type(p) is not nn.Linear for p in parts):
+            return                  # fused already, or quantized unfused (each part its own GEMM)
         w = torch.cat([p.weight for p in parts])
         fused = nn.Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
                           device=w.device, dtype=w.dtype)

@@ -23,8 +23,9 @@ class SwiGLU(nn.Module):
     @torch.no_grad()
     def fuse(self) -> None:
         """Inference: gate and up projections in one GEMM (see ``Attention.fuse``)."""
-        if self.gate_up_proj is not None:
-            return
+        if self.gate_up_proj is not None or any(
+                type(p) is not nn.Linear for p in (self.gate_proj, self.up_proj)):
+            return                  # fused already, or quantized unfused (see Attention.fuse)
         w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
         fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         fused.weight.copy_(w)
