@@ -116,6 +116,9 @@ group_quant() {
   run step_quant_llada2_mini_h200 240 "$OUT/step/step_quant_llada2_mini_h200.json" \
     "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none int4 \
     --batch 1 64 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
+  # the weight-only GEMMs per projection and rows, and a tile sweep at 32 rows
+  run sweep_quant_gemm_h200 150 "$OUT/step/sweep_quant_gemm_h200.json" \
+    python3 benchmarks/step/sweep_quant_gemm.py --budget-s 60 --out "$OUT/step/sweep_quant_gemm_h200.json"
 }
 
 group_kvfp8() {
@@ -125,6 +128,9 @@ group_kvfp8() {
       "${FD[@]}" bench step --kv-cache-dtype $dt --cache dual --batch 1 64 \
       --json "$OUT/step/step_kv_${dt}_h200.json"
   done
+  run profile_kvfp8_b64_h200 120 "$OUT/step/profile_kvfp8_b64_h200.json" \
+    python3 benchmarks/step/profile_step.py --kv-cache-dtype fp8 --batch 64 --steps 6 \
+    --out "$OUT/step/profile_kvfp8_b64_h200.json"
 }
 
 group_families() {

@@ -138,6 +138,7 @@ def test_triton_paged_attention_reads_fp8_pages_as_the_reference(mode):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
 
 
+
 def test_pool_of_fp8_pages_holds_about_twice_the_tokens_of_bf16():
     budget = 64 << 20
     bf16 = PagedKVLayout.for_budget(budget, 32, 8, 128, 16, torch.bfloat16)

@@ -27,13 +27,16 @@ def _rand(*shape, seed, scale=1.0):
 # ------------------------------------------------------------------------------ the kernels
 @needs_interpreter
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("M,N,K,group,split", [(1, 32, 64, 32, 1), (5, 40, 96, 32, 2),
-                                               (32, 48, 256, 64, 4), (17, 64, 128, 128, None)])
-def test_weight_only_kernel_matches_reference(bits, M, N, K, group, split):
+@pytest.mark.parametrize("M,N,K,group,split,bk", [
+    (1, 32, 64, 32, 1, 32), (5, 40, 96, 32, 2, 32), (32, 48, 256, 64, 4, 32),
+    (17, 64, 128, 128, None, None),
+    # K tiles wider than a group: each weight dequantized before the dot (the other branch)
+    (9, 32, 256, 32, 2, 64), (3, 48, 384, 32, 1, 128)])
+def test_weight_only_kernel_matches_reference(bits, M, N, K, group, split, bk):
     w = _rand(N, K, seed=N + K, scale=0.05)
     q, s = quant_gemm.quantize(w, bits, group)
     x, bias = _rand(M, K, seed=M), _rand(N, seed=1)
-    cfg = None if split is None else {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32,
+    cfg = None if split is None else {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": bk,
                                       "SPLIT_K": split}
     for b in (None, bias):
         ref = quant_gemm.weight_only_reference(x, q, s, b, bits)
@@ -43,16 +46,57 @@ def test_weight_only_kernel_matches_reference(bits, M, N, K, group, split):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weight_only_kernel_half_precision(dtype):
+@pytest.mark.parametrize("group", [32, 64])       # dequantized before / scaled after the dot
+def test_weight_only_kernel_half_precision(dtype, group):
     w = _rand(32, 64, seed=3, scale=0.05)
     x = _rand(4, 64, seed=4).to(dtype)
     for bits in (8, 4):
-        q, s = quant_gemm.quantize(w, bits, 32)
+        q, s = quant_gemm.quantize(w, bits, group)
         ref = quant_gemm.weight_only_reference(x, q, s, None, bits)
         got = quant_gemm.weight_only_triton(x, q, s, None, bits)
         assert got.dtype == dtype
         # the same roundings; the fp32 sum's order differs: one unit in the last place
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel_equals_the_reference(bits, dtype):
+    """Bitwise in fp32; bf16 within one unit in the last place (the interpreter's fp32 -> bf16
+    cast is not round-to-nearest as the GPU's is)."""
+    q, s = quant_gemm.quantize(_rand(40, 384, seed=7, scale=0.05), bits, 128)
+    tol = 0 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(quant_gemm.dequantize_triton(q, s, bits, dtype),
+                               quant_gemm.dequantize(q, s, bits, dtype), rtol=tol, atol=0)
+
+
+def test_default_config_keeps_k_tiles_inside_a_group():
+    assert quant_gemm.default_config(32, 4096, 4096, 128)["BLOCK_K"] == 128
+    assert quant_gemm.default_config(32, 4096, 4096, 64)["BLOCK_K"] == 64
+    assert quant_gemm.default_config(32, 4096, 4096, 32)["BLOCK_K"] == 128   # (too narrow)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("bits", [8, 4])
+def test_many_rows_take_the_dequantized_gemm(bits, monkeypatch):
+    """From ``DEQUANT_MIN_ROWS`` rows ``op`` dequantizes the weight once and runs the dtype's
+    GEMM: the same values as the reference (CUDA dispatch forced onto the interpreter)."""
+    monkeypatch.setattr(quant_gemm, "use_triton", lambda *t: True)
+    monkeypatch.setattr(quant_gemm, "DEQUANT_MIN_ROWS", 8)
+    calls = []
+    real = quant_gemm.dequantize_triton
+    monkeypatch.setattr(quant_gemm, "dequantize_triton",
+                        lambda *a: calls.append(a) or real(*a))
+    q, s = quant_gemm.quantize(_rand(48, 128, seed=5, scale=0.05), bits, 64)
+    x, bias = _rand(2, 6, 128, seed=6), _rand(48, seed=2)
+    for b in (None, bias):
+        torch.testing.assert_close(quant_gemm.op(x, q, s, b, bits),
+                                   quant_gemm.weight_only_reference(x, q, s, b, bits),
+                                   rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2
+    quant_gemm.op(x[:1, :4], q, s, None, bits)                 # 4 rows: the weight-only kernel
+    assert len(calls) == 2
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -156,6 +200,20 @@ def test_fused_projections_are_quantized_as_they_run():
     assert isinstance(m.layers[0].attn.qkv_proj, QuantLinear)
     assert isinstance(m.layers[0].mlp.gate_up_proj, QuantLinear)
     assert m.layers[0].attn.qkv_proj.dequantized(torch.float32).shape == (3 * 64, 64)
+
+
+def test_fusing_after_quantizing_keeps_the_quantized_projections():
+    """A model quantized unfused (``bench step`` before its GPU fix, a user's own order) then
+    handed to the runner, which fuses on CUDA: fusing is a no-op, not an AttributeError."""
+    m = tiny_model("llada", seed=2)
+    quantize_model(m, "int8", 32)
+    x = torch.randn(2, 5, 64)
+    want = m.layers[0].attn.project(x)
+    m.fuse_projections()
+    assert m.layers[0].attn.qkv_proj is None and isinstance(m.layers[0].attn.q_proj, QuantLinear)
+    assert m.layers[0].mlp.gate_up_proj is None
+    for a, b in zip(m.layers[0].attn.project(x), want):
+        torch.testing.assert_close(a, b)
 
 
 # --------------------------------------------------------------------------------- errors

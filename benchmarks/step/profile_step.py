@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from flash_dllm.bench.shapes import shape_config
+from flash_dllm.bench.moe_floor import set_routing
 from flash_dllm.bench.step import copy_bandwidth
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
+from flash_dllm.layers.quant import quantize_model
 from flash_dllm.models.loader import build_model
 
 # first match wins; matched case-insensitively against the kernel name
@@ -34,7 +36,10 @@ CATEGORIES = [
     ("rmsnorm_residual", ("rmsnorm",)),
     ("silu_mul", ("silu",)),
     ("proposal", ("argmax_conf", "confidence")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "skinny", "sm90_")),
+    ("moe", ("gate_up", "_down", "_sum_kernel", "_count_kernel", "_place_kernel")),
+    ("kv_fp8_write", ("requant",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "skinny", "sm90_",
+              "_wq_", "dequant")),
     ("copy_fill", ("memcpy", "memset", "copy", "fill")),
 ]
 
@@ -69,20 +74,26 @@ def busy_us(events) -> float:
 
 
 def profile_case(model, cfg, batch: int, cache: str, steps: int, fused: bool,
-                 graphs: bool) -> dict:
+                 graphs: bool, block: int = 32, kv_cache_dtype: str = "auto") -> dict:
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * 65,
-                                             fused_step=fused, cuda_graphs=graphs))
+                                             fused_step=fused, cuda_graphs=graphs,
+                                             kv_cache_dtype=kv_cache_dtype))
     g = torch.Generator().manual_seed(batch)
     vocab = min(cfg.vocab_size, cfg.mask_token_id)
-    params = SamplingParams(max_tokens=512, block_length=32, cache=cache, early_stop=False,
+    params = SamplingParams(max_tokens=512, block_length=block, cache=cache, early_stop=False,
                             decode="vanilla")
     reqs = [engine.add_request(torch.randint(0, vocab, (512,), generator=g).tolist(), params)
             for _ in range(batch)]
     r0 = reqs[0]
     # block 0 captures the shapes; profile inside block 1, after its refresh and first steps
-    while not (r0.block >= 1 and not r0.first_step and r0.num_masked <= 28):
-        engine.step()
-    steps = min(steps, r0.num_masked - 2)
+    # (small blocks, e.g. SDAR's 4: from block 2 on, the steps crossing blocks as they come)
+    if block >= 16:
+        while not (r0.block >= 1 and not r0.first_step and r0.num_masked <= block - 4):
+            engine.step()
+        steps = min(steps, r0.num_masked - 2)
+    else:
+        while r0.block < 2:
+            engine.step()
     for _ in range(2):                        # CUDA-event wall time of the same kind of steps
         engine.step()
     walls = []
@@ -138,11 +149,22 @@ def main() -> None:
     ap.add_argument("--no-fused-step", action="store_true")
     ap.add_argument("--no-cuda-graphs", action="store_true",
                     help="eager launches (kernel times as in the graphs, plus launch gaps)")
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--quantization", choices=["none", "fp8", "int8", "int4"], default="none",
+                    help="the model's projections (and experts) quantized, fused first as the "
+                         "engine's runner does")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--routing", choices=["model", "uniform"], default="model",
+                    help="MoE shapes: the random router, or experts drawn uniformly per row")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
     model = build_model(shape_config(a.model_shape), device=dev, dtype="bfloat16", seed=0)
     cfg = model.cfg
+    if a.quantization != "none":
+        model.fuse_projections()
+        quantize_model(model, a.quantization)
+    set_routing(model, cfg, a.routing, a.model_shape)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # what the step's GEMMs read: every weight but the embedding (a gather), plus the LM head
     # (the embedding again when tied)
@@ -153,14 +175,17 @@ def main() -> None:
     for cache in a.cache:
         for b in a.batch:
             r = profile_case(model, cfg, b, cache, a.steps,
-                             not (a.no_fused_step or a.no_cuda_graphs), not a.no_cuda_graphs)
+                             not (a.no_fused_step or a.no_cuda_graphs), not a.no_cuda_graphs,
+                             a.block_length, a.kv_cache_dtype)
             r["gemm_weight_GBps"] = (gemm_bytes / (r["by_category_ms"]["gemm"] / 1e3) / 1e9
                                      if r["by_category_ms"].get("gemm") else None)
             rows.append(r)
             cats = ", ".join(f"{k} {v:.3f}" for k, v in r["by_category_ms"].items())
             print(f"batch {b} {cache}: wall {r['wall_ms']:.3f} ms, kernels {r['kernel_ms']:.3f}, "
                   f"busy {r['busy_ms']:.3f} | {cats}", flush=True)
-    report = {"model_shape": a.model_shape, "device_name": torch.cuda.get_device_name(dev),
+    report = {"model_shape": a.model_shape, "quantization": a.quantization,
+              "kv_cache_dtype": a.kv_cache_dtype, "block_length": a.block_length,
+              "routing": a.routing, "device_name": torch.cuda.get_device_name(dev),
               "torch": torch.__version__, "weight_bytes": weight_bytes,
               "copy_bandwidth_GBps": bw / 1e9, "floor_ms": 1e3 * weight_bytes / bw, "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _gate_up_wq_kernel(x_ptr, q_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, total_ptr, P,
-                           TOPK, D, I, GROUP, stride_xt, stride_qe, stride_qn, stride_se,
+                           TOPK, D, I, GROUP: tl.constexpr, stride_xt, stride_qe, stride_qn, stride_se,
                            stride_sn, stride_ht, num_n, BITS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -56,7 +56,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _down_wq_kernel(h_ptr, q_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, expert_ptr, total_ptr,
-                        P, D, I, GROUP, stride_ht, stride_qe, stride_qn, stride_se, stride_sn,
+                        P, D, I, GROUP: tl.constexpr, stride_ht, stride_qe, stride_qn, stride_se, stride_sn,
                         stride_ot, num_n, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr):

@@ -31,6 +31,9 @@ a key row is ``D`` contiguous values, 256 B in bf16, so gathered rows still load
 request's query count exit at once, so the grid needs only the host-known ``max_seqlen_q`` (no
 device->host sync). With mass tracking, a second sweep recomputes QK^T with the final row
 max/normaliser (no V reads) and ``atomic_add``s each tile's column sums into the mass row.
+
+NOTE (size): just over 400 lines for one op: the kernel, its split merge, the fp8 pages' scale
+helpers and the PyTorch reference share one layout and are read together.
 """
 from __future__ import annotations
 
@@ -62,15 +65,25 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _kv_tile(ptr, scale_ptr, page, slot, kvh, stride_p, stride_s, stride_h, stride_sp,
-                 offs_d, n_mask, mask, FP8: tl.constexpr):
-        """[BN, BD] key (or value) rows of kv head ``kvh`` at (``page``, ``slot``) [BN]; fp8
-        pools: e4m3 codes (loaded as uint8) x their page's scale for the head, in fp32."""
+    def _kv_tile(ptr, page, slot, kvh, stride_p, stride_s, stride_h, offs_d, mask, dtype,
+                 FP8: tl.constexpr):
+        """[BN, BD] key (or value) rows of kv head ``kvh`` at (``page``, ``slot``) [BN] in
+        ``dtype``; fp8 pools: the e4m3 codes (loaded as uint8) as values, unscaled (exact in
+        any float dtype): their page's scale is applied to the scores / probabilities instead
+        (``_kv_scaled``), so a tile costs one conversion per element."""
         x = tl.load(ptr + (page * stride_p + slot * stride_s + kvh * stride_h)[:, None]
                     + offs_d[None, :], mask=mask, other=0)
         if FP8:
-            sc = tl.load(scale_ptr + page * stride_sp + kvh, mask=n_mask, other=0.0)  # [BN]
-            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+            x = x.to(tl.float8e4nv, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
+    def _kv_scaled(x, scale_ptr, page, kvh, stride_sp, n_mask, FP8: tl.constexpr):
+        """fp8 pools: ``x`` [BM, BN] (scores, or probabilities before the PV dot) times each
+        key's page scale for kv head ``kvh``: q . (code x scale) = (q . code) x scale and
+        p . (code x scale) = (p x scale) . code. Other pools: ``x``."""
+        if FP8:
+            x = x * tl.load(scale_ptr + page * stride_sp + kvh, mask=n_mask, other=0.0)[None, :]
         return x
 
     @triton.jit
@@ -83,9 +96,8 @@ if HAS_TRITON:
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            TRACK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
                            FP8: tl.constexpr):
-        # NOTE: the split count is a runtime argument (SPLIT only says whether there is one):
-        # as a constexpr, every count the batch mix produced (1..MAX_SPLITS) compiled its own
-        # variant of this kernel and of the merge, while requests waited (issue 21)
+        # NOTE: the split count is a runtime argument (SPLIT: whether there is one): as a
+        # constexpr, every count (1..MAX_SPLITS) compiled its own variant (issue 21)
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2) // N_SPLITS
@@ -117,17 +129,19 @@ if HAS_TRITON:
             page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot_in_page = offs_n % PAGE_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = _kv_tile(k_ptr, ks_ptr, page, slot_in_page, kvh, stride_kp, stride_ks, stride_kh,
-                         stride_sp, offs_d, n_mask, kv_mask, FP8).to(q.dtype)  # [BN, BD]
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale         # log2 domain
+            k = _kv_tile(k_ptr, page, slot_in_page, kvh, stride_kp, stride_ks, stride_kh,
+                         offs_d, kv_mask, q.dtype, FP8)                          # [BN, BD]
+            s = _kv_scaled(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale, ks_ptr,
+                           page, kvh, stride_sp, n_mask, FP8)                   # log2 domain
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _kv_tile(v_ptr, vs_ptr, page, slot_in_page, kvh, stride_vp, stride_vs, stride_vh,
-                         stride_sp, offs_d, n_mask, kv_mask, FP8).to(q.dtype)  # [BN, BD]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            v = _kv_tile(v_ptr, page, slot_in_page, kvh, stride_vp, stride_vs, stride_vh,
+                         offs_d, kv_mask, q.dtype, FP8)                          # [BN, BD]
+            pv = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
+            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
         out = acc / l_safe[:, None]
@@ -146,10 +160,10 @@ if HAS_TRITON:
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < L
                 page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-                k = _kv_tile(k_ptr, ks_ptr, page, offs_n % PAGE_SIZE, kvh, stride_kp, stride_ks,
-                             stride_kh, stride_sp, offs_d, n_mask,
-                             n_mask[:, None] & d_mask[None, :], FP8).to(q.dtype)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                k = _kv_tile(k_ptr, page, offs_n % PAGE_SIZE, kvh, stride_kp, stride_ks,
+                             stride_kh, offs_d, n_mask[:, None] & d_mask[None, :], q.dtype, FP8)
+                s = _kv_scaled(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale, ks_ptr,
+                               page, kvh, stride_sp, n_mask, FP8)
                 p = tl.exp2(s - lse[:, None])
                 p = tl.where(m_mask[:, None] & n_mask[None, :], p, 0.0)
                 tl.atomic_add(mass_row + offs_n, tl.sum(p, axis=0), mask=n_mask)

@@ -60,52 +60,87 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end, GROUP,
-                   BITS: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                   PREC: tl.constexpr):
+    def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end,
+                   GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr, PREC: tl.constexpr):
         """acc [BM, BN] += A[:, k_start:k_end] @ dequant(Q[:, k_start:k_end])^T, the weight
         dequantized in registers: ``a_rows`` [BM, 1] / ``q_rows``, ``s_rows`` [BN, 1] point at
         each row's start (x / packed integers / scales, in this module's layout); ``a_ok`` /
-        ``w_ok`` mask the rows. Also the fused MoE's on packed experts (``fused_moe_quant``)."""
-        for k0 in range(k_start, k_end, BLOCK_K):
-            if BITS == 8:
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < k_end
-                x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                            other=0.0)                                        # [BM, BK]
-                wmask = w_ok[:, None] & k_ok[None, :]
-                q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
-                s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
-                w = (q * s).to(x.dtype)                # rounded once, as the reference
-                if UPCAST:     # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
-                    x, w = x.to(tl.float32), w.to(tl.float32)
-                acc += tl.dot(x, tl.trans(w), input_precision=PREC)
-            else:
-                # each byte once: its low nibbles are the even columns, its high ones the odd
-                # columns; x's even and odd columns (strided, from cache) meet them in two dots
-                jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                     # byte index
-                ke = 2 * jb                                                   # even columns
-                k_ok = ke < k_end                     # (k_end is even: so are K and the slices)
-                xmask = a_ok[:, None] & k_ok[None, :]
-                xe = tl.load(a_rows + ke[None, :], mask=xmask, other=0.0)     # [BM, BK/2]
-                xo = tl.load(a_rows + ke[None, :] + 1, mask=xmask, other=0.0)
-                wmask = w_ok[:, None] & k_ok[None, :]
-                b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
-                se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
-                so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
-                             other=0.0).to(tl.float32)
-                we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
-                wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
-                if UPCAST:
-                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-                    we, wo = we.to(tl.float32), wo.to(tl.float32)
-                acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
-                acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+        ``w_ok`` mask the rows. Also the fused MoE's on packed experts (``fused_moe_quant``).
+
+        When a K tile lies inside one scale group (``GROUP % BLOCK_K == 0``; the slices start on
+        group boundaries) the integers themselves meet x in the dot (exact in any float dtype:
+        |q| <= 127) and the tile's partial sum is scaled per column after it: one conversion per
+        weight, no scale gather, no K mask (every tile is whole). Otherwise each weight is
+        dequantized before the dot (``q * s`` rounded to x's dtype, as the reference)."""
+        if GROUP % BLOCK_K == 0:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                s = tl.load(s_rows + k0 // GROUP, mask=w_ok[:, None], other=0.0)   # [BN, 1]
+                if BITS == 8:
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)  # [BM, BK]
+                    w = tl.load(q_rows + ks[None, :], mask=w_ok[:, None], other=0)
+                    if UPCAST:   # (the interpreter's int -> bf16 cast is wrong: fp32, as exact)
+                        x, w = x.to(tl.float32), w.to(tl.float32)
+                    else:
+                        w = w.to(x.dtype)
+                    part = tl.dot(x, tl.trans(w), input_precision=PREC)
+                else:
+                    jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                  # byte index
+                    ke = 2 * jb
+                    xe = tl.load(a_rows + ke[None, :], mask=a_ok[:, None], other=0.0)
+                    xo = tl.load(a_rows + ke[None, :] + 1, mask=a_ok[:, None], other=0.0)
+                    b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
+                    if UPCAST:
+                        xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                    we = ((b & 0xF) - 8).to(xe.dtype)
+                    wo = ((b >> 4) - 8).to(xe.dtype)
+                    part = tl.dot(xe, tl.trans(we), input_precision=PREC)
+                    part += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+                acc += part * tl.trans(s.to(tl.float32))
+        else:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                if BITS == 8:
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = ks < k_end
+                    x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                                other=0.0)                                    # [BM, BK]
+                    wmask = w_ok[:, None] & k_ok[None, :]
+                    q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
+                    s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask,
+                                other=0.0).to(tl.float32)
+                    w = (q * s).to(x.dtype)                # rounded once, as the reference
+                    if UPCAST:   # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
+                        x, w = x.to(tl.float32), w.to(tl.float32)
+                    acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+                else:
+                    # each byte once: its low nibbles are the even columns, its high ones the
+                    # odd columns; x's even and odd columns (strided, from cache) meet them in
+                    # two dots
+                    jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                  # byte index
+                    ke = 2 * jb                                                # even columns
+                    k_ok = ke < k_end                 # (k_end is even: so are K and the slices)
+                    xmask = a_ok[:, None] & k_ok[None, :]
+                    xe = tl.load(a_rows + ke[None, :], mask=xmask, other=0.0)  # [BM, BK/2]
+                    xo = tl.load(a_rows + ke[None, :] + 1, mask=xmask, other=0.0)
+                    wmask = w_ok[:, None] & k_ok[None, :]
+                    b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
+                    se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask,
+                                 other=0.0).to(tl.float32)
+                    so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
+                                 other=0.0).to(tl.float32)
+                    we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
+                    wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
+                    if UPCAST:
+                        xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                        we, wo = we.to(tl.float32), wo.to(tl.float32)
+                    acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
+                    acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
         return acc
 
     @triton.jit
     def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                        stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP,
+                        stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP: tl.constexpr,
                         BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                         UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -128,6 +163,35 @@ if HAS_TRITON:
         else:                                          # fp32 partials [SPLIT, M, N]
             tl.store(out_ptr + pid_k.to(tl.int64) * stride_os
                      + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc, mask=omask)
+
+
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
+                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """W [N, K] in w's dtype = q * scale, in fp32 and rounded once (as ``dequantize``)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rows < N
+        q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qn
+        s_row = s_ptr + rows[:, None].to(tl.int64) * stride_sn
+        w_row = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+        if BITS == 8:
+            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+            m = n_ok[:, None] & (ks < K)[None, :]
+            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)
+            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
+            tl.store(w_row + ks[None, :], (q * sc).to(w_ptr.dtype.element_ty), mask=m)
+        else:
+            jb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            ke = 2 * jb
+            m = n_ok[:, None] & (ke < K)[None, :]
+            b = tl.load(q_row + jb[None, :], mask=m, other=0).to(tl.int32)
+            se = tl.load(s_row + ke[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
+            so = tl.load(s_row + (ke[None, :] + 1) // GROUP, mask=m, other=0.0).to(tl.float32)
+            tl.store(w_row + ke[None, :], (((b & 0xF) - 8).to(tl.float32) * se)
+                     .to(w_ptr.dtype.element_ty), mask=m)
+            tl.store(w_row + ke[None, :] + 1, (((b >> 4) - 8).to(tl.float32) * so)
+                     .to(w_ptr.dtype.element_ty), mask=m)
 
 
 # ------------------------------------------------------------------------------ quantization
@@ -187,6 +251,9 @@ def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> di
     block_m = min(64, max(16, next_pow2(M)))
     block_n = 64 if N >= 64 * num_sms // 2 else 32
     block_k = min(128, max(32, next_pow2(K)))        # (int4: BLOCK_K / 2 >= 16 for tl.dot)
+    if group % 64 == 0:                              # a tile inside one group: the scale after
+        while group % block_k:                       # the dot (``wq_dot_acc``); narrower groups
+            block_k //= 2                            # keep wide tiles, dequantized before it
     tiles = -(-N // block_n) * -(-M // block_m)
     split = 1
     while tiles * split < 2 * num_sms and K // (split * 2) >= 4 * block_k:
@@ -254,13 +321,45 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     return out
 
 
+def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once)."""
+    check(HAS_TRITON, "quant_gemm: triton is not importable")
+    check(qweight.dim() == 2 and qweight.is_contiguous() and scales.dim() == 2
+          and scales.stride(1) == 1, f"quant_gemm.dequantize_triton: a contiguous 2-D qweight "
+          f"and scales, got {describe(qweight)} and {describe(scales)}")
+    check_device("quant_gemm", INTERPRET, qweight, scales)
+    N, K = qweight.shape[0], qweight.shape[1] * (8 // bits)
+    w = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    if N and K:
+        bn, bk = 32, 128
+        _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+            qweight, scales, w, N, K, qweight.stride(0), scales.stride(0), w.stride(0),
+            GROUP=K // scales.shape[1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return w
+
+
+# NOTE: from this many rows the GEMM is compute-bound and the in-register dequantization is
+# repeated for every BLOCK_M rows: dequantizing the weight once (a transient [N, K] copy, read
+# packed and written once) and running the dtype's own GEMM is faster. The crossover is from the
+# H100 sweep (``benchmarks/step/sweep_quant_gemm.py``).
+DEQUANT_MIN_ROWS = 512
+
+
 def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
        bias: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """``x [..., K] -> [..., N]``: Triton on CUDA, the reference elsewhere."""
+    """``x [..., K] -> [..., N]``: Triton on CUDA (the weight-only kernel for skinny steps, a
+    dequantized copy and the dtype's GEMM from ``DEQUANT_MIN_ROWS`` rows), the reference
+    elsewhere."""
     if not use_triton(x, qweight):
         return weight_only_reference(x, qweight, scales, bias, bits)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] >= DEQUANT_MIN_ROWS:
+        w = dequantize_triton(qweight, scales, bits, x.dtype)
+        out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()
+                                                    + bias.float()).to(x.dtype)
+        return out.view(*lead, -1)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, -1)

@@ -50,6 +50,54 @@ def test_weight_only_gemm_matches_reference(bits, M, N, K):
           f"weights), bf16 cuBLAS {us_bf16:.1f} us")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_many_rows_dequantize_once_then_the_bf16_gemm(bits):
+    """``op`` from ``DEQUANT_MIN_ROWS`` rows: the dequantize kernel equals ``dequantize``
+    bitwise, and the GEMM the reference to bf16's rounding."""
+    g = torch.Generator(device=DEV).manual_seed(bits)
+    w = torch.randn(3 * 4096, 4096, device=DEV, generator=g) * 0.02
+    q, s = quant_gemm.quantize(w, bits, 128)
+    torch.testing.assert_close(quant_gemm.dequantize_triton(q, s, bits, torch.bfloat16),
+                               quant_gemm.dequantize(q, s, bits, torch.bfloat16), rtol=0, atol=0)
+    x = torch.randn(2048, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    ref = quant_gemm.weight_only_reference(x, q, s, None, bits)
+    torch.testing.assert_close(quant_gemm.op(x, q, s, None, bits).float(), ref.float(),
+                               rtol=2e-2, atol=2e-2)
+    us = _time(lambda: quant_gemm.op(x, q, s, None, bits), reps=20)
+    us_kernel = _time(lambda: quant_gemm.weight_only_triton(x, q, s, None, bits), reps=20)
+    us_bf16 = _time(lambda: x @ w.to(torch.bfloat16).t(), reps=20)
+    print(f"\nint{bits} M=2048 N=12288 K=4096: dequantize + GEMM {us:.1f} us, weight-only kernel "
+          f"{us_kernel:.1f} us, bf16 (incl. a cast) {us_bf16:.1f} us")
+
+
+def test_paged_attention_on_fp8_pages_in_bf16():
+    """The kernel's fp8 path with bf16 queries (the codes meet q unscaled; the page scales
+    multiply the scores and probabilities) against the reference on dequantised pages."""
+    from flash_dllm.kernels import kv_quant, paged_attention
+    g = torch.Generator(device=DEV).manual_seed(0)
+    P, ps, Hkv, D, H = 24, 16, 4, 128, 16
+    kc = torch.zeros(P, ps, Hkv, D, dtype=kv_quant.FP8, device=DEV)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(P, Hkv, device=DEV)
+    vs = torch.zeros_like(ks)
+    table = torch.randperm(P, device=DEV, generator=g).view(3, 8).to(torch.int32)
+    lens = torch.tensor([128, 77, 9], dtype=torch.int32, device=DEV)
+    slots = torch.cat([(table[b].long()[:, None] * ps + torch.arange(ps, device=DEV)).flatten()[:n]
+                       for b, n in enumerate(lens.tolist())])
+    mags = torch.logspace(-1, 1, len(slots), device=DEV)[:, None, None]
+    kv_quant.write(kc, ks, slots, (torch.randn(len(slots), Hkv, D, device=DEV, generator=g)
+                                   * mags).to(torch.bfloat16))
+    kv_quant.write(vc, vs, slots, torch.randn(len(slots), Hkv, D, device=DEV,
+                                              generator=g).to(torch.bfloat16))
+    q = torch.randn(40, H, D, device=DEV, generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, 32, 39, 40], dtype=torch.int32, device=DEV)
+    ref = paged_attention.paged_attention_reference(q.float(), kc, vc, cu, lens, table,
+                                                    k_scale=ks, v_scale=vs)
+    got = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 32, k_scale=ks,
+                                                 v_scale=vs)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not fp8_gemm.supported(DEV), reason="needs FP8 tensor cores (cc >= 8.9)")
 @pytest.mark.parametrize("M,N,K", SHAPES + [(1, 4096, 4096), (100, 4096, 4096)])
 def test_fp8_scaled_mm_matches_emulation(M, N, K):
