@@ -19,12 +19,12 @@
 #           eval     accuracy matrix, exact-sampler accuracy, batch-1 verify      ~6 min
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
-#           quant    bench step of bf16 / fp8 / int8 / int4 weights, LLaDA-8B shape; LLaDA2-mini
-#                    int4 experts against bf16 (not timed yet)
-#           kvfp8    bench step with fp8 KV pages against the model dtype, batch 1 and 64 (not timed yet)
+#           quant    weight-only GEMM tile sweep (writes $OUT/kernel-configs), then bench step
+#                    of bf16 / fp8 / int8 / int4 with those tiles; LLaDA2-mini int4 experts ~9 min
+#           kvfp8    bench step with fp8 KV pages against the model dtype; its profile   ~2 min
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
-#                    llada2-mini (model and uniform routing; the graph bug's re-check) (not timed yet)
-#           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites, n = 200
+#                    llada2-mini with its random router                                 ~1.5 min
+#           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites    ~2 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -107,18 +107,21 @@ group_step() {
 }
 
 group_quant() {
-  # issue 40: one random-init model per weight mode, dual steps side by side; each row's floor
-  # is from its mode's stored bytes
-  run step_quant_h200 540 "$OUT/step/step_quant_h200.json" \
+  # issue 40: first the weight-only GEMMs' tile sweep (timed in CUDA graphs), whose winners are
+  # written as this card's tuned config under $OUT/kernel-configs (commit it to
+  # flash_dllm/kernels/configs/ once the steps below confirm it); then one random-init model per
+  # weight mode, dual steps side by side, with those tiles (each row's floor is from its mode's
+  # stored bytes); then LLaDA2-mini's int4 experts against bf16
+  run sweep_quant_gemm_h200 300 "$OUT/step/sweep_quant_gemm_h200.json" \
+    python3 benchmarks/step/sweep_quant_gemm.py --budget-s 200 \
+    --write-config "$OUT/kernel-configs" --out "$OUT/step/sweep_quant_gemm_h200.json"
+  run step_quant_h200 240 "$OUT/step/step_quant_h200.json" \
+    env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 64 \
     --json "$OUT/step/step_quant_h200.json"
-  # issue 40: int4 experts (kernels/fused_moe_quant) against bf16 on the LLaDA2-mini shape
-  run step_quant_llada2_mini_h200 240 "$OUT/step/step_quant_llada2_mini_h200.json" \
+  run step_quant_llada2_mini_h200 120 "$OUT/step/step_quant_llada2_mini_h200.json" \
     "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none int4 \
     --batch 1 64 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
-  # the weight-only GEMMs per projection and rows, and a tile sweep at 32 rows
-  run sweep_quant_gemm_h200 150 "$OUT/step/sweep_quant_gemm_h200.json" \
-    python3 benchmarks/step/sweep_quant_gemm.py --budget-s 60 --out "$OUT/step/sweep_quant_gemm_h200.json"
 }
 
 group_kvfp8() {

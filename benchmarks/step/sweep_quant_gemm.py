@@ -1,16 +1,25 @@
 """The weight-only int8 / int4 GEMM (``kernels/quant_gemm``) against bf16 cuBLAS at LLaDA-8B's
-projection shapes, and a tile sweep of the skinny (batch-1) case.
+projection shapes, timed inside CUDA graphs, and a tile sweep whose winners can be written as the
+device's tuned config (``kernels/configs/quant_gemm/<device>.json``).
 
-    python benchmarks/step/sweep_quant_gemm.py --out sweep_quant_gemm_h100.json [--budget-s 150]
+    python benchmarks/step/sweep_quant_gemm.py --out sweep_quant_gemm_h100.json \
+        [--budget-s 240] [--write-config DIR]
 
-For each projection (fused q/k/v, o, fused gate/up, down) and rows M (32: a batch-1 dual step;
-256 / 512 / 2048: bigger batches): bf16 ``F.linear``; the weight-only kernel with its default
-tiles; the dequantize-once path (``dequantize_triton`` + ``F.linear``, what ``quant_gemm.op``
-takes from ``DEQUANT_MIN_ROWS`` rows); FP8 weights (``fp8_gemm.op``: ``torch._scaled_mm`` with
-per-token activation scales). Then, at M = 32, a sweep of BLOCK_N x BLOCK_K x SPLIT_K x
-num_warps for each bit width until ``--budget-s`` is spent (each new tile compiles), reporting
-the best tiles per shape against the defaults. Times are CUDA-event means over ``--reps``
-launches after a warm-up; GB/s is the packed weight bytes (scales included) per second.
+1. For each projection (fused q/k/v, o, fused gate/up, down) and rows M (``--rows``): bf16
+   ``F.linear``; the weight-only kernel with its current tiles (a tuned file's when one is found,
+   else ``default_config``); the dequantize-once path (``dequantize_triton`` + ``F.linear``, what
+   ``quant_gemm.op`` takes from ``DEQUANT_MIN_ROWS`` rows); FP8 weights (``fp8_gemm.op``).
+2. The sweep, for each bit width: every tile of ``GRID`` at the first row bucket (each new tile
+   compiles once; N and K are runtime arguments, so the four shapes share it), then the best
+   ``--keep`` tiles of that bucket at every other bucket below ``DEQUANT_MIN_ROWS``, until
+   ``--budget-s`` is spent. int4 tries its joined-nibble tile (``JOIN``) too.
+3. ``--write-config DIR``: the best tiles per (shape, bucket) as ``DIR/quant_gemm/<device>.json``
+   (``FLASH_DLLM_KERNEL_CONFIGS=DIR`` makes the engine use them before they are committed).
+
+Every time is the mean per launch of ``--reps`` launches captured in one CUDA graph and replayed
+(no launch or Python cost: what a step's graph pays); GB/s is the packed weight bytes (scales
+included) per second. The first version of this script timed eager launches: its split-K and
+fp8 figures carried their extra kernels' launch costs (findings/quantization.md).
 """
 from __future__ import annotations
 
@@ -23,110 +32,185 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.kernels import fp8_gemm, quant_gemm
+from flash_dllm.kernels import fp8_gemm, quant_gemm, tuned_configs
 
 # LLaDA-8B: (name, N, K) of the fused q/k/v, o, fused gate/up and down projections
 SHAPES = [("qkv", 3 * 4096, 4096), ("o", 4096, 4096), ("gate_up", 2 * 12288, 4096),
           ("down", 4096, 12288)]
-ROWS = [32, 256, 512, 2048]
-SWEEP = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [64, 128], "SPLIT_K": [1, 2, 4, 8],
-         "num_warps": [4, 8]}
+ROWS = [32, 64, 128, 256, 2048]
+GRID = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [64, 128], "SPLIT_K": [1, 2, 4, 8],
+        "num_warps": [4, 8], "num_stages": [3]}
 
 
-def timed(fn, reps: int) -> float:
-    """Mean microseconds per call (CUDA events), after two warm-up calls."""
-    fn()
-    fn()
+def graph_time(fn, reps: int) -> float:
+    """Mean microseconds per call of ``fn``, ``reps`` calls captured in one CUDA graph."""
+    fn()                                               # compile / warm up outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    for _ in range(reps):
-        fn()
+    for _ in range(3):
+        g.replay()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / reps * 1e3
+    return a.elapsed_time(b) / (3 * reps) * 1e3
 
 
 def packed_bytes(q: torch.Tensor, s: torch.Tensor) -> int:
     return q.numel() * q.element_size() + s.numel() * s.element_size()
 
 
+def block_m(M: int) -> int:
+    return min(64, max(16, 1 << max(0, (M - 1).bit_length())))
+
+
+def tiles(bits: int) -> list[dict]:
+    out = [dict(zip(GRID, combo)) for combo in itertools.product(*GRID.values())]
+    if bits == 4:
+        out += [{**t, "JOIN": 1} for t in out]
+    return out
+
+
+def baseline(weights, rows, reps, group, dev) -> list[dict]:
+    g = torch.Generator(device=dev).manual_seed(1)
+    cases = []
+    for name, N, K in SHAPES:
+        w, packs, f8 = weights[name]
+        for M in rows:
+            x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
+            row = {"shape": name, "M": M, "N": N, "K": K, "bf16_bytes": w.numel() * 2,
+                   "bf16_us": graph_time(lambda: F.linear(x, w), reps)}
+            if f8 is not None:
+                row["fp8_us"] = graph_time(lambda: fp8_gemm.op(x, f8[0], f8[1], None), reps)
+            for bits, (q, s) in packs.items():
+                cfg = (quant_gemm.tuned_config(M, N, K, group, bits, dev)
+                       or quant_gemm.default_config(M, N, K, group, quant_gemm._num_sms(dev)))
+                row[f"int{bits}_bytes"] = packed_bytes(q, s)
+                row[f"int{bits}_config"] = cfg
+                row[f"int{bits}_kernel_us"] = graph_time(
+                    lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
+                row[f"int{bits}_dequant_gemm_us"] = graph_time(
+                    lambda: F.linear(x, quant_gemm.dequantize_triton(q, s, bits, x.dtype)), reps)
+            cases.append(row)
+            print(f"{name:8s} M={M:5d}: bf16 {row['bf16_us']:7.1f} us"
+                  + (f"  fp8 {row['fp8_us']:7.1f}" if "fp8_us" in row else "")
+                  + "".join(f"  int{b} {row[f'int{b}_kernel_us']:7.1f} (dequant+gemm "
+                            f"{row[f'int{b}_dequant_gemm_us']:7.1f})" for b in (8, 4)),
+                  flush=True)
+    return cases
+
+
+def time_tile(weights, bits, M, cfg, reps, dev) -> dict[str, float | None]:
+    """Microseconds per shape for one tile (None where it fails to compile or launch)."""
+    out = {}
+    for name, N, K in SHAPES:
+        q, s = weights[name][1][bits]
+        x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+        try:
+            out[name] = graph_time(
+                lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
+        except Exception as e:                     # a tile that does not compile or fit
+            out[name] = None
+            print(f"int{bits} M={M} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+    return out
+
+
+def sweep(weights, buckets, reps, budget_s, keep, dev) -> tuple[list[dict], bool]:
+    """Half the budget per bit width (int4's grid is twice int8's: its ``JOIN`` tiles)."""
+    points, stopped = [], False
+    for bits in (8, 4):
+        t0, first, rest = time.monotonic(), buckets[0], buckets[1:]
+        budget = budget_s / 2
+        scored = []
+        for tile in tiles(bits):
+            if time.monotonic() - t0 > budget * 0.7:          # leave time for the buckets
+                stopped = True
+                break
+            cfg = {**tile, "BLOCK_M": block_m(first)}
+            us = time_tile(weights, bits, first, cfg, reps, dev)
+            points.append({"bits": bits, "M": first, "config": cfg, "us": us})
+            if all(v is not None for v in us.values()):
+                scored.append((sum(us.values()), tile))
+        best = [t for _, t in sorted(scored, key=lambda p: p[0])[:keep]]
+        for M in rest:
+            for tile in best:
+                if time.monotonic() - t0 > budget:
+                    stopped = True
+                    break
+                for bm in sorted({block_m(M), 64} if M > 64 else {block_m(M)}):
+                    cfg = {**tile, "BLOCK_M": bm}
+                    points.append({"bits": bits, "M": M, "config": cfg,
+                                   "us": time_tile(weights, bits, M, cfg, reps, dev)})
+    return points, stopped
+
+
+def winners(points, weights, group) -> dict:
+    """configs[key][M] = the fastest tile measured for that shape and bucket."""
+    best: dict[tuple, tuple[float, dict]] = {}
+    for p in points:
+        for name, us in p["us"].items():
+            if us is None:
+                continue
+            k = (p["bits"], name, p["M"])
+            if k not in best or us < best[k][0]:
+                best[k] = (us, p["config"])
+    configs: dict[str, dict[str, dict]] = {}
+    for (bits, name, M), (us, cfg) in best.items():
+        N, K = next((n, k) for s, n, k in SHAPES if s == name)
+        configs.setdefault(quant_gemm.problem_key(bits, N, K, group), {})[str(M)] = cfg
+    return configs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--group", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--budget-s", type=float, default=150.0,
-                    help="seconds for the M = 32 tile sweep (compiles included)")
+    ap.add_argument("--rows", type=int, nargs="+", default=ROWS,
+                    help="rows of the baseline table")
+    ap.add_argument("--buckets", type=int, nargs="+", default=[32, 1, 8, 64, 128, 256],
+                    help="row buckets of the sweep (the first: the full grid)")
+    ap.add_argument("--keep", type=int, default=6, help="tiles carried to the other buckets")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="seconds for the sweep (compiles included)")
+    ap.add_argument("--write-config", metavar="DIR",
+                    help="write the winners as DIR/quant_gemm/<device>.json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    weights, cases = {}, []
+    weights = {}
     for name, N, K in SHAPES:
         w = (torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
         packs = {bits: quant_gemm.quantize(w, bits, a.group) for bits in (8, 4)}
         f8 = fp8_gemm.quantize_weight(w) if fp8_gemm.supported(dev) else None
         weights[name] = (w, packs, f8)
-        for M in ROWS:
-            x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
-            row = {"shape": name, "M": M, "N": N, "K": K,
-                   "bf16_us": timed(lambda: F.linear(x, w), a.reps),
-                   "bf16_bytes": w.numel() * 2}
-            if f8 is not None:
-                row["fp8_us"] = timed(lambda: fp8_gemm.op(x, f8[0], f8[1], None), a.reps)
-            for bits, (q, s) in packs.items():
-                row[f"int{bits}_bytes"] = packed_bytes(q, s)
-                row[f"int{bits}_default_config"] = quant_gemm.default_config(
-                    M, N, K, a.group, quant_gemm._num_sms(dev))
-                row[f"int{bits}_kernel_us"] = timed(
-                    lambda: quant_gemm.weight_only_triton(x, q, s, None, bits), a.reps)
-                row[f"int{bits}_dequant_gemm_us"] = timed(
-                    lambda: F.linear(x, quant_gemm.dequantize_triton(q, s, bits, x.dtype)),
-                    a.reps)
-            cases.append(row)
-            print(f"{name:8s} M={M:5d}: bf16 {row['bf16_us']:8.1f} us"
-                  + (f"  fp8 {row['fp8_us']:8.1f}" if "fp8_us" in row else "")
-                  + "".join(f"  int{b} kernel {row[f'int{b}_kernel_us']:8.1f} / dequant+gemm "
-                            f"{row[f'int{b}_dequant_gemm_us']:8.1f}" for b in (8, 4)),
-                  flush=True)
-    # the skinny case's tiles, until the budget is spent
-    sweep, t0, stopped = [], time.monotonic(), False
-    grid = list(itertools.product(*SWEEP.values()))
-    for bits in (8, 4):
-        for combo in grid:
-            if time.monotonic() - t0 > a.budget_s:
-                stopped = True
-                break
-            cfg = dict(zip(SWEEP, combo), BLOCK_M=32, num_stages=3)
-            for name, N, K in SHAPES:
-                q, s = weights[name][1][bits]
-                x = torch.randn(32, K, device=dev, generator=g).to(torch.bfloat16)
-                try:
-                    us = timed(lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg),
-                               a.reps)
-                except Exception as e:                 # a tile that does not compile / fit
-                    us = None
-                    print(f"int{bits} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                sweep.append({"bits": bits, "shape": name, "config": cfg, "us": us})
-    best = {}
-    for r in sweep:
-        if r["us"] is None:
-            continue
-        key = f"int{r['bits']}_{r['shape']}"
-        if key not in best or r["us"] < best[key]["us"]:
-            best[key] = r
-    for key, r in sorted(best.items()):
-        base = next(c for c in cases if c["shape"] == r["shape"] and c["M"] == 32)
-        r["default_us"] = base[f"int{r['bits']}_kernel_us"]
-        r["bf16_us"] = base["bf16_us"]
-        r["GBps"] = base[f"int{r['bits']}_bytes"] / r["us"] / 1e3
-        print(f"best {key}: {r['us']:.1f} us ({r['GBps']:.0f} GB/s) {r['config']}; default "
-              f"{r['default_us']:.1f} us; bf16 {r['bf16_us']:.1f} us", flush=True)
-    report = {"device_name": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-              "group": a.group, "reps": a.reps, "dequant_min_rows": quant_gemm.DEQUANT_MIN_ROWS,
-              "cases": cases, "sweep_budget_s": a.budget_s, "sweep_stopped_early": stopped,
-              "sweep_points": len(sweep), "best_at_32_rows": best, "sweep": sweep}
+    cases = baseline(weights, a.rows, a.reps, a.group, dev)
+    points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev)
+    configs = winners(points, weights, a.group)
+    name = torch.cuda.get_device_name(dev)
+    for key, rows in sorted(configs.items()):
+        print(key, {m: rows[m] for m in sorted(rows, key=int)}, flush=True)
+    report = {"device_name": name, "torch": torch.__version__, "group": a.group,
+              "reps": a.reps, "timing": "mean per launch inside one CUDA graph",
+              "dequant_min_rows": quant_gemm.DEQUANT_MIN_ROWS, "cases": cases,
+              "sweep_budget_s": a.budget_s, "sweep_stopped_early": stopped,
+              "sweep_points": len(points), "winners": configs, "sweep": points}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=2))
+    if a.write_config:
+        path = tuned_configs.config_path("quant_gemm", name, a.write_config)
+        tuned_configs.write(path, "quant_gemm", name, configs,
+                            "benchmarks/step/sweep_quant_gemm.py (timed in CUDA graphs)")
+        print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gate_up_wq_kernel(x_ptr, q_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, total_ptr, P,
-                           TOPK, D, I, GROUP: tl.constexpr, stride_xt, stride_qe, stride_qn, stride_se,
-                           stride_sn, stride_ht, num_n, BITS: tl.constexpr,
+                           TOPK, D, I, GROUP: tl.constexpr, stride_xt, stride_qe, stride_qn,
+                           stride_se, stride_sn, stride_ht, num_n, BITS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            UPCAST: tl.constexpr, PREC: tl.constexpr):
         pid_m = tl.program_id(0) // num_n
@@ -46,18 +46,19 @@ if HAS_TRITON:
         g_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_g = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, 0, D, GROUP, BITS,
-                                      BLOCK_K, UPCAST, PREC)
+                                      BLOCK_K, UPCAST, PREC, 0)
         acc_u = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q + I * stride_qn,
                                       g_s + I * stride_sn, n_ok, 0, D, GROUP, BITS, BLOCK_K,
-                                      UPCAST, PREC)
+                                      UPCAST, PREC, 0)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u              # SwiGLU in fp32, rounded once
         tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _down_wq_kernel(h_ptr, q_ptr, s_ptr, out_ptr, tw_ptr, sorted_ptr, expert_ptr, total_ptr,
-                        P, D, I, GROUP: tl.constexpr, stride_ht, stride_qe, stride_qn, stride_se, stride_sn,
-                        stride_ot, num_n, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        P, D, I, GROUP: tl.constexpr, stride_ht, stride_qe, stride_qn,
+                        stride_se, stride_sn, stride_ot, num_n, BITS: tl.constexpr,
+                        BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr):
         pid_m = tl.program_id(0) // num_n
@@ -70,7 +71,7 @@ if HAS_TRITON:
         w_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
         w_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         acc = quant_gemm.wq_dot_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok,
-                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC)
+                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC, 0)
         acc *= tl.load(tw_ptr + pair, mask=m_ok, other=0.0)[:, None]        # mixing weight
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])

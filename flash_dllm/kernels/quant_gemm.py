@@ -27,6 +27,10 @@ slice of the weights to stream; the slices write fp32 partials ``[SPLIT_K, M, N]
 the output directly. ``default_config`` picks the tiles from the shape and the SM count; the
 lead's H100 timings may retune it (``config=``).
 
+NOTE (size): just over 400 lines for one op: the skinny kernel and its shared tile loop (also the
+fused MoE's on packed experts), the dequantize-once kernel for many rows, the layout's quantize /
+dequantize and the reference, read together.
+
 NOTE (batch invariance): the split and the tiles follow M (through ``default_config``), so a
 row's reduction order may change with the batch size; pass one ``config`` for bit-stable
 answers across batch sizes.
@@ -38,6 +42,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from flash_dllm.kernels import tuned_configs
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -62,87 +67,117 @@ if HAS_TRITON:
     @triton.jit
     def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end,
                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, PREC: tl.constexpr):
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr):
         """acc [BM, BN] += A[:, k_start:k_end] @ dequant(Q[:, k_start:k_end])^T, the weight
         dequantized in registers: ``a_rows`` [BM, 1] / ``q_rows``, ``s_rows`` [BN, 1] point at
         each row's start (x / packed integers / scales, in this module's layout); ``a_ok`` /
         ``w_ok`` mask the rows. Also the fused MoE's on packed experts (``fused_moe_quant``).
 
         When a K tile lies inside one scale group (``GROUP % BLOCK_K == 0``; the slices start on
-        group boundaries) the integers themselves meet x in the dot (exact in any float dtype:
-        |q| <= 127) and the tile's partial sum is scaled per column after it: one conversion per
-        weight, no scale gather, no K mask (every tile is whole). Otherwise each weight is
-        dequantized before the dot (``q * s`` rounded to x's dtype, as the reference)."""
+        group boundaries) the integers themselves meet x in the dot (``_int_tile_dot``) and the
+        tile's partial sum is scaled per column after it: one conversion per weight, no scale
+        gather, no K mask (every tile is whole). Otherwise each weight is dequantized before the
+        dot (``_dequant_tile_dot``: ``q * s`` rounded to x's dtype, as the reference)."""
         if GROUP % BLOCK_K == 0:
             for k0 in range(k_start, k_end, BLOCK_K):
                 s = tl.load(s_rows + k0 // GROUP, mask=w_ok[:, None], other=0.0)   # [BN, 1]
-                if BITS == 8:
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)  # [BM, BK]
-                    w = tl.load(q_rows + ks[None, :], mask=w_ok[:, None], other=0)
-                    if UPCAST:   # (the interpreter's int -> bf16 cast is wrong: fp32, as exact)
-                        x, w = x.to(tl.float32), w.to(tl.float32)
-                    else:
-                        w = w.to(x.dtype)
-                    part = tl.dot(x, tl.trans(w), input_precision=PREC)
-                else:
-                    jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                  # byte index
-                    ke = 2 * jb
-                    xe = tl.load(a_rows + ke[None, :], mask=a_ok[:, None], other=0.0)
-                    xo = tl.load(a_rows + ke[None, :] + 1, mask=a_ok[:, None], other=0.0)
-                    b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
-                    if UPCAST:
-                        xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-                    we = ((b & 0xF) - 8).to(xe.dtype)
-                    wo = ((b >> 4) - 8).to(xe.dtype)
-                    part = tl.dot(xe, tl.trans(we), input_precision=PREC)
-                    part += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+                part = _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS, BLOCK_K, UPCAST,
+                                     PREC, JOIN)
                 acc += part * tl.trans(s.to(tl.float32))
         else:
             for k0 in range(k_start, k_end, BLOCK_K):
-                if BITS == 8:
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = ks < k_end
-                    x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                                other=0.0)                                    # [BM, BK]
-                    wmask = w_ok[:, None] & k_ok[None, :]
-                    q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
-                    s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask,
-                                other=0.0).to(tl.float32)
-                    w = (q * s).to(x.dtype)                # rounded once, as the reference
-                    if UPCAST:   # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
-                        x, w = x.to(tl.float32), w.to(tl.float32)
-                    acc += tl.dot(x, tl.trans(w), input_precision=PREC)
-                else:
-                    # each byte once: its low nibbles are the even columns, its high ones the
-                    # odd columns; x's even and odd columns (strided, from cache) meet them in
-                    # two dots
-                    jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                  # byte index
-                    ke = 2 * jb                                                # even columns
-                    k_ok = ke < k_end                 # (k_end is even: so are K and the slices)
-                    xmask = a_ok[:, None] & k_ok[None, :]
-                    xe = tl.load(a_rows + ke[None, :], mask=xmask, other=0.0)  # [BM, BK/2]
-                    xo = tl.load(a_rows + ke[None, :] + 1, mask=xmask, other=0.0)
-                    wmask = w_ok[:, None] & k_ok[None, :]
-                    b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
-                    se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask,
-                                 other=0.0).to(tl.float32)
-                    so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
-                                 other=0.0).to(tl.float32)
-                    we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
-                    wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
-                    if UPCAST:
-                        xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-                        we, wo = we.to(tl.float32), wo.to(tl.float32)
-                    acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
-                    acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+                acc = _dequant_tile_dot(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k0, k_end,
+                                        GROUP, BITS, BLOCK_K, UPCAST, PREC)
+        return acc
+
+    @triton.jit
+    def _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                      JOIN: tl.constexpr):
+        """[BM, BN] fp32: x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
+        (exact in any float dtype: |q| <= 127). int4, ``JOIN`` (a tile option, off by default
+        until timed on a GPU): each byte's two nibbles joined back into their columns
+        (``tl.join`` + ``tl.reshape``: one [BN, BK] tile) meet x's contiguous tile in one dot;
+        otherwise two half-width dots against x's strided even / odd columns."""
+        if BITS == 8:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
+            w = tl.load(q_rows + ks[None, :], mask=w_ok[:, None], other=0)
+            if UPCAST:       # (the interpreter's int -> bf16 cast is wrong: fp32, as exact)
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            else:
+                w = w.to(x.dtype)
+            part = tl.dot(x, tl.trans(w), input_precision=PREC)
+        elif JOIN:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
+            jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
+            b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
+            if UPCAST:
+                x = x.to(tl.float32)
+            w = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8),
+                           (b.shape[0], BLOCK_K)).to(x.dtype)
+            part = tl.dot(x, tl.trans(w), input_precision=PREC)
+        else:
+            jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
+            ke = 2 * jb
+            xe = tl.load(a_rows + ke[None, :], mask=a_ok[:, None], other=0.0)
+            xo = tl.load(a_rows + ke[None, :] + 1, mask=a_ok[:, None], other=0.0)
+            b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
+            if UPCAST:
+                xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+            we = ((b & 0xF) - 8).to(xe.dtype)
+            wo = ((b >> 4) - 8).to(xe.dtype)
+            part = tl.dot(xe, tl.trans(we), input_precision=PREC)
+            part += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+        return part
+
+    @triton.jit
+    def _dequant_tile_dot(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k0, k_end,
+                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                          UPCAST: tl.constexpr, PREC: tl.constexpr):
+        """acc += one K tile with each weight dequantized before the dot (the tile may cross
+        groups and the slice's end: masked)."""
+        if BITS == 8:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_end
+            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+            wmask = w_ok[:, None] & k_ok[None, :]
+            q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
+            s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+            w = (q * s).to(x.dtype)                        # rounded once, as the reference
+            if UPCAST:       # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=PREC)
+        else:
+            # each byte once: its low nibbles are the even columns, its high ones the odd
+            # columns; x's even and odd columns (strided, from cache) meet them in two dots
+            jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
+            ke = 2 * jb                                                        # even columns
+            k_ok = ke < k_end                         # (k_end is even: so are K and the slices)
+            xmask = a_ok[:, None] & k_ok[None, :]
+            xe = tl.load(a_rows + ke[None, :], mask=xmask, other=0.0)          # [BM, BK/2]
+            xo = tl.load(a_rows + ke[None, :] + 1, mask=xmask, other=0.0)
+            wmask = w_ok[:, None] & k_ok[None, :]
+            b = tl.load(q_rows + jb[None, :], mask=wmask, other=0).to(tl.int32)
+            se = tl.load(s_rows + ke[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
+            so = tl.load(s_rows + (ke[None, :] + 1) // GROUP, mask=wmask,
+                         other=0.0).to(tl.float32)
+            we = (((b & 0xF).to(tl.float32) - 8.0) * se).to(xe.dtype)
+            wo = (((b >> 4).to(tl.float32) - 8.0) * so).to(xe.dtype)
+            if UPCAST:
+                xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                we, wo = we.to(tl.float32), wo.to(tl.float32)
+            acc += tl.dot(xe, tl.trans(we), input_precision=PREC)
+            acc += tl.dot(xo, tl.trans(wo), input_precision=PREC)
         return acc
 
     @triton.jit
     def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                         stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP: tl.constexpr,
                         BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,7 +188,7 @@ if HAS_TRITON:
                          x_ptr + rows[:, None].to(tl.int64) * stride_xm, row_ok,
                          q_ptr + cols[:, None].to(tl.int64) * stride_qn,
                          s_ptr + cols[:, None].to(tl.int64) * stride_sn, col_ok, k_start, k_end,
-                         GROUP, BITS, BLOCK_K, UPCAST, PREC)
+                         GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -262,6 +297,26 @@ def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> di
             "num_warps": 4, "num_stages": 3}
 
 
+def problem_key(bits: int, N: int, K: int, group: int) -> str:
+    """The tuned-config key of one GEMM (``kernels/tuned_configs``)."""
+    return f"int{bits}_N{N}_K{K}_g{group}"
+
+
+def tuned_config(M: int, N: int, K: int, group: int, bits: int,
+                 device: torch.device) -> dict | None:
+    """The tiles a sweep measured for this GEMM on this device (``configs/quant_gemm/``), or
+    None: ``default_config`` then applies."""
+    if device.type != "cuda":
+        return None
+    return tuned_configs.lookup("quant_gemm", _device_name(device),
+                                problem_key(bits, N, K, group), M)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -293,7 +348,9 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
           f"quant_gemm: bias must be None or [N={N}], got {describe(bias)}")
     check_device("quant_gemm", INTERPRET, x, qweight, scales)
     group = K // scales.shape[1]
-    cfg = config or default_config(M, N, K, group, _num_sms(x.device))
+    # (a partial config, e.g. a hand-edited tuned file, fills its gaps from the defaults)
+    cfg = {**default_config(M, N, K, group, _num_sms(x.device)),
+           **(config or tuned_config(M, N, K, group, bits, x.device) or {})}
     check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
           f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
     split = cfg["SPLIT_K"]
@@ -312,6 +369,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         BITS=bits, HAS_BIAS=bias is not None and split == 1, SPLIT=split, UPCAST=INTERPRET,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        JOIN=int(bool(cfg.get("JOIN", 0)) and bits == 4),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     if split > 1:
         acc = dst.sum(0)                                     # fixed order: deterministic
