@@ -25,6 +25,8 @@
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini with its random router                                 ~1.5 min
 #           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites    ~2 min
+#           deterministic  the batch-invariance GPU tests, then bench step with and without
+#                    --deterministic, batch 1 and 64 (issue 44: its cost)             ~3 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -32,7 +34,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families llada2)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families llada2 deterministic)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -164,6 +166,17 @@ group_llada2() {
       --decode threshold --threshold 0.9 --cache block --no-progress \
       --json "$OUT/accuracy/eval_threshold_llada2_${S}_h200.json"
   done
+}
+
+group_deterministic() {
+  # issue 44: fixed-tile GEMMs and batch-invariant launches: bitwise checks, then their cost
+  run deterministic_gpu_tests 240 - python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/gpu/test_deterministic_gpu.py
+  run step_deterministic_off_h200 150 "$OUT/step/step_deterministic_off_h200.json" \
+    "${FD[@]}" bench step --cache dual --batch 1 64 --json "$OUT/step/step_deterministic_off_h200.json"
+  run step_deterministic_on_h200 150 "$OUT/step/step_deterministic_on_h200.json" \
+    "${FD[@]}" bench step --cache dual --batch 1 64 --deterministic \
+    --json "$OUT/step/step_deterministic_on_h200.json"
 }
 
 group_profile() {

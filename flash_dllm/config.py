@@ -298,9 +298,9 @@ class EngineConfig:
     # (docs/serving.md#same-answer-under-load)
     deterministic: bool = knob(False, "the same request gives the same answer whatever else runs "
                                       "and whatever is cached: no cross-request prefix reuse "
-                                      "(--prefix-reuse is ignored), batch-invariant GEMMs on the "
-                                      "CPU (the GPU's numerics are not batch-invariant yet) "
-                                      "(default: off)")
+                                      "(--prefix-reuse is ignored), batch-invariant GEMMs and "
+                                      "kernel launches (padded rows on the CPU; fixed tiles on "
+                                      "a GPU, not yet checked there) (default: off)")
     kv_cpu_gb: float = knob(0.0, "GiB of pinned host memory for cached KV pages that leave the "
                                  "GPU (L1; needs --prefix-reuse; default: %(default)s, none)",
                             ge=0, lt=_GIB_LIMIT)

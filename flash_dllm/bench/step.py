@@ -103,9 +103,11 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
                steps: int, warmup: int, device: torch.device, cuda_graphs: bool = True,
                flash_budget: int | None = None, decode: str = "vanilla", fused_step: bool = True,
-               fused_max_rows: int | None = None, kv_cache_dtype: str = "auto") -> dict:
+               fused_max_rows: int | None = None, kv_cache_dtype: str = "auto",
+               deterministic: bool = False) -> dict:
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
     extra_cfg["kv_cache_dtype"] = kv_cache_dtype
+    extra_cfg["deterministic"] = deterministic
     bs = cfg.attention.block_size        # a block-causal model's canvas ends on its grid
     canvas = -(-(prompt + gen) // bs) * bs if bs else prompt + gen
     engine = Engine(model, cfg, EngineConfig(max_num_seqs=batch, num_kv_pages=batch * (
@@ -178,7 +180,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               fused_step: bool = True, fused_max_rows: int | None = None,
               tensor_parallel_size: int = 1, tp=None, routing: str = "model",
               quantization: list[str] | None = None,
-              group_size: int = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto") -> dict:
+              group_size: int = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto",
+              deterministic: bool = False) -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
     forward includes the collectives. ``tp``: this rank's group (set by the launcher).
@@ -194,7 +197,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             prompt=prompt, gen=gen, block=block, steps=steps, warmup=warmup,
             cuda_graphs=cuda_graphs, flash_budget=flash_budget, decode=decode,
             fused_step=fused_step, fused_max_rows=fused_max_rows, routing=routing,
-            kv_cache_dtype=kv_cache_dtype), progress)
+            kv_cache_dtype=kv_cache_dtype, deterministic=deterministic), progress)
     world = 1 if tp is None else tp.world
     dev = torch.device(device) if tp is None else _tp_device(device, tp.rank, world)
     cfg_dict = shape_config(shape)
@@ -218,6 +221,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                 # per rank under tensor parallelism (what one GPU reads: the floor's numerator)
                 "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "dtype": str(tdtype).replace("torch.", ""), "kv_cache_dtype": kv_cache_dtype,
+                "deterministic": deterministic,
                 "torch": torch.__version__, "params": sum(p.numel() for p in model.parameters()),
                 "weight_bytes": weight_bytes, "copy_bandwidth_GBps": bw / 1e9,
                 "matmul_TFLOPs": rate / 1e12, "floor_ms": 1e3 * weight_bytes / bw}
@@ -226,7 +230,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         for cache, b in [(c, b) for c in caches for b in batches]:
             r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                            cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,
-                           kv_cache_dtype)
+                           kv_cache_dtype, deterministic)
             _finish_row(r, model, cfg, cache, b, prompt, gen, block, bw, rate * world, routing,
                         flash_budget, weight_bytes,
                         torch.float8_e4m3fn if kv_cache_dtype == "fp8" else tdtype)

@@ -211,8 +211,9 @@ def prefix_reuse(config, cfg, device) -> bool:
     bitwise that of a recompute, no family reuses under ``deterministic``."""
     reuse = config.prefix_reuse and not config.deterministic
     if config.deterministic and device.type != "cpu":
-        log.warning("deterministic on %s: no cross-request prefix reuse, but the step's numerics "
-                    "are not batch-invariant off the CPU yet", device)
+        log.warning("deterministic on %s: no cross-request prefix reuse; fixed-tile GEMMs and "
+                    "batch-invariant kernel launches (tested under the Triton interpreter, not "
+                    "yet checked on a GPU: tests/gpu/test_deterministic_gpu.py)", device)
     if config.prefix_reuse and not reuse:
         log.info("deterministic: prefix reuse off (%s attention: reused K/V are approximate)",
                  cfg.attention)

@@ -124,6 +124,10 @@ def add_parser(sub) -> None:
                         "as the real model would)")
     t.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV page pool element type (EngineConfig.kv_cache_dtype)")
+    t.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics (EngineConfig.deterministic: fixed-tile "
+                        "GEMMs and kernel launches on a GPU, padded rows on the CPU): what "
+                        "they cost per step")
     t.add_argument("--quantization", nargs="+", default=["none"],
                    choices=["none", *QUANT_MODES],
                    help="weight modes to time, one model each, rows side by side (e.g. none "
@@ -181,7 +185,7 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        flash_budget=a.flash_budget, decode=a.decode,
                        fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows,
                        tensor_parallel_size=a.tensor_parallel_size, routing=a.routing,
-                       kv_cache_dtype=a.kv_cache_dtype,
+                       kv_cache_dtype=a.kv_cache_dtype, deterministic=a.deterministic,
                        quantization=a.quantization, group_size=a.quantization_group_size)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "

@@ -15,6 +15,7 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | `kv_pages`        | pack / unpack KV pages page-first (tiers, transfers; fp8 / int8) | kv_pages.py |
 | `checksum`        | 128-bit checksum of byte rows at memory bandwidth (page records) | checksum.py |
 | `fused_moe`       | routed SwiGLU experts: expert-sorted grouped GEMMs, fused epilogues | fused_moe.py |
+| `fixed_gemm`      | a GEMM with one tile for every shape (batch-invariant rows: `deterministic` on a GPU) | fixed_gemm.py |
 
 Study kernels the engine does not use (a fused LM head + confidence, a skinny GEMM) live in
 ``benchmarks/studies/``.

@@ -31,6 +31,28 @@ def interpreting() -> bool:
 # Escape hatch for debugging: force every dispatcher onto its PyTorch reference.
 DISABLE = os.environ.get("FLASH_DLLM_DISABLE_TRITON", "0") == "1"
 
+# Batch-invariant launches (``EngineConfig.deterministic`` on a GPU; ``layers/batch_invariant``
+# sets it for a step): while set, every dispatcher picks tiles, splits and paths that do not
+# depend on how many rows or requests share the launch, so a row's result does not either.
+_BATCH_INVARIANT = [0]
+
+
+def batch_invariant_active() -> bool:
+    return _BATCH_INVARIANT[0] > 0
+
+
+class batch_invariant_launches:
+    """``with batch_invariant_launches():`` the dispatchers' batch-invariant choices (nestable;
+    host-side only, so a CUDA graph captured inside keeps them)."""
+
+    def __enter__(self):
+        _BATCH_INVARIANT[0] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _BATCH_INVARIANT[0] -= 1
+        return False
+
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Dispatch rule: Triton when importable, not disabled, and every tensor is on a CUDA device."""

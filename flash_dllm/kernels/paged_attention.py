@@ -47,6 +47,7 @@ from flash_dllm.kernels._triton import (
     check,
     check_device,
     check_dtype,
+    batch_invariant_active,
     interpreting,
     next_pow2,
     use_triton,
@@ -353,8 +354,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:                                                # never touched (TRACK=False)
         mass = torch.empty((1, 1), dtype=torch.float32, device=q.device)
     if T > 0 and B > 0 and max_seqlen_q > 0:
+        invariant = batch_invariant_active()      # deterministic: nothing follows the batch
         if block_m is None:
-            block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64)
+            block_m = 32 if invariant else (
+                16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64))
         m_tiles = -(-max_seqlen_q // block_m)
         splits, chunk = 1, 0
         if not return_mass:
@@ -363,7 +366,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             if num_splits is not None and num_splits > 1 and max_seqlen_k:
                 chunk = -(-max_seqlen_k // (num_splits * block_n)) * block_n
                 splits = -(-max_seqlen_k // chunk)
-            elif num_splits is None:
+            elif num_splits is None and not invariant:
                 splits, chunk = split_plan(m_tiles * H * B, max_seqlen_k, block_n)
         block_d = max(16, next_pow2(D))
         if splits > 1:

@@ -50,6 +50,7 @@ from flash_dllm.kernels._triton import (
     check_device,
     check_dtype,
     describe,
+    batch_invariant_active,
     interpreting,
     next_pow2,
     use_triton,
@@ -413,6 +414,11 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return weight_only_reference(x, qweight, scales, bias, bits)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if batch_invariant_active():          # deterministic: one path and one tile for any rows
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        group = x2.shape[1] // scales.shape[1]
+        cfg = default_config(32, qweight.shape[0], x2.shape[1], group, _num_sms(x.device))
+        return weight_only_triton(x2, qweight, scales, bias, bits, cfg).view(*lead, -1)
     if x2.shape[0] >= DEQUANT_MIN_ROWS:
         w = dequantize_triton(qweight, scales, bits, x.dtype)
         out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()

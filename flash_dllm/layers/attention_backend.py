@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from flash_dllm.kernels import kv_quant
+from flash_dllm.kernels._triton import batch_invariant_active
 from flash_dllm.kernels import paged_attention as paged_attention_op
 from flash_dllm.kernels import qkv_rope_cache as qkv_rope_cache_op
 from flash_dllm.kernels import rope_cache as rope_cache_op
@@ -150,7 +151,9 @@ class PagedAttentionMetadata:
             return self.attend_normed(layer, attn, x, positions)
         if qkv is not None and x.dim() == 2 and not self.special:
             # (the fused kernel reads a plain weight: a quantized projection runs its own GEMM)
+            # (deterministic: not for a few rows only, so a row's projection follows no batch)
             if qkv_rope_cache_op.ENABLED and hasattr(qkv, "weight") \
+                    and not batch_invariant_active() \
                     and qkv_rope_cache_op.takes_triton(x, qkv.weight, self.kv):
                 return self.attend_projected(layer, x, qkv, H, Hkv, positions, attn.rotary)
             if x.shape[0] > self.QKV_CHUNK_ROWS and not torch.is_grad_enabled():

@@ -266,9 +266,10 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------------- step
     def _numerics(self):
-        """``deterministic`` on the CPU: row GEMMs whose results do not depend on the batch
-        (``layers/batch_invariant.py``); otherwise nothing."""
-        if self.config.deterministic and self.device.type == "cpu":
+        """``deterministic``: row GEMMs and kernel launches whose results do not depend on the
+        batch (``layers/batch_invariant.py``: padded rows on the CPU, fixed tiles on a GPU);
+        otherwise nothing."""
+        if self.config.deterministic:
             return batch_invariant()
         return contextlib.nullcontext()
 
