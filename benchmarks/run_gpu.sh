@@ -24,7 +24,8 @@
 #           kvfp8    bench step with fp8 KV pages against the model dtype; its profile   ~2 min
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini with its random router                                 ~1.5 min
-#           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites    ~2 min
+#           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites; serving
+#                    the mini shape at c1 / 32 / 64 (needs the server extras)       ~6 min
 #           deterministic  the batch-invariance GPU tests, then bench step with and without
 #                    --deterministic, batch 1 and 64 (issue 44: its cost)             ~3 min
 #
@@ -166,6 +167,11 @@ group_llada2() {
       --decode threshold --threshold 0.9 --cache block --no-progress \
       --json "$OUT/accuracy/eval_threshold_llada2_${S}_h200.json"
   done
+  # serving the mini shape (random weights) at concurrency 1 / 32 / 64: 0 compiles after ready
+  run serve_llada2_mini_h200 360 "$OUT/serving/serve_llada2_mini_h200.json" \
+    "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
+    --model-shape llada2-mini --max-tokens 64 --concurrency 1 32 64 --requests 32 256 512 \
+    --json "$OUT/serving/serve_llada2_mini_h200.json"
 }
 
 group_deterministic() {
