@@ -118,3 +118,19 @@ def test_generate_and_chat_through_llm(folder):
         out = llm.generate(["hello"], params)[0]
         assert out.finish_reason in ("stop", "length") and len(out.token_ids) <= 16
         assert llm.chat([{"role": "user", "content": "hi"}], params)[0].finished
+
+
+def test_normed_whole_heads_take_the_rope_page_write_kernel(folder, monkeypatch):
+    """SDAR's q/k-normed heads rotate whole: after ``project`` norms them they go through the
+    RoPE + page-write op (``attend``, one kernel on CUDA) as LLaDA's do, not through the PyTorch
+    rotary of ``attend_normed`` (LLaDA2's partial rotary and fp8 pools keep that path)."""
+    from flash_dllm.layers.attention_backend import PagedAttentionMetadata
+    seen = []
+    for name in ("attend", "attend_normed"):
+        real = getattr(PagedAttentionMetadata, name)
+        monkeypatch.setattr(PagedAttentionMetadata, name,
+                            lambda self, *a, _n=name, _r=real, **k: seen.append(_n)
+                            or _r(self, *a, **k))
+    with LLM(str(folder), dtype="float32") as llm:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, block_length=BL))
+    assert seen and set(seen) == {"attend"}

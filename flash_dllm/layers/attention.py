@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flash_dllm.layers.norm import RMSNorm
+from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
 
 ATTENTION_KINDS = ("bidirectional", "block_causal")
@@ -223,8 +223,9 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)             # per head, over head_dim
+        if self.q_norm is not None:               # per head, over head_dim; at inference one
+            q = add_rmsnorm(q, self.q_norm)[0]    # kernel each on CUDA (the module's own
+            k = add_rmsnorm(k, self.k_norm)[0]    # arithmetic on the CPU and under autograd)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:

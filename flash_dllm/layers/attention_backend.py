@@ -145,11 +145,13 @@ class PagedAttentionMetadata:
         qkv = attn.qkv_proj
         H, Hkv = attn.num_heads, attn.num_kv_heads
         # NOTE: an fp8 pool takes the unfused path too: its page write quantises
-        # (``write_kv``), which the fused RoPE + cache-write kernels do not
-        if (attn.q_norm is not None or attn.rotary.rotary_dim < attn.head_dim
-                or self.kv_scales is not None):
+        # (``write_kv``), which the fused RoPE + cache-write kernels do not; so does a module
+        # that rotates part of each head (LLaDA2). q/k-normed heads that rotate whole (SDAR,
+        # LLaDA-MoE) are normed in ``project`` and then rotated and written by the RoPE + page
+        # write kernel, as LLaDA's are; only the kernels that project too skip them.
+        if attn.rotary.rotary_dim < attn.head_dim or self.kv_scales is not None:
             return self.attend_normed(layer, attn, x, positions)
-        if qkv is not None and x.dim() == 2 and not self.special:
+        if qkv is not None and x.dim() == 2 and not self.special and attn.q_norm is None:
             # (the fused kernel reads a plain weight: a quantized projection runs its own GEMM)
             # (deterministic: not for a few rows only, so a row's projection follows no batch)
             if qkv_rope_cache_op.ENABLED and hasattr(qkv, "weight") \
@@ -202,10 +204,10 @@ class PagedAttentionMetadata:
 
     def attend_normed(self, layer: int, attn, x: torch.Tensor, positions: torch.Tensor
                       ) -> torch.Tensor:
-        """For modules whose q/k are normed per head before RoPE, or rotate part of each head
-        (LLaDA2, SDAR): the projection and the module's own norm and rotary in PyTorch, then the
-        page write (``write_kv``) and the paged attention; the fused RoPE kernels rotate whole,
-        un-normed heads."""
+        """For modules that rotate part of each head (LLaDA2), and for fp8 pools: the
+        projection (q/k normed when the module has the norms) and the module's own rotary in
+        PyTorch, then the page write (``write_kv``: quantising for fp8) and the paged attention;
+        the fused RoPE kernels rotate whole heads and write the model's dtype."""
         q, k, v = attn.project(x)                      # q/k normed: [T, H, D], [T, Hkv, D]
         qr, kr = attn.rotary(q, positions), attn.rotary(k, positions)
         self.write_kv(layer, kr, v)
