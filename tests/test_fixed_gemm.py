@@ -47,6 +47,15 @@ def test_a_rows_result_does_not_depend_on_the_batch():
         assert torch.equal(fixed_gemm.fixed_gemm_triton(x[lo:hi].contiguous(), w), full[lo:hi])
 
 
+@needs_interpreter
+def test_zero_rows_keep_their_shape(monkeypatch):
+    """An empty batch of rows (e.g. an LM head over no masked slot) is [0, N], as F.linear's."""
+    monkeypatch.setattr(fixed_gemm, "use_triton", lambda *t: True)
+    w = _rand(24, 32, seed=13)
+    assert fixed_gemm.op(torch.empty(0, 32), w).shape == (0, 24)
+    assert fixed_gemm.op(torch.empty(2, 0, 32), w).shape == (2, 0, 24)
+
+
 def test_the_mode_sets_the_launch_flag_and_nests():
     assert not batch_invariant_active()
     with batch_invariant():

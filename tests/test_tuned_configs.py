@@ -21,9 +21,9 @@ TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1}
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
     monkeypatch.setenv(tuned_configs.ENV, str(tmp_path))
-    tuned_configs.load.cache_clear()
+    tuned_configs._load.cache_clear()
     yield tmp_path
-    tuned_configs.load.cache_clear()
+    tuned_configs._load.cache_clear()
 
 
 def test_device_key_and_path():
@@ -59,6 +59,34 @@ def test_a_bad_file_is_refused_naming_the_field(folder, data, field):
     with pytest.raises(ValueError, match=field) as e:
         tuned_configs.lookup("quant_gemm", DEVICE, "k", 1)
     assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("tile,msg", [({"SPLIT_K": 0}, "SPLIT_K = 0"),
+                                      ({"BLOCK_N": 48}, "BLOCK_N = 48"),
+                                      ({"JOIN": 2}, "JOIN = 2"),
+                                      ({"BLOCK_SIZE_K": 64}, "unknown tile 'BLOCK_SIZE_K'")])
+def test_a_bad_tile_is_refused_before_any_launch(tile, msg):
+    with pytest.raises(ValueError, match=msg):
+        quant_gemm.check_tile({**TILE, **tile}, "a test")
+    assert quant_gemm.check_tile(dict(TILE), "a test") == TILE
+
+
+def test_the_env_folder_overrides_key_by_key_and_is_read_per_setting(folder, tmp_path,
+                                                                      monkeypatch):
+    """A key the env folder lacks falls through to the package's file; changing the env
+    setting is seen without a cache reset."""
+    pkg = tmp_path / "pkg"
+    monkeypatch.setattr(tuned_configs, "CONFIG_DIR", pkg)
+    tuned_configs.write(tuned_configs.config_path("quant_gemm", DEVICE, pkg), "quant_gemm",
+                        DEVICE, {"a": {"32": TILE}, "b": {"32": TILE}}, "package")
+    env = tmp_path / "env"
+    tuned_configs.write(tuned_configs.config_path("quant_gemm", DEVICE, env), "quant_gemm",
+                        DEVICE, {"a": {"32": {**TILE, "SPLIT_K": 4}}}, "sweep")
+    monkeypatch.setenv(tuned_configs.ENV, str(env))
+    assert tuned_configs.lookup("quant_gemm", DEVICE, "a", 32)["SPLIT_K"] == 4
+    assert tuned_configs.lookup("quant_gemm", DEVICE, "b", 32)["SPLIT_K"] == 1
+    monkeypatch.delenv(tuned_configs.ENV)
+    assert tuned_configs.lookup("quant_gemm", DEVICE, "a", 32)["SPLIT_K"] == 1
 
 
 def test_the_cpu_never_looks_for_tiles():

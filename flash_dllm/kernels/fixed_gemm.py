@@ -105,4 +105,5 @@ def op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> to
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    return fixed_gemm_triton(x2, w if w.stride(1) == 1 else w.contiguous(), bias).view(*lead, -1)
+    out = fixed_gemm_triton(x2, w if w.stride(1) == 1 else w.contiguous(), bias)
+    return out.view(*lead, w.shape[0])                       # (0 rows: -1 is ambiguous)

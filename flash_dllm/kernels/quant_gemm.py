@@ -309,8 +309,30 @@ def tuned_config(M: int, N: int, K: int, group: int, bits: int,
     None: ``default_config`` then applies."""
     if device.type != "cuda":
         return None
-    return tuned_configs.lookup("quant_gemm", _device_name(device),
-                                problem_key(bits, N, K, group), M)
+    key = problem_key(bits, N, K, group)
+    cfg = tuned_configs.lookup("quant_gemm", _device_name(device), key, M)
+    return None if cfg is None else check_tile(cfg, f"tuned quant_gemm tiles for {key}")
+
+
+TILE_RULES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 1,
+              "num_stages": 1, "JOIN": 0}      # name -> smallest value (powers of 2 but stages)
+
+
+def check_tile(cfg: dict, where: str) -> dict:
+    """``cfg`` if every name is a tile of this kernel with a value it can launch, else a
+    ValueError naming ``where``, the name and the value (a bad tuned file must not fail inside a
+    Triton compile or a division)."""
+    for name, v in cfg.items():
+        lo = TILE_RULES.get(name)
+        if lo is None:
+            raise ValueError(f"{where}: unknown tile {name!r} (known: {sorted(TILE_RULES)})")
+        ok = isinstance(v, int) and v >= lo and (
+            name == "num_stages" or (name == "JOIN" and v in (0, 1))
+            or (name != "JOIN" and v & (v - 1) == 0))
+        if not ok:
+            raise ValueError(f"{where}: {name} = {v!r} is not a valid tile (a power of 2 >= "
+                             f"{lo}; num_stages >= 1; JOIN 0 or 1)")
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -412,18 +434,19 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     elsewhere."""
     if not use_triton(x, qweight):
         return weight_only_reference(x, qweight, scales, bias, bits)
-    lead = x.shape[:-1]
+    lead, N = x.shape[:-1], qweight.shape[0]        # (N, not -1: a view of 0 rows needs it)
     x2 = x.reshape(-1, x.shape[-1])
     if batch_invariant_active():          # deterministic: one path and one tile for any rows
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         group = x2.shape[1] // scales.shape[1]
-        cfg = default_config(32, qweight.shape[0], x2.shape[1], group, _num_sms(x.device))
-        return weight_only_triton(x2, qweight, scales, bias, bits, cfg).view(*lead, -1)
+        cfg = {**default_config(32, N, x2.shape[1], group, _num_sms(x.device)),
+               "SPLIT_K": 1}               # (no [split, M, N] partials for a long prefill)
+        return weight_only_triton(x2, qweight, scales, bias, bits, cfg).view(*lead, N)
     if x2.shape[0] >= DEQUANT_MIN_ROWS:
         w = dequantize_triton(qweight, scales, bits, x.dtype)
         out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()
                                                     + bias.float()).to(x.dtype)
-        return out.view(*lead, -1)
+        return out.view(*lead, N)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, -1)
+    return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, N)

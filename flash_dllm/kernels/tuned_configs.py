@@ -10,9 +10,11 @@ for each row count it measured::
 
 ``lookup`` serves the entry of the smallest measured row count >= M (the largest one past the
 end), so a step of M rows runs the tiles measured for the bucket that holds it. A kernel without
-a file for the device, or a key the file does not hold, keeps its own default (``None`` here).
-``FLASH_DLLM_KERNEL_CONFIGS`` names a folder searched before the package's (a sweep's output
-before it is committed). The lookup is host-side and cached, so it costs nothing in a CUDA graph.
+a file for the device, or a key no file holds, keeps its own default (``None`` here).
+``FLASH_DLLM_KERNEL_CONFIGS`` names a folder searched before the package's, key by key (a
+sweep's output before it is committed). Files are read once per folder setting and checked for
+their shape here; each kernel checks its own tile names and values (``quant_gemm``). The lookup
+is host-side, so it costs nothing in a CUDA graph.
 
 NOTE (batch invariance): tiles that change with M change a row's reduction order with the batch
 size, like the defaults they replace; a deterministic mode pins one config (``quant_gemm``).
@@ -62,21 +64,26 @@ def validate(data: dict, where: str) -> dict:
     return configs
 
 
+def load(kernel: str, device_name: str) -> list[dict]:
+    """The ``configs`` tables of ``kernel`` on ``device_name``, the env folder's first, then the
+    package's (either may be absent). Read once per (kernel, device, env folder)."""
+    return _load(kernel, device_name, os.environ.get(ENV) or None)
+
+
 @functools.lru_cache(maxsize=None)
-def load(kernel: str, device_name: str) -> dict | None:
-    """The ``configs`` of ``kernel`` on ``device_name`` (the env folder first), or None."""
-    roots = [os.environ[ENV]] if os.environ.get(ENV) else []
-    for root in roots + [CONFIG_DIR]:
+def _load(kernel: str, device_name: str, env_dir: str | None) -> list[dict]:
+    tables = []
+    for root in ([env_dir] if env_dir else []) + [CONFIG_DIR]:
         path = config_path(kernel, device_name, root)
         if path.is_file():
-            return validate(json.loads(path.read_text(encoding="utf-8")), str(path))
-    return None
+            tables.append(validate(json.loads(path.read_text(encoding="utf-8")), str(path)))
+    return tables
 
 
 def lookup(kernel: str, device_name: str, key: str, M: int) -> dict | None:
-    """Tiles for ``key`` at ``M`` rows (a copy), or None (the kernel's default applies)."""
-    table = load(kernel, device_name)
-    rows = table.get(key) if table else None
+    """Tiles for ``key`` at ``M`` rows (a copy) from the first table that holds the key, or None
+    (the kernel's default applies)."""
+    rows = next((t[key] for t in load(kernel, device_name) if t.get(key)), None)
     if not rows:
         return None
     measured = sorted(int(m) for m in rows)

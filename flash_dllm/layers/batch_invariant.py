@@ -17,7 +17,8 @@ head) once over the rows of the whole batch.
   fused MoE: one config; the quantized GEMM: one config and never the many-rows path; the fused
   q/k/v + RoPE kernel is not used). Tested under the Triton interpreter; whether the GPU's
   answers are bitwise batch-invariant, and what it costs, is for ``tests/gpu`` and run_gpu.sh's
-  ``deterministic`` group (not run yet).
+  ``deterministic`` group (not run yet). Not covered: fp8 weights (refused by the runner),
+  verify's batched draft attention, tensor parallelism's all-reduce (docs/serving.md).
 
 ``batch_invariant()`` is a ``TorchFunctionMode`` that applies the above to ``F.linear`` and to
 2-D ``@`` / ``torch.matmul`` (a ``[rows, d]`` times a weight). The attention matmuls (3-D and up)

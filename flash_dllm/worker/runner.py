@@ -58,6 +58,11 @@ class ModelRunner:
         self.quantization = config.quantization
         self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
         if config.quantization is not None:
+            if config.deterministic and config.quantization == "fp8" \
+                    and self.device.type == "cuda":
+                raise ValueError("deterministic=True with quantization='fp8' is not "
+                                 "batch-invariant on a GPU yet (torch._scaled_mm picks its "
+                                 "kernel by shape): use int8 / int4, or no quantization")
             self.weight_info = quantize_model(model, config.quantization,
                                               config.quantization_group_size)
         self.weight_bytes = self.weight_info["weight_bytes"]
@@ -366,7 +371,8 @@ class ModelRunner:
         template = self.backend.build(np.zeros((1, self.table_width), dtype=np.int32), [1],
                                       torch.zeros(1, dtype=torch.long, device=self.device),
                                       np.zeros(1, dtype=np.int64), [0, 1], [])
-        return self.forward_graphs.warm(shapes, template)
+        with self._numerics():      # (deterministic: captured with the invariant launches)
+            return self.forward_graphs.warm(shapes, template)
 
     def forward_seconds(self) -> float | None:
         """The last timed forward's seconds (``time_forward``; None if no forward ran since the

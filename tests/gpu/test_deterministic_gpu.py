@@ -76,3 +76,8 @@ def test_engine_requests_joining_a_batch_answer_as_alone():
     print(f"\nanswers that differ from alone: deterministic {det['differ']} / 12, default "
           f"{default['differ']} / 12")
     assert det["differ"] == 0, det
+
+
+def test_fp8_weights_with_deterministic_are_refused_on_a_gpu():
+    with pytest.raises(ValueError, match="not batch-invariant on a GPU yet"):
+        LLM(device="cuda", deterministic=True, quantization="fp8")
