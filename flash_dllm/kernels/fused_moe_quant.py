@@ -8,9 +8,11 @@ dequantized copy of the experts ever exists).
 uint8, two int4 per byte, even column in the low nibble) with ``gu_s [E, 2I, d/group]`` float16
 scales; ``dn_q [E, d, I(/2)]``, ``dn_s [E, d, I/group]``. Everything else (routing, alignment,
 the SwiGLU epilogue, the mixing weights, the deterministic sum over a token's k slots, ids outside
-``[0, E)`` contributing nothing) is ``fused_moe``'s, and so are the rounding points: each weight
-tile is dequantized in fp32 and rounded once to x's dtype, as ``quant_gemm.dequantize`` does, so
-the reference is ``fused_moe_reference`` on the dequantized experts (``fused_moe_quant_reference``).
+``[0, E)`` contributing nothing) is ``fused_moe``'s; each weight tile meets x through
+``quant_gemm.wq_dot_acc`` (dequantized and rounded to x's dtype when the tile crosses scale
+groups, else the integers themselves with the group scale applied to the fp32 partial sum), so
+the reference is ``fused_moe_reference`` on the dequantized experts (``fused_moe_quant_reference``),
+to the dtype's rounding.
 
 Bytes: an int4 expert is 0.5 + 2 / group bytes per weight (0.27x bf16's at group 128), which is
 the whole cost of a batch-1 MoE step (``fused_moe``'s floors table); int4 takes each byte once,

@@ -10,10 +10,13 @@ Layout (what ``quantize`` returns and the kernels read):
 - the weight is ``W[n, k] = q[n, k] * scales[n, k // group]`` (symmetric, no zero point):
   ``q`` in [-127, 127] (int8) or [-8, 7] (int4, scale = group absmax / 7).
 
-Math (the reference and the kernel round at the same points): ``W`` dequantized in fp32, rounded
-once to x's dtype (the tensor-core input), the GEMM accumulated in fp32, bias added in fp32,
-rounded once to x's dtype. The kernel's K-order of accumulation is its tiling's (as any GEMM's):
-results agree with the reference to the dtype's rounding, not bitwise.
+Math: the reference dequantizes ``W`` in fp32, rounds it once to x's dtype, accumulates the GEMM
+in fp32, adds the bias in fp32 and rounds once to x's dtype. The kernel does the same when a K
+tile crosses scale groups; when a tile lies inside one group (the default tiles from group 64)
+it multiplies x by the integers themselves (exact) and scales the tile's fp32 partial sum, so
+``W`` is never rounded to x's dtype (slightly more accurate than the reference). Either way the
+K-order of accumulation is the tiling's: results agree with the reference to the dtype's
+rounding, not bitwise.
 
 Kernel, for skinny M (a batch-1 dLLM step is a 32-row GEMM: reading the weights is the whole
 cost, 64 FLOPs per weight byte at most, far below the ridge): a 3-D grid of (BLOCK_N columns,
