@@ -153,7 +153,7 @@ def sweep(weights, buckets, reps, budget_s, keep, dev) -> tuple[list[dict], bool
     return points, stopped
 
 
-def winners(points, weights, group) -> dict:
+def winners(points, group) -> dict:
     """configs[key][M] = the fastest tile measured for that shape and bucket."""
     best: dict[tuple, tuple[float, dict]] = {}
     for p in points:
@@ -195,7 +195,7 @@ def main() -> None:
         weights[name] = (w, packs, f8)
     cases = baseline(weights, a.rows, a.reps, a.group, dev)
     points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev)
-    configs = winners(points, weights, a.group)
+    configs = winners(points, a.group)
     name = torch.cuda.get_device_name(dev)
     for key, rows in sorted(configs.items()):
         print(key, {m: rows[m] for m in sorted(rows, key=int)}, flush=True)

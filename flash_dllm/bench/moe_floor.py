@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.layers.moe import MoE
 from flash_dllm.models.config import ModelConfig
 
@@ -92,7 +93,8 @@ def touched_experts(model, reqs, cache: str) -> list[int]:
     try:
         dev = next(model.parameters()).device
         for r in reqs:
-            rows[0] = slice(0, None) if cache == "none" else slice(r.block_start, r.block_end)
+            rows[0] = (slice(r.block_start, r.block_end) if CACHE_MODES[cache].keeps_kv
+                       else slice(0, None))
             model(r.canvas[None].to(dev))
     finally:
         for m, b in zip(moes, before):

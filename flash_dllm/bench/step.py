@@ -129,20 +129,22 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     cached, refresh, flops, fwd_cached = [], [], [], []
+    mode = CACHE_MODES[cache]
     for i in range(warmup + steps):
-        # a refresh recomputes the whole canvas: the first step of every block for prefix/dual,
-        # only the request's very first step for flash
-        first = reqs[0].first_step and (cache != "flash" or reqs[0].block == 0)
+        # a refresh recomputes the whole canvas by the mode's rule (``CacheMode.refresh``: the
+        # first step of every block for prefix / dual, the request's first step for flash); a
+        # mode that keeps no K/V recomputes it at every step, all of them timed as steady
+        first = mode.keeps_kv and mode.refresh(reqs[0].first_step, reqs[0].block == 0)
         f = step_flops(cfg, reqs)
         runner.forward_events = []     # a fused step (the step graph) runs no separate forward
         t = timer(engine.step)
         if i < warmup:
             continue
-        (refresh if first and cache != "none" else cached).append(t)
+        (refresh if first else cached).append(t)
         fwd = runner.forward_seconds()
-        if not (first and cache != "none") and fwd is not None:
+        if not first and fwd is not None:
             fwd_cached.append(fwd)
-        if not (first and cache != "none"):
+        if not first:
             flops.append(f / t)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     touched = (touched_experts(model, reqs, cache)
@@ -251,11 +253,12 @@ def _finish_row(r: dict, model, cfg: ModelConfig, cache: str, b: int, prompt: in
                 weight_bytes: int, kv_dtype: torch.dtype) -> None:
     """A timed case's derived figures: floors (from this model's stored weight bytes), MFU,
     per-step-in-block time and memory against weights + exact KV (``kv_dtype``'s bytes)."""
-    if cache == "flash":
+    mode = CACHE_MODES[cache]
+    if mode.needs_mass:              # (flash: the top-k positions it recomputes, by mass)
         r["flash_budget"] = (flash_budget if flash_budget is not None
                              else SamplingParams.flash_budget)
     if cfg.mlp_kind == "moe":        # the experts this step's rows reach (steady steps)
-        r.update(moe_floor(model, cfg, r, b * (block if cache != "none" else prompt + gen),
+        r.update(moe_floor(model, cfg, r, b * (block if mode.keeps_kv else prompt + gen),
                            bw, routing))
     r["ratio_to_floor"] = r["ms"] / r.get("floor_ms", 1e3 * weight_bytes / bw)
     r["mfu"] = r["flops_per_s"] / rate if r["flops_per_s"] else None
@@ -263,7 +266,7 @@ def _finish_row(r: dict, model, cfg: ModelConfig, cache: str, b: int, prompt: in
     r["mfu_forward"] = (r["mfu"] * r["ms"] / r["ms_forward"]
                         if r["mfu"] and r["ms_forward"] else None)
     # per step over a whole block: prefix/dual pay one full refresh per block, flash none
-    if r["ms_refresh"] is not None and cache in ("prefix", "dual"):
+    if r["ms_refresh"] is not None and mode.block_refresh:
         r["ms_per_step_in_block"] = (r["ms_refresh"] + (block - 1) * r["ms"]) / block
     else:
         r["ms_per_step_in_block"] = r["ms"]

@@ -66,6 +66,9 @@ class CacheMode:
     # only on one (its windows rely on later blocks never being seen)
     block_causal_ok: bool = True
     needs_block_causal: bool = False
+    # the fast mode a request gets on this attention when nothing names one (a family's own
+    # ``default_cache`` first): "bidirectional" / "block_causal" (``fast_default``)
+    default_for: tuple[str, ...] = ()
 
     def refresh(self, first_step: bool, first_block: bool) -> bool:
         """Whether a step recomputes the whole canvas (when no trigger decides it)."""
@@ -137,6 +140,7 @@ class PrefixCache(_BlockRefreshCache):
 
 class DualCache(_BlockRefreshCache):
     name = "dual"
+    default_for = ("bidirectional",)
 
 
 class FlashCache(CacheMode):
@@ -203,6 +207,7 @@ class BlockCache(CacheMode):
     name = "block"
     fusable = True
     needs_block_causal = True
+    default_for = ("block_causal",)
 
     def query_range(self, canvas_len, block_start, block_end, first_step, logit_shift,
                     first_block=True, refresh=None):
@@ -217,6 +222,17 @@ class BlockCache(CacheMode):
 CACHE_MODES: Registry[CacheMode] = Registry("cache mode")
 for _mode in (NoCache(), PrefixCache(), DualCache(), FlashCache(), BlockCache()):
     CACHE_MODES.register(_mode)
+
+
+def fast_default(block_causal: bool) -> str:
+    """The registered mode that declares itself the default for this attention
+    (``CacheMode.default_for``): what a request of a model of no family default gets."""
+    want = "block_causal" if block_causal else "bidirectional"
+    for mode in CACHE_MODES.values():
+        if want in mode.default_for:
+            return mode.name
+    raise LookupError(f"no registered cache mode declares itself the default for {want} "
+                      "attention (CacheMode.default_for)")
 
 
 def query_range(mode: str, canvas_len: int, block_start: int, block_end: int, first_step: bool,

@@ -41,6 +41,7 @@ answers across batch sizes.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -312,8 +313,16 @@ def tuned_config(M: int, N: int, K: int, group: int, bits: int,
     None: ``default_config`` then applies."""
     if device.type != "cuda":
         return None
-    key = problem_key(bits, N, K, group)
-    cfg = tuned_configs.lookup("quant_gemm", _device_name(device), key, M)
+    return _tuned(_device_name(device), problem_key(bits, N, K, group), M,
+                  os.environ.get(tuned_configs.ENV))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tuned(device_name: str, key: str, M: int, env_dir: str | None) -> dict | None:
+    """One lookup and check per (GEMM, row count, override folder): the eager path calls this
+    at every launch. ``env_dir`` keys the cache only (``tuned_configs`` reads the variable).
+    The dict is shared: callers copy it before changing it."""
+    cfg = tuned_configs.lookup("quant_gemm", device_name, key, M)
     return None if cfg is None else check_tile(cfg, f"tuned quant_gemm tiles for {key}")
 
 
@@ -439,8 +448,9 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return weight_only_reference(x, qweight, scales, bias, bits)
     lead, N = x.shape[:-1], qweight.shape[0]        # (N, not -1: a view of 0 rows needs it)
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
     if batch_invariant_active():          # deterministic: one path and one tile for any rows
-        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         group = x2.shape[1] // scales.shape[1]
         cfg = {**default_config(32, N, x2.shape[1], group, _num_sms(x.device)),
                "SPLIT_K": 1}               # (no [split, M, N] partials for a long prefill)
@@ -450,6 +460,4 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()
                                                     + bias.float()).to(x.dtype)
         return out.view(*lead, N)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
     return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, N)

@@ -67,8 +67,8 @@ class batch_invariant(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self._LINEAR or func in self._MATMUL:
             x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
-            if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.is_cuda
-                    and w.dim() == 2 and use_triton(x, w) and x.dtype == w.dtype):
+            if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2
+                    and x.dtype == w.dtype and use_triton(x, w)):      # (CUDA tensors)
                 if func in self._LINEAR:
                     bias = args[2] if len(args) > 2 else kwargs.get("bias")
                     return fixed_gemm.op(x, w, bias)

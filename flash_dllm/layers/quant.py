@@ -18,8 +18,9 @@ the embeddings, the LM head (the confidence every decode policy ranks slots by i
 logits) and a MoE router (which experts run is a discrete choice; its weight is E x d, tiny).
 
 NOTE (MoE experts): int8 / int4 experts run in ``kernels/fused_moe_quant`` (the fused MoE with
-each expert tile dequantized in registers: an int4 expert streams a quarter of bf16's bytes);
-not timed on a GPU yet. Under ``fp8`` the experts are weight-only: dequantized into the model's
+each expert tile dequantized in registers: an int4 expert streams a quarter of bf16's bytes; on
+an H100 LLaDA2-mini's int4 step is still 1.11x bf16's at batch 1: benchmarks/findings/
+quantization.md). Under ``fp8`` the experts are weight-only: dequantized into the model's
 dtype at each call and run through the bf16 ``kernels/fused_moe`` (the memory saving is real,
 the step is not faster).
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from flash_dllm.models import dream, llada, llada2, llada_moe, sdar, sdar_moe
+from flash_dllm.cache.modes import fast_default
 from flash_dllm.models.family import Family
 
 # NOTE: no two families share a name, an architecture or a model type (``register`` refuses
@@ -76,8 +77,9 @@ def by_name(name: str) -> Family:
 def default_cache(cfg) -> str:
     """The cache mode a request of a model of ``cfg`` (a ``ModelConfig``) gets when it names
     none: its family's ``default_cache``; for a config of no registered family (a test's
-    unregistered toy), "block" on block-causal attention, else "dual"."""
+    unregistered toy), the cache mode that declares itself the default for its attention
+    (``cache.modes.fast_default``)."""
     for fam in FAMILIES:
         if fam.name == cfg.arch:
             return fam.default_cache
-    return "block" if cfg.attention.block_causal else "dual"
+    return fast_default(cfg.attention.block_causal)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flash_dllm.config import SamplingParams
+from flash_dllm.cache.modes import fast_default
 from flash_dllm.decoding.registry import DECODE_POLICIES
 from flash_dllm.models.registry import default_cache
 from flash_dllm.kernels._triton import next_pow2
@@ -113,8 +114,10 @@ def cases(level: str, cfg=None, default: SamplingParams | None = None) -> list[S
     """The requests a warm-up of ``level`` runs: ``default`` (what a bare request gets: the
     server's sampling defaults; ``SamplingParams()`` when None), then, for ``full``, threshold
     and verify on the family's fast cache (the policies with ``warm_up``; one that adds query
-    rows only on bidirectional models: block-causal ones refuse those). With the model's ``cfg``, a cache left None is the family's default cache,
-    and a case equal to an earlier one is dropped; without it, the fast cases run on dual."""
+    rows only on bidirectional models: block-causal ones refuse those). With the model's
+    ``cfg``, a cache left None is the family's default cache, and a case equal to an earlier one
+    is dropped; without it, the fast cases run on the bidirectional default
+    (``cache.modes.fast_default``)."""
     default = SamplingParams() if default is None else default
     out = [default]
     if level != "minimal":
@@ -122,7 +125,7 @@ def cases(level: str, cfg=None, default: SamplingParams | None = None) -> list[S
         # padded draft count: max_verify, the block length by default)
         block_causal = cfg is not None and cfg.attention.block_causal
         out += [SamplingParams(max_tokens=64, block_length=32, decode=name,
-                               cache=None if cfg is not None else "dual")
+                               cache=None if cfg is not None else fast_default(False))
                 for name in DECODE_POLICIES if DECODE_POLICIES[name].warm_up
                 and not (block_causal and DECODE_POLICIES[name].adds_rows)]
     if cfg is not None:
