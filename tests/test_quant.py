@@ -151,6 +151,36 @@ def test_fp8_round_trip_and_emulation():
     assert rel < 0.05
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K,cfg", [
+    (5, 40, 256, None),                                       # K tiles inside the row's scale
+    (9, 48, 96, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2})])  # masked tiles
+def test_fp8_codes_run_in_the_weight_only_kernel(dtype, M, N, K, cfg):
+    """e4m3 codes with one scale per row through the W8A16 kernel equal x @ (q * sw)^T."""
+    q, sw = fp8_gemm.quantize_weight(_rand(N, K, seed=K, scale=0.05))
+    x, bias = _rand(M, K, seed=M).to(dtype), _rand(N, seed=2).to(dtype)
+    for b in (None, bias):
+        got = quant_gemm.weight_only_triton(x, q, sw.view(-1, 1), b, 8, cfg)
+        ref = fp8_gemm.weight_only_reference(x, q, sw, b)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_fp8_small_calls_are_weight_only_and_large_ones_quantize_x(monkeypatch):
+    """The rows rule of ``fp8_gemm.op``, the same on the CPU as on the GPU: x stays unquantized
+    below ``W8A8_MIN_ROWS`` rows, and is quantized per token from there."""
+    monkeypatch.setattr(fp8_gemm, "W8A8_MIN_ROWS", 8)
+    q, sw = fp8_gemm.quantize_weight(_rand(16, 64, seed=3, scale=0.05))
+    x = _rand(2, 4, 64, seed=4)                                # 8 rows
+    torch.testing.assert_close(fp8_gemm.op(x[:1], q, sw, None),
+                               fp8_gemm.weight_only_reference(x[:1], q, sw, None))
+    torch.testing.assert_close(fp8_gemm.op(x, q, sw, None),
+                               fp8_gemm.fp8_reference(x, q, sw, None))
+    assert not torch.equal(fp8_gemm.op(x, q, sw, None)[:1],
+                           fp8_gemm.weight_only_reference(x[:1], q, sw, None))
+
+
 # ------------------------------------------------------------------------------ whole models
 def _quantized(model, mode, group=32):
     info = quantize_model(model, mode, group)

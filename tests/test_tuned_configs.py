@@ -63,7 +63,7 @@ def test_a_bad_file_is_refused_naming_the_field(folder, data, field):
 
 @pytest.mark.parametrize("tile,msg", [({"SPLIT_K": 0}, "SPLIT_K = 0"),
                                       ({"BLOCK_N": 48}, "BLOCK_N = 48"),
-                                      ({"JOIN": 2}, "JOIN = 2"),
+                                      ({"JOIN": 3}, "JOIN = 3"),
                                       ({"BLOCK_SIZE_K": 64}, "unknown tile 'BLOCK_SIZE_K'")])
 def test_a_bad_tile_is_refused_before_any_launch(tile, msg):
     with pytest.raises(ValueError, match=msg):
@@ -112,12 +112,14 @@ def test_the_gemm_takes_the_files_tiles(bits, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("join", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_joined_nibbles_equal_the_reference(dtype):
+def test_int4_joined_nibbles_equal_the_reference(dtype, join):
+    """Both one-dot nibble reads (joined, and each byte loaded for both its columns)."""
     g = torch.Generator().manual_seed(3)
     q, s = quant_gemm.quantize(torch.randn(40, 256, generator=g) * 0.05, 4, 64)
     x = torch.randn(9, 256, generator=g).to(dtype)
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "JOIN": 1}
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "JOIN": join}
     got = quant_gemm.weight_only_triton(x, q, s, None, 4, cfg)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), quant_gemm.weight_only_reference(x, q, s, None, 4)

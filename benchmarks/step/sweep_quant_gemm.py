@@ -1,4 +1,4 @@
-"""The weight-only int8 / int4 GEMM (``kernels/quant_gemm``) against bf16 cuBLAS at LLaDA-8B's
+"""The weight-only int8 / int4 / fp8 GEMM (``kernels/quant_gemm``) against bf16 cuBLAS at LLaDA-8B's
 projection shapes, timed inside CUDA graphs, and a tile sweep whose winners can be written as the
 device's tuned config (``kernels/configs/quant_gemm/<device>.json``).
 
@@ -8,11 +8,13 @@ device's tuned config (``kernels/configs/quant_gemm/<device>.json``).
 1. For each projection (fused q/k/v, o, fused gate/up, down) and rows M (``--rows``): bf16
    ``F.linear``; the weight-only kernel with its current tiles (a tuned file's when one is found,
    else ``default_config``); the dequantize-once path (``dequantize_triton`` + ``F.linear``, what
-   ``quant_gemm.op`` takes from ``DEQUANT_MIN_ROWS`` rows); FP8 weights (``fp8_gemm.op``).
-2. The sweep, for each bit width: every tile of ``GRID`` at the first row bucket (each new tile
+   ``quant_gemm.op`` takes from ``DEQUANT_MIN_ROWS`` rows); FP8 weights both ways: their e4m3
+   codes in the weight-only kernel (``fp8_kernel_us``: ``fp8_gemm.op`` below ``W8A8_MIN_ROWS``)
+   and x quantized too on FP8 tensor cores (``fp8_w8a8_us``: ``fp8_scaled_mm``).
+2. The sweep, for each code (int8, fp8, int4): every tile of ``GRID`` at the first row bucket (each new tile
    compiles once; N and K are runtime arguments, so the four shapes share it), then the best
    ``--keep`` tiles of that bucket at every other bucket below ``DEQUANT_MIN_ROWS``, until
-   ``--budget-s`` is spent. int4 tries its joined-nibble tile (``JOIN``) too.
+   ``--budget-s`` is spent. int4 tries its three nibble reads (``JOIN``), its default's first.
 3. ``--write-config DIR``: the best tiles per (shape, bucket) as ``DIR/quant_gemm/<device>.json``
    (``FLASH_DLLM_KERNEL_CONFIGS=DIR`` makes the engine use them before they are committed).
 
@@ -73,10 +75,15 @@ def block_m(M: int) -> int:
     return min(64, max(16, 1 << max(0, (M - 1).bit_length())))
 
 
-def tiles(bits: int) -> list[dict]:
+CODES = ("int8", "fp8", "int4")          # what the packed weights hold (quant_gemm.code_name)
+SHARE = {"int8": 0.25, "fp8": 0.25, "int4": 0.5}     # of the sweep's budget (int4: 3 reads)
+
+
+def tiles(code: str) -> list[dict]:
     out = [dict(zip(GRID, combo)) for combo in itertools.product(*GRID.values())]
-    if bits == 4:
-        out += [{**t, "JOIN": 1} for t in out]
+    if code == "int4":        # the nibble reads, the default's first (the budget may stop the grid)
+        reads = [quant_gemm.INT4_READ] + [j for j in (0, 1, 2) if j != quant_gemm.INT4_READ]
+        out = [{**t, "JOIN": j} for j in reads for t in out]
     return out
 
 
@@ -89,55 +96,60 @@ def baseline(weights, rows, reps, group, dev) -> list[dict]:
             x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
             row = {"shape": name, "M": M, "N": N, "K": K, "bf16_bytes": w.numel() * 2,
                    "bf16_us": graph_time(lambda: F.linear(x, w), reps)}
-            if f8 is not None:
-                row["fp8_us"] = graph_time(lambda: fp8_gemm.op(x, f8[0], f8[1], None), reps)
-            for bits, (q, s) in packs.items():
-                cfg = (quant_gemm.tuned_config(M, N, K, group, bits, dev)
-                       or quant_gemm.default_config(M, N, K, group, quant_gemm._num_sms(dev)))
-                row[f"int{bits}_bytes"] = packed_bytes(q, s)
-                row[f"int{bits}_config"] = cfg
-                row[f"int{bits}_kernel_us"] = graph_time(
+            if f8 is not None:                 # activations quantized too: FP8 tensor cores
+                row["fp8_w8a8_us"] = graph_time(
+                    lambda: fp8_gemm.fp8_scaled_mm(x, f8[0], f8[1], None), reps)
+            for code, (q, s, bits) in packs.items():
+                cfg = (quant_gemm.tuned_config(M, N, K, K // s.shape[1], bits, dev, code)
+                       or quant_gemm.default_config(M, N, K, K // s.shape[1],
+                                                    quant_gemm._num_sms(dev)))
+                row[f"{code}_bytes"] = packed_bytes(q, s)
+                row[f"{code}_config"] = cfg
+                row[f"{code}_kernel_us"] = graph_time(
                     lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
-                row[f"int{bits}_dequant_gemm_us"] = graph_time(
-                    lambda: F.linear(x, quant_gemm.dequantize_triton(q, s, bits, x.dtype)), reps)
+                if code != "fp8":
+                    row[f"{code}_dequant_gemm_us"] = graph_time(
+                        lambda: F.linear(x, quant_gemm.dequantize_triton(q, s, bits, x.dtype)),
+                        reps)
             cases.append(row)
             print(f"{name:8s} M={M:5d}: bf16 {row['bf16_us']:7.1f} us"
-                  + (f"  fp8 {row['fp8_us']:7.1f}" if "fp8_us" in row else "")
-                  + "".join(f"  int{b} {row[f'int{b}_kernel_us']:7.1f} (dequant+gemm "
-                            f"{row[f'int{b}_dequant_gemm_us']:7.1f})" for b in (8, 4)),
-                  flush=True)
+                  + (f"  fp8 w8a8 {row['fp8_w8a8_us']:7.1f}" if "fp8_w8a8_us" in row else "")
+                  + "".join(f"  {c} {row[f'{c}_kernel_us']:7.1f}" for c in packs)
+                  + "".join(f"  {c} dequant+gemm {row[f'{c}_dequant_gemm_us']:7.1f}"
+                            for c in packs if c != "fp8"), flush=True)
     return cases
 
 
-def time_tile(weights, bits, M, cfg, reps, dev) -> dict[str, float | None]:
+def time_tile(weights, code, M, cfg, reps, dev) -> dict[str, float | None]:
     """Microseconds per shape for one tile (None where it fails to compile or launch)."""
     out = {}
     for name, N, K in SHAPES:
-        q, s = weights[name][1][bits]
+        q, s, bits = weights[name][1][code]
         x = torch.randn(M, K, device=dev).to(torch.bfloat16)
         try:
             out[name] = graph_time(
                 lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
         except Exception as e:                     # a tile that does not compile or fit
             out[name] = None
-            print(f"int{bits} M={M} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            print(f"{code} M={M} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
     return out
 
 
 def sweep(weights, buckets, reps, budget_s, keep, dev) -> tuple[list[dict], bool]:
-    """Half the budget per bit width (int4's grid is twice int8's: its ``JOIN`` tiles)."""
+    """``SHARE`` of the budget per code (int4's grid is three times the others': its ``JOIN``
+    reads); the codes the weights hold (fp8 only on a card with FP8)."""
     points, stopped = [], False
-    for bits in (8, 4):
+    for code in [c for c in CODES if c in weights[SHAPES[0][0]][1]]:
         t0, first, rest = time.monotonic(), buckets[0], buckets[1:]
-        budget = budget_s / 2
+        budget = budget_s * SHARE[code]
         scored = []
-        for tile in tiles(bits):
+        for tile in tiles(code):
             if time.monotonic() - t0 > budget * 0.7:          # leave time for the buckets
                 stopped = True
                 break
             cfg = {**tile, "BLOCK_M": block_m(first)}
-            us = time_tile(weights, bits, first, cfg, reps, dev)
-            points.append({"bits": bits, "M": first, "config": cfg, "us": us})
+            us = time_tile(weights, code, first, cfg, reps, dev)
+            points.append({"code": code, "M": first, "config": cfg, "us": us})
             if all(v is not None for v in us.values()):
                 scored.append((sum(us.values()), tile))
         best = [t for _, t in sorted(scored, key=lambda p: p[0])[:keep]]
@@ -148,8 +160,8 @@ def sweep(weights, buckets, reps, budget_s, keep, dev) -> tuple[list[dict], bool
                     break
                 for bm in sorted({block_m(M), 64} if M > 64 else {block_m(M)}):
                     cfg = {**tile, "BLOCK_M": bm}
-                    points.append({"bits": bits, "M": M, "config": cfg,
-                                   "us": time_tile(weights, bits, M, cfg, reps, dev)})
+                    points.append({"code": code, "M": M, "config": cfg,
+                                   "us": time_tile(weights, code, M, cfg, reps, dev)})
     return points, stopped
 
 
@@ -160,13 +172,15 @@ def winners(points, group) -> dict:
         for name, us in p["us"].items():
             if us is None:
                 continue
-            k = (p["bits"], name, p["M"])
+            k = (p["code"], name, p["M"])
             if k not in best or us < best[k][0]:
                 best[k] = (us, p["config"])
     configs: dict[str, dict[str, dict]] = {}
-    for (bits, name, M), (us, cfg) in best.items():
+    for (code, name, M), (us, cfg) in best.items():
         N, K = next((n, k) for s, n, k in SHAPES if s == name)
-        configs.setdefault(quant_gemm.problem_key(bits, N, K, group), {})[str(M)] = cfg
+        key = quant_gemm.problem_key(8 if code == "fp8" else int(code[3:]), N, K,
+                                     K if code == "fp8" else group, code)
+        configs.setdefault(key, {})[str(M)] = cfg
     return configs
 
 
@@ -190,8 +204,11 @@ def main() -> None:
     weights = {}
     for name, N, K in SHAPES:
         w = (torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-        packs = {bits: quant_gemm.quantize(w, bits, a.group) for bits in (8, 4)}
+        packs = {f"int{bits}": (*quant_gemm.quantize(w, bits, a.group), bits)
+                 for bits in (8, 4)}
         f8 = fp8_gemm.quantize_weight(w) if fp8_gemm.supported(dev) else None
+        if f8 is not None:               # e4m3 codes, one scale per row (fp8_gemm's small calls)
+            packs["fp8"] = (f8[0], f8[1].view(-1, 1), 8)
         weights[name] = (w, packs, f8)
     cases = baseline(weights, a.rows, a.reps, a.group, dev)
     points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev)

@@ -6,7 +6,18 @@ wscale[n]``, ``wscale = absmax(W[n]) / 448``). At each call every row of ``x`` i
 same way with its own scale (``absmax(x[m]) / 448``): no calibration, an outlier token costs only
 its own row's resolution.
 
-Paths (the same math):
+Two products, chosen by the rows of the call (the same rule on every device, so the CPU's
+emulation measures what the GPU runs):
+
+- Fewer than ``W8A8_MIN_ROWS`` rows (a small batch's step, bound by reading the weights):
+  weight-only, ``out = x @ (q(W) * sw)^T``: the e4m3 codes stream through the skinny W8A16
+  kernel of ``kernels/quant_gemm.py`` (each code converted to x's dtype in registers, exact:
+  every e4m3 value is a bf16 / fp16 value; the per-channel scale applied to the fp32 tile sum);
+  x is not quantized. Elsewhere ``weight_only_reference`` (fp32).
+- From ``W8A8_MIN_ROWS`` rows (compute-bound): x quantized per token too, the FP8 tensor cores'
+  product:
+
+Paths of the W8A8 product (the same math):
 
 - CUDA with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper): ``torch._scaled_mm`` on
   the e4m3 operands with row-wise scales (cuBLASLt), bf16/fp16 out; rows padded to a multiple of
@@ -23,6 +34,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from flash_dllm.kernels import quant_gemm
+from flash_dllm.kernels._triton import use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                       # torch.finfo(torch.float8_e4m3fn).max
@@ -91,9 +105,38 @@ def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     return out.to(x.dtype).view(*lead, -1)
 
 
+# NOTE: the rows from which activations are quantized too and FP8 tensor cores run the product;
+# below, reading the weights is the whole cost and the weight-only kernel streams the same bytes
+# with no activation quantization (its kernels cost ~10 us per GEMM in a batch-1 step on an H100:
+# benchmarks/findings/quantization.md). As ``quant_gemm.DEQUANT_MIN_ROWS``, to be set from the
+# sweep's fp8 rows (``benchmarks/step/sweep_quant_gemm.py``).
+W8A8_MIN_ROWS = 512
+
+
+def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: ``x @ (q(W) * sw)^T`` in fp32 (x not quantized), rounded once."""
+    acc = F.linear(x.float(), qweight.float()) * wscale.float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
 def op(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
        bias: torch.Tensor | None) -> torch.Tensor:
-    """FP8 tensor cores where the device has them, the emulation elsewhere."""
+    """The module's rule: weight-only below ``W8A8_MIN_ROWS`` rows (the skinny kernel on CUDA,
+    the fp32 reference elsewhere), else FP8 tensor cores where the device has them and the
+    emulation elsewhere."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows < W8A8_MIN_ROWS:
+        if use_triton(x, qweight) and supported(x.device):
+            lead, K = x.shape[:-1], x.shape[-1]
+            x2 = x.reshape(-1, K)
+            if x2.stride(1) != 1:
+                x2 = x2.contiguous()
+            return quant_gemm.weight_only_triton(x2, qweight, wscale.view(-1, 1), bias,
+                                                 8).view(*lead, -1)
+        return weight_only_reference(x, qweight, wscale, bias)
     if x.is_cuda and x.dtype != torch.float32 and supported(x.device):
         return fp8_scaled_mm(x, qweight, wscale, bias)
     return fp8_reference(x, qweight, wscale, bias)

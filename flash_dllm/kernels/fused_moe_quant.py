@@ -36,7 +36,7 @@ if HAS_TRITON:
                            TOPK, D, I, GROUP: tl.constexpr, stride_xt, stride_qe, stride_qn,
                            stride_se, stride_sn, stride_ht, num_n, BITS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           UPCAST: tl.constexpr, PREC: tl.constexpr):
+                           UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr):
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -48,10 +48,10 @@ if HAS_TRITON:
         g_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_g = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, 0, D, GROUP, BITS,
-                                      BLOCK_K, UPCAST, PREC, 0)
+                                      BLOCK_K, UPCAST, PREC, JOIN)
         acc_u = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q + I * stride_qn,
                                       g_s + I * stride_sn, n_ok, 0, D, GROUP, BITS, BLOCK_K,
-                                      UPCAST, PREC, 0)
+                                      UPCAST, PREC, JOIN)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u              # SwiGLU in fp32, rounded once
         tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -62,7 +62,7 @@ if HAS_TRITON:
                         stride_se, stride_sn, stride_ot, num_n, BITS: tl.constexpr,
                         BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, JOIN: tl.constexpr):
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -73,7 +73,7 @@ if HAS_TRITON:
         w_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
         w_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         acc = quant_gemm.wq_dot_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok,
-                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC, 0)
+                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN)
         acc *= tl.load(tw_ptr + pair, mask=m_ok, other=0.0)[:, None]        # mixing weight
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -128,6 +128,7 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
     h = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)
     prec = fused_moe.FP32_PRECISION if x.dtype == torch.float32 else "tf32"
     launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
+              "JOIN": quant_gemm.INT4_READ if bits == 4 else 0,
               "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
     _gate_up_wq_kernel[(blocks * n_gu,)](

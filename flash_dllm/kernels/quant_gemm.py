@@ -5,7 +5,9 @@ Layout (what ``quantize`` returns and the kernels read):
 
 - ``qweight``: int8 ``[N, K]`` (bits 8), or uint8 ``[N, K / 2]`` (bits 4: two weights per byte,
   column ``2j`` in the low nibble, ``2j + 1`` in the high one, each stored as ``q + 8`` in
-  ``[0, 15]``);
+  ``[0, 15]``); 8 bits may also be e4m3 codes (float8_e4m3fn ``[N, K]``: ``fp8_gemm``'s
+  weight-only rows, one float32 scale per row, i.e. ``scales`` ``[N, 1]``; every e4m3 value is
+  exact in bf16, so the kernel's conversion is exact as the integers' is);
 - ``scales``: float16 ``[N, K / group]``, one per output row and ``group`` consecutive inputs;
 - the weight is ``W[n, k] = q[n, k] * scales[n, k // group]`` (symmetric, no zero point):
   ``q`` in [-127, 127] (int8) or [-8, 7] (int4, scale = group absmax / 7).
@@ -63,7 +65,12 @@ from flash_dllm.kernels._triton import (
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 INT_BITS = (8, 4)
 SCALE_DTYPE = torch.float16
+FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
 _QMAX = {8: 127, 4: 7}
+# How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 2,
+# each byte loaded for both its columns and one dot. Predicted from the H100 profile (two
+# half-width dots against strided x tiles ran ~5x int8's time per GEMM), not yet timed.
+INT4_READ = 2
 
 if HAS_TRITON:
     import triton
@@ -72,7 +79,8 @@ if HAS_TRITON:
     @triton.jit
     def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end,
                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr):
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr,
+                   FP8: tl.constexpr = False):
         """acc [BM, BN] += A[:, k_start:k_end] @ dequant(Q[:, k_start:k_end])^T, the weight
         dequantized in registers: ``a_rows`` [BM, 1] / ``q_rows``, ``s_rows`` [BN, 1] point at
         each row's start (x / packed integers / scales, in this module's layout); ``a_ok`` /
@@ -87,31 +95,44 @@ if HAS_TRITON:
             for k0 in range(k_start, k_end, BLOCK_K):
                 s = tl.load(s_rows + k0 // GROUP, mask=w_ok[:, None], other=0.0)   # [BN, 1]
                 part = _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS, BLOCK_K, UPCAST,
-                                     PREC, JOIN)
+                                     PREC, JOIN, FP8)
                 acc += part * tl.trans(s.to(tl.float32))
         else:
             for k0 in range(k_start, k_end, BLOCK_K):
                 acc = _dequant_tile_dot(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k0, k_end,
-                                        GROUP, BITS, BLOCK_K, UPCAST, PREC)
+                                        GROUP, BITS, BLOCK_K, UPCAST, PREC, FP8)
         return acc
 
     @triton.jit
     def _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS: tl.constexpr,
                       BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                      JOIN: tl.constexpr):
+                      JOIN: tl.constexpr, FP8: tl.constexpr):
         """[BM, BN] fp32: x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
-        (exact in any float dtype: |q| <= 127). int4, ``JOIN`` (a tile option, off by default
-        until timed on a GPU): each byte's two nibbles joined back into their columns
+        (exact in any float dtype: |q| <= 127). int4 reads its nibbles one of three ways, the
+        tile option ``JOIN`` (the sweep times all three): 0, two half-width dots against x's
+        strided even / odd columns; 1, each byte's two nibbles joined back into their columns
         (``tl.join`` + ``tl.reshape``: one [BN, BK] tile) meet x's contiguous tile in one dot;
-        otherwise two half-width dots against x's strided even / odd columns."""
+        2, every byte loaded for both its columns (byte ``k // 2``: the repeat comes from L1,
+        DRAM reads each byte once) and shifted by ``4 * (k % 2)``: one [BN, BK] tile in
+        registers' natural layout, no reshape, one dot."""
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
             w = tl.load(q_rows + ks[None, :], mask=w_ok[:, None], other=0)
+            if FP8:          # e4m3 codes, passed as their bytes
+                w = w.to(tl.float8e4nv, bitcast=True)
             if UPCAST:       # (the interpreter's int -> bf16 cast is wrong: fp32, as exact)
                 x, w = x.to(tl.float32), w.to(tl.float32)
             else:
                 w = w.to(x.dtype)
+            part = tl.dot(x, tl.trans(w), input_precision=PREC)
+        elif JOIN == 2:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
+            b = tl.load(q_rows + (ks // 2)[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
+            if UPCAST:
+                x = x.to(tl.float32)
+            w = (((b >> ((ks & 1) * 4)[None, :]) & 0xF) - 8).to(x.dtype)
             part = tl.dot(x, tl.trans(w), input_precision=PREC)
         elif JOIN:
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -140,7 +161,7 @@ if HAS_TRITON:
     @triton.jit
     def _dequant_tile_dot(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k0, k_end,
                           GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-                          UPCAST: tl.constexpr, PREC: tl.constexpr):
+                          UPCAST: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
         """acc += one K tile with each weight dequantized before the dot (the tile may cross
         groups and the slice's end: masked)."""
         if BITS == 8:
@@ -148,7 +169,10 @@ if HAS_TRITON:
             k_ok = ks < k_end
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
             wmask = w_ok[:, None] & k_ok[None, :]
-            q = tl.load(q_rows + ks[None, :], mask=wmask, other=0).to(tl.float32)
+            q = tl.load(q_rows + ks[None, :], mask=wmask, other=0)
+            if FP8:
+                q = q.to(tl.float8e4nv, bitcast=True)
+            q = q.to(tl.float32)
             s = tl.load(s_rows + ks[None, :] // GROUP, mask=wmask, other=0.0).to(tl.float32)
             w = (q * s).to(x.dtype)                        # rounded once, as the reference
             if UPCAST:       # the interpreter's half-precision tl.dot is wrong (Triton 3.9)
@@ -182,7 +206,8 @@ if HAS_TRITON:
                         stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP: tl.constexpr,
                         BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                         UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr,
+                        FP8: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,7 +218,7 @@ if HAS_TRITON:
                          x_ptr + rows[:, None].to(tl.int64) * stride_xm, row_ok,
                          q_ptr + cols[:, None].to(tl.int64) * stride_qn,
                          s_ptr + cols[:, None].to(tl.int64) * stride_sn, col_ok, k_start, k_end,
-                         GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN)
+                         GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN, FP8)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -302,18 +327,24 @@ def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> di
             "num_warps": 4, "num_stages": 3}
 
 
-def problem_key(bits: int, N: int, K: int, group: int) -> str:
+def code_name(qweight: torch.Tensor, bits: int) -> str:
+    """What the packed weights hold: ``"int8"``, ``"int4"`` or ``"fp8"`` (e4m3 codes, the 8-bit
+    path: ``fp8_gemm``'s weight-only rows)."""
+    return "fp8" if qweight.dtype == FP8 else f"int{bits}"
+
+
+def problem_key(bits: int, N: int, K: int, group: int, code: str | None = None) -> str:
     """The tuned-config key of one GEMM (``kernels/tuned_configs``)."""
-    return f"int{bits}_N{N}_K{K}_g{group}"
+    return f"{code or f'int{bits}'}_N{N}_K{K}_g{group}"
 
 
 def tuned_config(M: int, N: int, K: int, group: int, bits: int,
-                 device: torch.device) -> dict | None:
+                 device: torch.device, code: str | None = None) -> dict | None:
     """The tiles a sweep measured for this GEMM on this device (``configs/quant_gemm/``), or
     None: ``default_config`` then applies."""
     if device.type != "cuda":
         return None
-    return _tuned(_device_name(device), problem_key(bits, N, K, group), M,
+    return _tuned(_device_name(device), problem_key(bits, N, K, group, code), M,
                   os.environ.get(tuned_configs.ENV))
 
 
@@ -339,11 +370,11 @@ def check_tile(cfg: dict, where: str) -> dict:
         if lo is None:
             raise ValueError(f"{where}: unknown tile {name!r} (known: {sorted(TILE_RULES)})")
         ok = isinstance(v, int) and v >= lo and (
-            name == "num_stages" or (name == "JOIN" and v in (0, 1))
+            name == "num_stages" or (name == "JOIN" and v in (0, 1, 2))
             or (name != "JOIN" and v & (v - 1) == 0))
         if not ok:
             raise ValueError(f"{where}: {name} = {v!r} is not a valid tile (a power of 2 >= "
-                             f"{lo}; num_stages >= 1; JOIN 0 or 1)")
+                             f"{lo}; num_stages >= 1; JOIN 0, 1 or 2)")
     return cfg
 
 
@@ -371,11 +402,11 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     check_dtype("quant_gemm: x", x, FLOAT_DTYPES)
     M, K = x.shape
     N = qweight.shape[0]
-    want = torch.int8 if bits == 8 else torch.uint8
-    check(qweight.dtype == want and qweight.dim() == 2 and qweight.is_contiguous()
+    want = (torch.int8, FP8) if bits == 8 else (torch.uint8,)
+    check(qweight.dtype in want and qweight.dim() == 2 and qweight.is_contiguous()
           and qweight.shape[1] * (8 // bits) == K,
-          f"quant_gemm: int{bits} qweight must be a contiguous {want} [N, {K * bits // 8}], got "
-          f"{describe(qweight)}")
+          f"quant_gemm: a {bits}-bit qweight must be a contiguous {' or '.join(map(str, want))} "
+          f"[N, {K * bits // 8}], got {describe(qweight)}")
     check(scales.dim() == 2 and scales.shape[0] == N and scales.shape[1] >= 1
           and K % scales.shape[1] == 0 and scales.stride(1) == 1,
           f"quant_gemm: scales must be [N={N}, K / group] with K = {K}, got {describe(scales)}")
@@ -385,7 +416,8 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     group = K // scales.shape[1]
     # (a partial config, e.g. a hand-edited tuned file, fills its gaps from the defaults)
     cfg = {**default_config(M, N, K, group, _num_sms(x.device)),
-           **(config or tuned_config(M, N, K, group, bits, x.device) or {})}
+           **(config or tuned_config(M, N, K, group, bits, x.device, code_name(qweight, bits))
+              or {})}
     check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
           f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
     split = cfg["SPLIT_K"]
@@ -397,14 +429,15 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     split = -(-K // per)
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
+    fp8 = qweight.dtype == FP8
     _wq_gemm_kernel[grid](
-        x, qweight, scales, bias if bias is not None else scales, dst, M, N, K, per,
+        x, qweight.view(torch.uint8) if fp8 else qweight, scales, bias if bias is not None else scales, dst, M, N, K, per,
         x.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2),
         dst.stride(0) if split > 1 else 0, group,
         BITS=bits, HAS_BIAS=bias is not None and split == 1, SPLIT=split, UPCAST=INTERPRET,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        JOIN=int(bool(cfg.get("JOIN", 0)) and bits == 4),
+        JOIN=int(cfg.get("JOIN", INT4_READ)) if bits == 4 else 0, FP8=fp8,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     if split > 1:
         acc = dst.sum(0)                                     # fixed order: deterministic
