@@ -23,8 +23,13 @@ special and documented here because the runner puts them into the metadata:
 - **probe rows** (the KV-consistency sentinel, ``Segment.probe``): canvas rows whose attention
   weights over the canvas are recorded at ``probe_layer`` (``Segment.probe_weights``).
 
-An fp8 pool (``kv_cache_dtype="fp8"``: ``kv_scales``) takes the unfused projection + RoPE and
-``write_kv``'s quantised write (``kernels/kv_quant``); every read of its pages dequantises.
+An fp8 pool (``kv_cache_dtype="fp8"``: ``kv_scales``) takes the unfused projection, then one
+op rotates q / k and quantises K / V into their pages (``kernels/rope_cache_fp8``; with special
+rows PyTorch's RoPE and ``write_kv``'s quantised write, ``kernels/kv_quant``); every read of its
+pages dequantises.
+
+NOTE (size): just over 400 lines: the step's metadata and every way its attention reaches the
+pages (fused, chunked, fp8, partial rotary, special rows), read together.
 
 A step without special rows never takes those paths. On the CPU every kernel call runs the
 kernel's PyTorch reference.
@@ -41,6 +46,7 @@ from flash_dllm.kernels._triton import batch_invariant_active
 from flash_dllm.kernels import paged_attention as paged_attention_op
 from flash_dllm.kernels import qkv_rope_cache as qkv_rope_cache_op
 from flash_dllm.kernels import rope_cache as rope_cache_op
+from flash_dllm.kernels import rope_cache_fp8 as rope_cache_fp8_op
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.kernels.rope_cache import inv_freq as rope_inv_freq
 from flash_dllm.layers.attention import (attention_weights, masked_attention,
@@ -144,13 +150,17 @@ class PagedAttentionMetadata:
         """``attn``'s attention for packed rows ``x`` [T, d] -> [T, H * D]."""
         qkv = attn.qkv_proj
         H, Hkv = attn.num_heads, attn.num_kv_heads
-        # NOTE: an fp8 pool takes the unfused path too: its page write quantises
-        # (``write_kv``), which the fused RoPE + cache-write kernels do not; so does a module
-        # that rotates part of each head (LLaDA2). q/k-normed heads that rotate whole (SDAR,
+        # NOTE: an fp8 pool rotates and writes with the quantising kernel
+        # (``kernels/rope_cache_fp8``) after the projection; with verification or probe rows
+        # (eager steps) it takes the unfused path, as does a module that rotates part of each
+        # head (LLaDA2). q/k-normed heads that rotate whole (SDAR,
         # LLaDA-MoE) are normed in ``project`` and then rotated and written by the RoPE + page
         # write kernel, as LLaDA's are; only the kernels that project too skip them.
-        if attn.rotary.rotary_dim < attn.head_dim or self.kv_scales is not None:
+        if attn.rotary.rotary_dim < attn.head_dim or (self.kv_scales is not None
+                                                      and self.special):
             return self.attend_normed(layer, attn, x, positions)
+        if self.kv_scales is not None:
+            return self.attend_fp8(layer, attn, x, positions)
         if qkv is not None and x.dim() == 2 and not self.special and attn.q_norm is None:
             # (the fused kernel reads a plain weight: a quantized projection runs its own GEMM)
             # (deterministic: not for a few rows only, so a row's projection follows no batch)
@@ -201,6 +211,17 @@ class PagedAttentionMetadata:
         for seg in self.special:
             self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
         return out
+
+    def attend_fp8(self, layer: int, attn, x: torch.Tensor, positions: torch.Tensor
+                   ) -> torch.Tensor:
+        """An fp8 pool: the projection (q/k normed when the module has the norms), then one
+        op rotates q and k and quantises k / v into their pages (``kernels/rope_cache_fp8``:
+        four launches, as ``write_kv``'s quantised write)."""
+        q, k, v = attn.project(x)
+        (kc, vc), (ks, vs) = self.layer_kv(layer), self.layer_scales(layer)
+        qr = rope_cache_fp8_op.op(q, k, v, positions, kc, vc, ks, vs, self.slots,
+                                  self.inv_freq, attn.rotary.apply_in_fp32)
+        return self._attend_rotated(layer, qr)
 
     def attend_normed(self, layer: int, attn, x: torch.Tensor, positions: torch.Tensor
                       ) -> torch.Tensor:

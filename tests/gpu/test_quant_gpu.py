@@ -165,3 +165,56 @@ def test_fused_moe_on_packed_experts_matches_reference(bits, T):
     got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, bits, ids, w)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2,
                                atol=2e-2 * ref.float().abs().max().item())
+
+
+def test_rope_cache_fp8_equals_reference_and_captures():
+    """fp8 pools' RoPE + quantising page write (``kernels/rope_cache_fp8``) on CUDA: at position 0
+    (exact rotation) codes and scales equal the reference bit for bit over steps that grow and
+    requantise pages; a CUDA-graph replay equals the eager call."""
+    from flash_dllm.kernels import kv_quant, rope_cache, rope_cache_fp8 as rc
+    g = torch.Generator(device=DEV).manual_seed(0)
+    P, ps, H, Hkv, D, T = 64, 32, 32, 8, 128, 256
+    inv = rope_cache.inv_freq(D, 500000.0, DEV)
+
+    def fresh():
+        raw = torch.randint(0, 256, (2, P, ps, Hkv, D), device=DEV, dtype=torch.uint8,
+                            generator=torch.Generator(device=DEV).manual_seed(1))
+        kc, vc = raw.view(kv_quant.FP8).unbind(0)
+        return kc, vc, torch.zeros(P, Hkv, device=DEV), torch.zeros(P, Hkv, device=DEV)
+
+    steps = []
+    for i in range(3):
+        q = (torch.randn(T, H, D, device=DEV, generator=g) * (i + 1)).to(torch.bfloat16)
+        k = (torch.randn(T, Hkv, D, device=DEV, generator=g) * (i + 1)).to(torch.bfloat16)
+        v = (torch.randn(T, Hkv, D, device=DEV, generator=g) * (3 - i)).to(torch.bfloat16)
+        slots = torch.randperm(P * ps, device=DEV, generator=g)[:T]
+        slots[:8] = -1
+        steps.append((q, k, v, torch.zeros(T, dtype=torch.long, device=DEV), slots))
+    outs = {}
+    for name, fn in (("ref", rc.rope_cache_fp8_reference), ("triton", rc.rope_cache_fp8_triton)):
+        kc, vc, ks, vs = fresh()
+        qs = [fn(q, k, v, p, kc, vc, ks, vs, s, inv) for q, k, v, p, s in steps]
+        outs[name] = (qs, kc, vc, ks, vs)
+    r, t = outs["ref"], outs["triton"]
+    for a, b in zip(r[0], t[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(r[3], t[3]) and torch.equal(r[4], t[4])
+    w = (r[3] > 0)[:, None, :, None].expand(-1, ps, -1, D)
+    assert torch.equal(r[1].view(torch.uint8)[w], t[1].view(torch.uint8)[w])
+    assert torch.equal(r[2].view(torch.uint8)[w], t[2].view(torch.uint8)[w])
+    # a captured step replays as the eager call
+    kc, vc, ks, vs = fresh()
+    q, k, v, p, s = steps[0]
+    rc.rope_cache_fp8_triton(q, k, v, p, kc, vc, ks, vs, s, inv)         # compile
+    kc2, vc2, ks2, vs2 = fresh()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qo = rc.rope_cache_fp8_triton(q, k, v, p, kc2, vc2, ks2, vs2, s, inv)
+    kc2.view(torch.uint8).copy_(fresh()[0].view(torch.uint8))
+    vc2.view(torch.uint8).copy_(fresh()[1].view(torch.uint8))
+    ks2.zero_(), vs2.zero_()
+    graph.replay()
+    kc, vc, ks, vs = fresh()
+    want = rc.rope_cache_fp8_triton(q, k, v, p, kc, vc, ks, vs, s, inv)
+    assert torch.equal(qo, want) and torch.equal(ks2, ks) and torch.equal(vs2, vs)
+    assert torch.equal(kc2.view(torch.uint8), kc.view(torch.uint8))
