@@ -170,7 +170,7 @@ group_llada2() {
   # serving the mini shape (random weights) at concurrency 1 / 32 / 64: 0 compiles after ready
   run serve_llada2_mini_h200 360 "$OUT/serving/serve_llada2_mini_h200.json" \
     "${FD[@]}" bench serve --device cuda --max-num-seqs 64 --warmup full \
-    --model-shape llada2-mini --max-tokens 64 --concurrency 1 32 64 --requests 32 256 512 \
+    --model-shape llada2-mini --max-tokens 64 --concurrency 1 32 64 --requests 16 128 256 \
     --json "$OUT/serving/serve_llada2_mini_h200.json"
 }
 
