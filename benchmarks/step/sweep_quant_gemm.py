@@ -40,7 +40,8 @@ from flash_dllm.kernels import fp8_gemm, quant_gemm, tuned_configs
 SHAPES = [("qkv", 3 * 4096, 4096), ("o", 4096, 4096), ("gate_up", 2 * 12288, 4096),
           ("down", 4096, 12288)]
 ROWS = [32, 64, 128, 256, 2048]
-GRID = {"BLOCK_N": [32, 64, 128], "BLOCK_K": [64, 128], "SPLIT_K": [1, 2, 4, 8],
+# (the first key varies slowest: tiles without a K split first, the budget may stop the grid)
+GRID = {"SPLIT_K": [1, 2, 4, 8], "BLOCK_K": [64, 128], "BLOCK_N": [32, 64, 128],
         "num_warps": [4, 8], "num_stages": [3]}
 
 
@@ -107,6 +108,10 @@ def baseline(weights, rows, reps, group, dev) -> list[dict]:
                 row[f"{code}_config"] = cfg
                 row[f"{code}_kernel_us"] = graph_time(
                     lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
+                if code == "int4":            # the first nibble read, same tiles, same call
+                    row["int4_read0_kernel_us"] = graph_time(
+                        lambda: quant_gemm.weight_only_triton(x, q, s, None, bits,
+                                                              {**cfg, "JOIN": 0}), reps)
                 if code != "fp8":
                     row[f"{code}_dequant_gemm_us"] = graph_time(
                         lambda: F.linear(x, quant_gemm.dequantize_triton(q, s, bits, x.dtype)),

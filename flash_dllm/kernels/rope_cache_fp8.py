@@ -34,7 +34,6 @@ from flash_dllm.kernels import kv_quant, rope_cache
 from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, next_pow2, use_triton
 
 INTERPRET = rope_cache.INTERPRET
-FP8_MAX = kv_quant.FP8_MAX
 
 if HAS_TRITON:
     import triton
@@ -108,11 +107,12 @@ if HAS_TRITON:
             k1, k2 = _rotated(k_ptr + t * stride_kt, stride_kh, HKV, c, s, HALF, BLOCK_HKV,
                               BLOCK_HALF, True, FP32_MATH)
             ak = tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1))
-            tl.atomic_max(ks_ptr + page * HKV + h, tl.math.div_rn(ak, FP8_MAX), mask=m)
+            lim = tl.full((BLOCK_HKV,), 448.0, tl.float32)               # (kv_quant.FP8_MAX)
+            tl.atomic_max(ks_ptr + page * HKV + h, tl.math.div_rn(ak, lim), mask=m)
             v1, v2 = _rotated(v_ptr + t * stride_vt, stride_vh, HKV, c, s, HALF, BLOCK_HKV,
                               BLOCK_HALF, False, FP32_MATH)
             av = tl.maximum(tl.max(tl.abs(v1), axis=1), tl.max(tl.abs(v2), axis=1))
-            tl.atomic_max(vs_ptr + page * HKV + h, tl.math.div_rn(av, FP8_MAX), mask=m)
+            tl.atomic_max(vs_ptr + page * HKV + h, tl.math.div_rn(av, lim), mask=m)
 
     @triton.jit
     def _requant_page(cache, scale, old_row, page, HKV, D, stride_cp, stride_cs, stride_ch,
@@ -157,7 +157,7 @@ if HAS_TRITON:
     def _codes(y, scale):
         """fp32 values ``y [BH, BHALF]`` with their heads' scales ``[BH]`` -> e4m3 codes."""
         sc = tl.where(scale > 0, scale, 1.0)[:, None]
-        z = tl.minimum(tl.maximum(tl.math.div_rn(y, sc), -FP8_MAX), FP8_MAX)
+        z = tl.minimum(tl.maximum(tl.math.div_rn(y, sc), -448.0), 448.0)     # (kv_quant.FP8_MAX)
         return _fp8_bits(_round_fp32(z, 20, 16384.0, 0.015625))
 
     @triton.jit
