@@ -83,7 +83,7 @@ SHARE = {"int8": 0.25, "fp8": 0.25, "int4": 0.5}     # of the sweep's budget (in
 def tiles(code: str) -> list[dict]:
     out = [dict(zip(GRID, combo)) for combo in itertools.product(*GRID.values())]
     if code == "int4":        # the nibble reads, the default's first (the budget may stop the grid)
-        reads = [quant_gemm.INT4_READ] + [j for j in (0, 1, 2) if j != quant_gemm.INT4_READ]
+        reads = [quant_gemm.INT4_READ] + [j for j in (1, 2, 0) if j != quant_gemm.INT4_READ]
         out = [{**t, "JOIN": j} for j in reads for t in out]
     return out
 
@@ -108,10 +108,10 @@ def baseline(weights, rows, reps, group, dev) -> list[dict]:
                 row[f"{code}_config"] = cfg
                 row[f"{code}_kernel_us"] = graph_time(
                     lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
-                if code == "int4":            # the first nibble read, same tiles, same call
-                    row["int4_read0_kernel_us"] = graph_time(
+                for j in ((0, 1, 2) if code == "int4" else ()):   # every nibble read, same tiles
+                    row[f"int4_read{j}_kernel_us"] = graph_time(
                         lambda: quant_gemm.weight_only_triton(x, q, s, None, bits,
-                                                              {**cfg, "JOIN": 0}), reps)
+                                                              {**cfg, "JOIN": j}), reps)
                 if code != "fp8":
                     row[f"{code}_dequant_gemm_us"] = graph_time(
                         lambda: F.linear(x, quant_gemm.dequantize_triton(q, s, bits, x.dtype)),
@@ -140,13 +140,15 @@ def time_tile(weights, code, M, cfg, reps, dev) -> dict[str, float | None]:
     return out
 
 
-def sweep(weights, buckets, reps, budget_s, keep, dev) -> tuple[list[dict], bool]:
+def sweep(weights, buckets, reps, budget_s, keep, dev, codes=CODES
+          ) -> tuple[list[dict], bool]:
     """``SHARE`` of the budget per code (int4's grid is three times the others': its ``JOIN``
     reads); the codes the weights hold (fp8 only on a card with FP8)."""
     points, stopped = [], False
-    for code in [c for c in CODES if c in weights[SHAPES[0][0]][1]]:
+    codes = [c for c in codes if c in weights[SHAPES[0][0]][1]]
+    for code in codes:
         t0, first, rest = time.monotonic(), buckets[0], buckets[1:]
-        budget = budget_s * SHARE[code]
+        budget = budget_s * SHARE[code] / sum(SHARE[c] for c in codes)
         scored = []
         for tile in tiles(code):
             if time.monotonic() - t0 > budget * 0.7:          # leave time for the buckets
@@ -201,6 +203,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="seconds for the sweep (compiles included)")
+    ap.add_argument("--codes", nargs="+", choices=CODES, default=list(CODES),
+                    help="the codes to sweep (the baseline table times them all)")
     ap.add_argument("--write-config", metavar="DIR",
                     help="write the winners as DIR/quant_gemm/<device>.json")
     a = ap.parse_args()
@@ -216,7 +220,7 @@ def main() -> None:
             packs["fp8"] = (f8[0], f8[1].view(-1, 1), 8)
         weights[name] = (w, packs, f8)
     cases = baseline(weights, a.rows, a.reps, a.group, dev)
-    points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev)
+    points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev, a.codes)
     configs = winners(points, a.group)
     name = torch.cuda.get_device_name(dev)
     for key, rows in sorted(configs.items()):

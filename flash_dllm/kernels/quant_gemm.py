@@ -68,8 +68,9 @@ SCALE_DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
 _QMAX = {8: 127, 4: 7}
 # How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 2,
-# each byte loaded for both its columns and one dot. Predicted from the H100 profile (two
-# half-width dots against strided x tiles ran ~5x int8's time per GEMM), not yet timed.
+# x split into even / odd columns in registers. Chosen from the sm_90 PTX (both operands
+# pipelined, the fewest shared-memory moves), not yet timed; an H100 timed read 0 (the first)
+# at ~5x int8 per GEMM, and a byte-per-column read (each byte loaded twice) slower still.
 INT4_READ = 2
 
 if HAS_TRITON:
@@ -109,12 +110,14 @@ if HAS_TRITON:
                       JOIN: tl.constexpr, FP8: tl.constexpr):
         """[BM, BN] fp32: x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
         (exact in any float dtype: |q| <= 127). int4 reads its nibbles one of three ways, the
-        tile option ``JOIN`` (the sweep times all three): 0, two half-width dots against x's
-        strided even / odd columns; 1, each byte's two nibbles joined back into their columns
+        tile option ``JOIN`` (the sweep times them): 0, two half-width dots against x's even /
+        odd columns loaded strided (on an H100 those loads are scalar and not pipelined: ~5x
+        int8's time per GEMM); 1, each byte's two nibbles joined back into their columns
         (``tl.join`` + ``tl.reshape``: one [BN, BK] tile) meet x's contiguous tile in one dot;
-        2, every byte loaded for both its columns (byte ``k // 2``: the repeat comes from L1,
-        DRAM reads each byte once) and shifted by ``4 * (k % 2)``: one [BN, BK] tile in
-        registers' natural layout, no reshape, one dot."""
+        2, x's contiguous tile split into its even / odd columns in registers (``tl.reshape`` +
+        ``tl.split``) for two half-width dots. 1 and 2 load both operands contiguously, so
+        Triton pipelines them (``cp.async``) as int8's; 2 moves fewer values through shared
+        memory (the sm_90 PTX: 20 shared loads per tile step against 1's 52)."""
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
@@ -128,12 +131,16 @@ if HAS_TRITON:
             part = tl.dot(x, tl.trans(w), input_precision=PREC)
         elif JOIN == 2:
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
-            b = tl.load(q_rows + (ks // 2)[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
+            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
+            jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
+            b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
             if UPCAST:
                 x = x.to(tl.float32)
-            w = (((b >> ((ks & 1) * 4)[None, :]) & 0xF) - 8).to(x.dtype)
-            part = tl.dot(x, tl.trans(w), input_precision=PREC)
+            xe, xo = tl.split(tl.reshape(x, (x.shape[0], BLOCK_K // 2, 2)))
+            we = ((b & 0xF) - 8).to(x.dtype)
+            wo = ((b >> 4) - 8).to(x.dtype)
+            part = tl.dot(xe, tl.trans(we), input_precision=PREC)
+            part += tl.dot(xo, tl.trans(wo), input_precision=PREC)
         elif JOIN:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
@@ -246,17 +253,16 @@ if HAS_TRITON:
             q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)
             sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
             tl.store(w_row + ks[None, :], (q * sc).to(w_ptr.dtype.element_ty), mask=m)
-        else:
+        else:        # each byte's nibbles joined back into their columns: contiguous stores
             jb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-            ke = 2 * jb
-            m = n_ok[:, None] & (ke < K)[None, :]
-            b = tl.load(q_row + jb[None, :], mask=m, other=0).to(tl.int32)
-            se = tl.load(s_row + ke[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
-            so = tl.load(s_row + (ke[None, :] + 1) // GROUP, mask=m, other=0.0).to(tl.float32)
-            tl.store(w_row + ke[None, :], (((b & 0xF) - 8).to(tl.float32) * se)
-                     .to(w_ptr.dtype.element_ty), mask=m)
-            tl.store(w_row + ke[None, :] + 1, (((b >> 4) - 8).to(tl.float32) * so)
-                     .to(w_ptr.dtype.element_ty), mask=m)
+            b = tl.load(q_row + jb[None, :], mask=n_ok[:, None] & (2 * jb < K)[None, :],
+                        other=0).to(tl.int32)
+            q = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8), (BLOCK_N, BLOCK_K))
+            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+            m = n_ok[:, None] & (ks < K)[None, :]
+            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
+            tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
+                     mask=m)
 
 
 # ------------------------------------------------------------------------------ quantization

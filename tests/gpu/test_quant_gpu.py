@@ -170,7 +170,9 @@ def test_fused_moe_on_packed_experts_matches_reference(bits, T):
 def test_rope_cache_fp8_equals_reference_and_captures():
     """fp8 pools' RoPE + quantising page write (``kernels/rope_cache_fp8``) on CUDA: at position 0
     (exact rotation) codes and scales equal the reference bit for bit over steps that grow and
-    requantise pages; a CUDA-graph replay equals the eager call."""
+    requantise pages; a CUDA-graph replay equals the eager call. The reference runs on the CPU:
+    torch on CUDA divides by a scalar as a multiply by its reciprocal (an ulp off IEEE division,
+    which the kernel and the CPU use)."""
     from flash_dllm.kernels import kv_quant, rope_cache, rope_cache_fp8 as rc
     g = torch.Generator(device=DEV).manual_seed(0)
     P, ps, H, Hkv, D, T = 64, 32, 32, 8, 128, 256
@@ -192,9 +194,12 @@ def test_rope_cache_fp8_equals_reference_and_captures():
         steps.append((q, k, v, torch.zeros(T, dtype=torch.long, device=DEV), slots))
     outs = {}
     for name, fn in (("ref", rc.rope_cache_fp8_reference), ("triton", rc.rope_cache_fp8_triton)):
-        kc, vc, ks, vs = fresh()
-        qs = [fn(q, k, v, p, kc, vc, ks, vs, s, inv) for q, k, v, p, s in steps]
-        outs[name] = (qs, kc, vc, ks, vs)
+        dev = "cpu" if name == "ref" else DEV
+        kc, vc, ks, vs = (t.to(dev) for t in fresh())
+        qs = [fn(q.to(dev), k.to(dev), v.to(dev), p.to(dev), kc, vc, ks, vs, s.to(dev),
+                 inv.to(dev)) for q, k, v, p, s in steps]
+        outs[name] = tuple(x.cpu() if torch.is_tensor(x) else [y.cpu() for y in x]
+                           for x in (qs, kc, vc, ks, vs))
     r, t = outs["ref"], outs["triton"]
     for a, b in zip(r[0], t[0]):
         assert torch.equal(a, b)
