@@ -67,11 +67,12 @@ INT_BITS = (8, 4)
 SCALE_DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
 _QMAX = {8: 127, 4: 7}
-# How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 2,
-# x split into even / odd columns in registers. Chosen from the sm_90 PTX (both operands
-# pipelined, the fewest shared-memory moves), not yet timed; an H100 timed read 0 (the first)
-# at ~5x int8 per GEMM, and a byte-per-column read (each byte loaded twice) slower still.
-INT4_READ = 2
+# How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 1,
+# the nibbles joined into their columns. Timed on an H100 in CUDA graphs at LLaDA-8B's four
+# projections, 32 rows, default tiles (benchmarks/results/step/sweep_quant_gemm_int4_h100.json):
+# read 1 35 / 20 / 56 / 46 us, read 2 50 / 47 / 75 / 127 us, read 0 154 / 102 / 295 / 290 us
+# (int8 30 / 14 / 44 / 31 us); a byte-per-column read (each byte loaded twice) was slower still.
+INT4_READ = 1
 
 if HAS_TRITON:
     import triton
@@ -117,7 +118,8 @@ if HAS_TRITON:
         2, x's contiguous tile split into its even / odd columns in registers (``tl.reshape`` +
         ``tl.split``) for two half-width dots. 1 and 2 load both operands contiguously, so
         Triton pipelines them (``cp.async``) as int8's; 2 moves fewer values through shared
-        memory (the sm_90 PTX: 20 shared loads per tile step against 1's 52)."""
+        memory (the sm_90 PTX: 20 shared loads per tile step against 1's 52), yet on an H100
+        1 is the fastest (``INT4_READ``)."""
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
