@@ -23,18 +23,15 @@ rounding, not bitwise.
 Kernel, for skinny M (a batch-1 dLLM step is a 32-row GEMM: reading the weights is the whole
 cost, 64 FLOPs per weight byte at most, far below the ridge): a 3-D grid of (BLOCK_N columns,
 SPLIT_K slices of K, BLOCK_M rows). Each program streams its ``[BLOCK_N, K / SPLIT_K]`` slice of
-packed weights once, dequantizes in registers, and ``tl.dot``s against the (tiny, cached) x
-tile (int4: each byte is loaded once and its two nibbles meet x's even and odd columns in two
-dots, so no unpacked copy of the weights ever exists). With few column tiles (N / BLOCK_N below ~2 waves of SMs) the K split gives every SM a
-slice of the weights to stream; the slices write fp32 partials ``[SPLIT_K, M, N]`` that one
-``sum`` adds in a fixed order (deterministic: no atomics; at M = 32 the partials are
-32 x N x 4 bytes per slice, ~2 % of an int4 4096 x 4096 weight per slice). SPLIT_K = 1 writes
-the output directly. ``default_config`` picks the tiles from the shape and the SM count; the
-lead's H100 timings may retune it (``config=``).
+packed weights once, dequantizes in registers (int4: ``_int_tile_dot``'s nibble reads; no
+unpacked copy of the weights ever exists), and ``tl.dot``s against the (tiny, cached) x tile.
+With few column tiles (N / BLOCK_N below ~2 waves of SMs) the K split gives every SM a slice of
+the weights to stream; the slices write fp32 partials ``[SPLIT_K, M, N]`` that one ``sum`` adds
+in a fixed order (deterministic: no atomics). SPLIT_K = 1 writes the output directly. Tiles: a
+device's tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
 
-NOTE (size): just over 400 lines for one op: the skinny kernel and its shared tile loop (also the
-fused MoE's on packed experts), the dequantize-once kernel for many rows, the layout's quantize /
-dequantize and the reference, read together.
+NOTE (size): ~500 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
+packed experts), its three int4 reads, the dequantize-once kernel, the layout and the reference.
 
 NOTE (batch invariance): the split and the tiles follow M (through ``default_config``), so a
 row's reduction order may change with the batch size; pass one ``config`` for bit-stable
@@ -110,16 +107,11 @@ if HAS_TRITON:
                       BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
                       JOIN: tl.constexpr, FP8: tl.constexpr):
         """[BM, BN] fp32: x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
-        (exact in any float dtype: |q| <= 127). int4 reads its nibbles one of three ways, the
-        tile option ``JOIN`` (the sweep times them): 0, two half-width dots against x's even /
-        odd columns loaded strided (on an H100 those loads are scalar and not pipelined: ~5x
-        int8's time per GEMM); 1, each byte's two nibbles joined back into their columns
-        (``tl.join`` + ``tl.reshape``: one [BN, BK] tile) meet x's contiguous tile in one dot;
-        2, x's contiguous tile split into its even / odd columns in registers (``tl.reshape`` +
-        ``tl.split``) for two half-width dots. 1 and 2 load both operands contiguously, so
-        Triton pipelines them (``cp.async``) as int8's; 2 moves fewer values through shared
-        memory (the sm_90 PTX: 20 shared loads per tile step against 1's 52), yet on an H100
-        1 is the fastest (``INT4_READ``)."""
+        (exact in any float dtype: |q| <= 127). int4 reads its nibbles one of three ways (the
+        tile option ``JOIN``; ``INT4_READ`` has the H100's timings): 0, two half-width dots
+        against x's even / odd columns loaded strided (scalar loads, not pipelined); 1, the
+        nibbles joined into their columns (``tl.join`` + ``tl.reshape``) for one dot with x's
+        contiguous tile; 2, x's tile split into even / odd columns in registers, two dots."""
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]

@@ -5,9 +5,11 @@ One seam, as vLLM's ``LinearMethod``: a ``QuantLinear`` keeps its packed tensors
 parameters and its ``forward`` is ``method.apply(self, x)``; the attention, MLP and MoE code call
 it as they call an ``nn.Linear``. Modes (``QUANT_MODES``):
 
-- ``fp8``: e4m3 weights with one float32 scale per output channel, activations quantized per
-  token at every call (dynamic), the GEMM on FP8 tensor cores (``kernels/fp8_gemm.py``; the CPU
-  emulates it). 1 byte per weight.
+- ``fp8``: e4m3 weights with one float32 scale per output channel; below
+  ``fp8_gemm.W8A8_MIN_ROWS`` rows per call the codes stream through the W8A16 kernel (x in its
+  dtype), from there activations are quantized per token at every call (dynamic) and the GEMM
+  runs on FP8 tensor cores (``kernels/fp8_gemm.py``; the CPU emulates both by the same rule).
+  1 byte per weight.
 - ``int8`` / ``int4``: weight-only, one float16 scale per output row and ``group_size`` inputs,
   dequantized inside the GEMM kernel (``kernels/quant_gemm.py``, W8A16 / W4A16). 1 / 0.5 bytes
   per weight plus 2 / group_size for the scales.
@@ -19,7 +21,7 @@ logits) and a MoE router (which experts run is a discrete choice; its weight is 
 
 NOTE (MoE experts): int8 / int4 experts run in ``kernels/fused_moe_quant`` (the fused MoE with
 each expert tile dequantized in registers: an int4 expert streams a quarter of bf16's bytes; on
-an H100 LLaDA2-mini's int4 step is still 1.11x bf16's at batch 1: benchmarks/findings/
+an H100 LLaDA2-mini's int4 step is 0.98x bf16's at batch 1: benchmarks/findings/
 quantization.md). Under ``fp8`` the experts are weight-only: dequantized into the model's
 dtype at each call and run through the bf16 ``kernels/fused_moe`` (the memory saving is real,
 the step is not faster).
