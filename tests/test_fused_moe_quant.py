@@ -67,6 +67,31 @@ def test_kernel_matches_reference(bits, dtype, I, group):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_match_reference(dtype):
+    """e4m3 codes with one scale per row (``--quantization fp8``'s experts): the kernel against
+    the fp experts' reference on ``codes * scale``, each part its own input as its group."""
+    from flash_dllm.kernels import fp8_gemm
+    g = torch.Generator().manual_seed(5)
+    T, E, k, d, I = 9, 6, 3, 64, 48
+    x = torch.randn(T, d, generator=g).to(dtype)
+    gq, gs = fp8_gemm.quantize_weight(torch.randn(E, 2 * I, d, generator=g) / d ** 0.5)
+    dq, ds = fp8_gemm.quantize_weight(torch.randn(E, d, I, generator=g) / I ** 0.5)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    w = torch.rand(ids.shape, generator=g) + 0.1
+    ids[0, 0] = -1
+    gs, ds = gs.unsqueeze(-1), ds.unsqueeze(-1)
+    ref = fq.fused_moe_quant_reference(x, gq, gs, dq, ds, 8, ids, w)
+    want = fm.fused_moe_reference(x, fp8_gemm.dequantize(gq, gs[..., 0], dtype),
+                                  fp8_gemm.dequantize(dq, ds[..., 0], dtype), ids, w)
+    assert torch.equal(ref, want)
+    got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, 8, ids, w, config=SMALL)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol,
+                               atol=tol * ref.float().abs().max().item())
+
+
+@needs_interpreter
 def test_int4_needs_k_tiles_of_32():
     x, gq, gs, dq, ds, ids, w = _problem(3, 4, 2, 64, 32, torch.float32, 4, 32, seed=0)
     with pytest.raises(ValueError, match="int4 needs GU_K and DN_K >= 32"):

@@ -6,7 +6,9 @@ dequantized copy of the experts ever exists).
 ``op(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights)``: the experts as
 ``quant_gemm.quantize`` lays them out, per expert: ``gu_q [E, 2I, d]`` int8 (or ``[E, 2I, d/2]``
 uint8, two int4 per byte, even column in the low nibble) with ``gu_s [E, 2I, d/group]`` float16
-scales; ``dn_q [E, d, I(/2)]``, ``dn_s [E, d, I/group]``. Everything else (routing, alignment,
+scales; ``dn_q [E, d, I(/2)]``, ``dn_s [E, d, I/group]``. 8 bits may also be e4m3 codes
+(``--quantization fp8``'s experts: float8_e4m3fn with one float32 scale per output row, i.e.
+``gu_s [E, 2I, 1]``, ``dn_s [E, d, 1]``: each part its own group, its whole input). Everything else (routing, alignment,
 the SwiGLU epilogue, the mixing weights, the deterministic sum over a token's k slots, ids outside
 ``[0, E)`` contributing nothing) is ``fused_moe``'s; each weight tile meets x through
 ``quant_gemm.wq_dot_acc`` (dequantized and rounded to x's dtype when the tile crosses scale
@@ -16,7 +18,7 @@ to the dtype's rounding.
 
 Bytes: an int4 expert is 0.5 + 2 / group bytes per weight (0.27x bf16's at group 128), which is
 the whole cost of a batch-1 MoE step (``fused_moe``'s floors table); int4 takes each byte once,
-its two nibbles meeting x's (or h's) even and odd columns in two dots. Not timed on a GPU yet.
+its nibbles read as ``quant_gemm.INT4_READ`` says.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ if HAS_TRITON:
                            TOPK, D, I, GROUP: tl.constexpr, stride_xt, stride_qe, stride_qn,
                            stride_se, stride_sn, stride_ht, num_n, BITS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr):
+                           UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr,
+                           FP8: tl.constexpr):
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -48,10 +51,10 @@ if HAS_TRITON:
         g_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_g = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, 0, D, GROUP, BITS,
-                                      BLOCK_K, UPCAST, PREC, JOIN)
+                                      BLOCK_K, UPCAST, PREC, JOIN, FP8)
         acc_u = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q + I * stride_qn,
                                       g_s + I * stride_sn, n_ok, 0, D, GROUP, BITS, BLOCK_K,
-                                      UPCAST, PREC, JOIN)
+                                      UPCAST, PREC, JOIN, FP8)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u              # SwiGLU in fp32, rounded once
         tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -62,7 +65,7 @@ if HAS_TRITON:
                         stride_se, stride_sn, stride_ot, num_n, BITS: tl.constexpr,
                         BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                        PREC: tl.constexpr, JOIN: tl.constexpr):
+                        PREC: tl.constexpr, JOIN: tl.constexpr, FP8: tl.constexpr):
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -73,14 +76,16 @@ if HAS_TRITON:
         w_q = q_ptr + e * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn
         w_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         acc = quant_gemm.wq_dot_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok,
-                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN)
+                                    w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN,
+                                    FP8)
         acc *= tl.load(tw_ptr + pair, mask=m_ok, other=0.0)[:, None]        # mixing weight
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int]:
-    """(d, E, I, group) after checking the packed experts against x."""
+def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, int]:
+    """(d, E, I, gate/up group, down group) after checking the packed experts against x (the
+    groups are one size but for e4m3 codes: one scale per row, each part its own input)."""
     check(bits in quant_gemm.INT_BITS, f"fused_moe_quant: bits must be one of "
                                        f"{quant_gemm.INT_BITS}, got {bits}")
     d, per = x.shape[1], 1 if bits == 8 else 2
@@ -92,10 +97,13 @@ def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int]:
     check(gu_s.shape[:2] == gu_q.shape[:2] and d % gu_s.shape[2] == 0,
           f"fused_moe_quant: gu_s must be [{E}, {2 * I}, d / group], got {tuple(gu_s.shape)}")
     group = d // gu_s.shape[2]
-    check(tuple(dn_s.shape) == (E, d, I // group) and I % group == 0,
-          f"fused_moe_quant: dn_s must be [{E}, {d}, {I // group}] (group {group}), got "
+    dn_group = I if gu_q.dtype == quant_gemm.FP8 else group
+    check(tuple(dn_s.shape) == (E, d, I // dn_group) and I % dn_group == 0,
+          f"fused_moe_quant: dn_s must be [{E}, {d}, {I // dn_group}] (group {dn_group}), got "
           f"{tuple(dn_s.shape)}")
-    return d, E, I, group
+    check(gu_q.dtype == dn_q.dtype, f"fused_moe_quant: gu_q and dn_q hold one code, got "
+                                    f"{gu_q.dtype} and {dn_q.dtype}")
+    return d, E, I, group, dn_group
 
 
 def fused_moe_quant_reference(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights):
@@ -111,7 +119,7 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
     """The fused layer on packed experts (module docstring); ``config`` as ``fused_moe``'s
     (``GU_K`` / ``DN_K`` >= 32 for int4: each dot takes half of them)."""
     check(HAS_TRITON, "fused_moe_quant_triton: triton is not importable")
-    d, E, I, group = _shapes(x, gu_q, gu_s, dn_q, dn_s, bits)
+    d, E, I, group, dn_group = _shapes(x, gu_q, gu_s, dn_q, dn_s, bits)
     T, k = topk_ids.shape
     check(x.is_contiguous() and all(t.is_contiguous() for t in (gu_q, gu_s, dn_q, dn_s)),
           "fused_moe_quant: x and the packed experts must be contiguous")
@@ -127,8 +135,11 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
     sorted_ids, block_expert, total = fused_moe.moe_align_triton(ids, E, bm)
     h = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)
     prec = fused_moe.FP32_PRECISION if x.dtype == torch.float32 else "tf32"
+    fp8 = gu_q.dtype == quant_gemm.FP8
+    if fp8:                                   # (e4m3 codes travel as their bytes)
+        gu_q, dn_q = gu_q.view(torch.uint8), dn_q.view(torch.uint8)
     launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
-              "JOIN": quant_gemm.INT4_READ if bits == 4 else 0,
+              "JOIN": quant_gemm.INT4_READ if bits == 4 else 0, "FP8": fp8,
               "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
     _gate_up_wq_kernel[(blocks * n_gu,)](
@@ -137,7 +148,7 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
         BLOCK_N=cfg["GU_N"], BLOCK_K=cfg["GU_K"], **launch)
     buf = torch.empty((P, d), dtype=torch.float32, device=x.device)
     _down_wq_kernel[(blocks * n_dn,)](
-        h, dn_q, dn_s, buf, tw, sorted_ids, block_expert, total, P, d, I, group, h.stride(0),
+        h, dn_q, dn_s, buf, tw, sorted_ids, block_expert, total, P, d, I, dn_group, h.stride(0),
         dn_q.stride(0), dn_q.stride(1), dn_s.stride(0), dn_s.stride(1), buf.stride(0), n_dn,
         BLOCK_N=cfg["DN_N"], BLOCK_K=cfg["DN_K"], **launch)
     block = min(1024, max(16, triton.next_power_of_2(d)))

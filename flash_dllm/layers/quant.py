@@ -22,16 +22,15 @@ logits) and a MoE router (which experts run is a discrete choice; its weight is 
 NOTE (MoE experts): int8 / int4 experts run in ``kernels/fused_moe_quant`` (the fused MoE with
 each expert tile dequantized in registers: an int4 expert streams a quarter of bf16's bytes; on
 an H100 LLaDA2-mini's int4 step is 0.98x bf16's at batch 1: benchmarks/findings/
-quantization.md). Under ``fp8`` the experts are weight-only: dequantized into the model's
-dtype at each call and run through the bf16 ``kernels/fused_moe`` (the memory saving is real,
-the step is not faster).
+quantization.md). Under ``fp8`` the experts are weight-only too: their e4m3 codes (one scale
+per row) run in the same fused kernel.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from flash_dllm.kernels import fp8_gemm, fused_moe, fused_moe_quant, quant_gemm
+from flash_dllm.kernels import fp8_gemm, fused_moe_quant, quant_gemm
 from flash_dllm.layers.moe import MoE
 
 QUANT_MODES = ("fp8", "int8", "int4")
@@ -64,9 +63,11 @@ class Fp8Method:
         return fp8_gemm.op(x, layer.qweight, layer.wscale, layer.bias)
 
     def apply_experts(self, layer: "QuantExperts", x, topk_ids, topk_weights) -> torch.Tensor:
-        """Weight-only: the experts dequantized into x's dtype, then the bf16 fused MoE."""
-        return fused_moe.op(x, layer.weights("gate_up", x.dtype), layer.weights("down", x.dtype),
-                            topk_ids, topk_weights)
+        """Weight-only: the e4m3 codes in the fused MoE on packed experts (``fused_moe_quant``,
+        one scale per row: each code converted in registers; the CPU dequantizes them)."""
+        return fused_moe_quant.op(x, layer.gate_up_qweight, layer.gate_up_wscale.unsqueeze(-1),
+                                  layer.down_qweight, layer.down_wscale.unsqueeze(-1), 8,
+                                  topk_ids, topk_weights)
 
 
 class IntMethod:

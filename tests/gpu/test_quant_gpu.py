@@ -167,6 +167,25 @@ def test_fused_moe_on_packed_experts_matches_reference(bits, T):
                                atol=2e-2 * ref.float().abs().max().item())
 
 
+@pytest.mark.skipif(not fp8_gemm.supported(DEV), reason="needs FP8 (cc >= 8.9)")
+@pytest.mark.parametrize("T", [32, 512])
+def test_fused_moe_on_fp8_experts_matches_reference(T):
+    """``--quantization fp8``'s experts: e4m3 codes, one scale per row, in the same kernel."""
+    from flash_dllm.kernels import fused_moe_quant as fq
+    g = torch.Generator(device=DEV).manual_seed(T)
+    E, d, I, k = 64, 2048, 512, 8
+    x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
+    gq, gs = fp8_gemm.quantize_weight(torch.randn(E, 2 * I, d, device=DEV, generator=g) / d ** 0.5)
+    dq, ds = fp8_gemm.quantize_weight(torch.randn(E, d, I, device=DEV, generator=g) / I ** 0.5)
+    ids = torch.rand(T, E, device=DEV, generator=g).topk(k, dim=1).indices
+    w = torch.rand(ids.shape, device=DEV, generator=g) + 0.1
+    gs, ds = gs.unsqueeze(-1), ds.unsqueeze(-1)
+    ref = fq.fused_moe_quant_reference(x, gq, gs, dq, ds, 8, ids, w)
+    got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, 8, ids, w)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2,
+                               atol=2e-2 * ref.float().abs().max().item())
+
+
 def test_rope_cache_fp8_equals_reference_and_captures():
     """fp8 pools' RoPE + quantising page write (``kernels/rope_cache_fp8``) on CUDA: at position 0
     (exact rotation) codes and scales equal the reference bit for bit over steps that grow and
