@@ -116,14 +116,14 @@ group_quant() {
   # weight mode, dual steps side by side, with those tiles (each row's floor is from its mode's
   # stored bytes); then LLaDA2-mini's int4 experts against bf16
   run sweep_quant_gemm_h200 300 "$OUT/step/sweep_quant_gemm_h200.json" \
-    python3 benchmarks/step/sweep_quant_gemm.py --budget-s 200 \
+    python3 benchmarks/step/sweep_quant_gemm.py --budget-s 200 --rows 32 256 2048 \
     --write-config "$OUT/kernel-configs" --out "$OUT/step/sweep_quant_gemm_h200.json"
   run step_quant_h200 240 "$OUT/step/step_quant_h200.json" \
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 64 \
     --json "$OUT/step/step_quant_h200.json"
   run step_quant_llada2_mini_h200 120 "$OUT/step/step_quant_llada2_mini_h200.json" \
-    "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none int4 \
+    "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none fp8 int4 \
     --batch 1 64 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
 }
 
