@@ -167,6 +167,13 @@ def test_fp8_codes_run_in_the_weight_only_kernel(dtype, M, N, K, cfg):
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
+def test_fp8_weight_only_rows_stay_in_the_skinny_kernel():
+    """``fp8_gemm.op`` hands its small calls to ``quant_gemm.op``, whose skinny kernel reads e4m3
+    codes: its dequantize-once path (from ``DEQUANT_MIN_ROWS``) does not, so the rows must stay
+    below it."""
+    assert fp8_gemm.W8A8_MIN_ROWS <= quant_gemm.DEQUANT_MIN_ROWS
+
+
 def test_fp8_small_calls_are_weight_only_and_large_ones_quantize_x(monkeypatch):
     """The rows rule of ``fp8_gemm.op``, the same on the CPU as on the GPU: x stays unquantized
     below ``W8A8_MIN_ROWS`` rows, and is quantized per token from there."""

@@ -78,6 +78,7 @@ def block_m(M: int) -> int:
 
 CODES = ("int8", "fp8", "int4")          # what the packed weights hold (quant_gemm.code_name)
 SHARE = {"int8": 0.25, "fp8": 0.25, "int4": 0.5}     # of the sweep's budget (int4: 3 reads)
+CODE_BITS = {"int8": 8, "fp8": 8, "int4": 4}          # fp8: one scale per row (its group is K)
 
 
 def tiles(code: str) -> list[dict]:
@@ -185,8 +186,7 @@ def winners(points, group) -> dict:
     configs: dict[str, dict[str, dict]] = {}
     for (code, name, M), (us, cfg) in best.items():
         N, K = next((n, k) for s, n, k in SHAPES if s == name)
-        key = quant_gemm.problem_key(8 if code == "fp8" else int(code[3:]), N, K,
-                                     K if code == "fp8" else group, code)
+        key = quant_gemm.problem_key(CODE_BITS[code], N, K, K if code == "fp8" else group, code)
         configs.setdefault(key, {})[str(M)] = cfg
     return configs
 
@@ -213,8 +213,8 @@ def main() -> None:
     weights = {}
     for name, N, K in SHAPES:
         w = (torch.randn(N, K, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-        packs = {f"int{bits}": (*quant_gemm.quantize(w, bits, a.group), bits)
-                 for bits in (8, 4)}
+        packs = {code: (*quant_gemm.quantize(w, CODE_BITS[code], a.group), CODE_BITS[code])
+                 for code in ("int8", "int4")}
         f8 = fp8_gemm.quantize_weight(w) if fp8_gemm.supported(dev) else None
         if f8 is not None:               # e4m3 codes, one scale per row (fp8_gemm's small calls)
             packs["fp8"] = (f8[0], f8[1].view(-1, 1), 8)

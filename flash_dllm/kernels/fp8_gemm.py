@@ -129,13 +129,8 @@ def op(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     emulation elsewhere."""
     rows = x.numel() // max(1, x.shape[-1])
     if rows < W8A8_MIN_ROWS:
-        if use_triton(x, qweight) and supported(x.device):
-            lead, K = x.shape[:-1], x.shape[-1]
-            x2 = x.reshape(-1, K)
-            if x2.stride(1) != 1:
-                x2 = x2.contiguous()
-            return quant_gemm.weight_only_triton(x2, qweight, wscale.view(-1, 1), bias,
-                                                 8).view(*lead, -1)
+        if use_triton(x, qweight) and supported(x.device):   # (below its DEQUANT_MIN_ROWS)
+            return quant_gemm.op(x, qweight, wscale.view(-1, 1), bias, 8)
         return weight_only_reference(x, qweight, wscale, bias)
     if x.is_cuda and x.dtype != torch.float32 and supported(x.device):
         return fp8_scaled_mm(x, qweight, wscale, bias)

@@ -84,8 +84,8 @@ if HAS_TRITON:
 
 
 def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, int]:
-    """(d, E, I, gate/up group, down group) after checking the packed experts against x (the
-    groups are one size but for e4m3 codes: one scale per row, each part its own input)."""
+    """(d, E, I, gate/up group, down group) after checking the packed experts against x (one
+    size from ``quantize``; e4m3 codes have one scale per row: each part its whole input)."""
     check(bits in quant_gemm.INT_BITS, f"fused_moe_quant: bits must be one of "
                                        f"{quant_gemm.INT_BITS}, got {bits}")
     d, per = x.shape[1], 1 if bits == 8 else 2
@@ -97,10 +97,11 @@ def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, i
     check(gu_s.shape[:2] == gu_q.shape[:2] and d % gu_s.shape[2] == 0,
           f"fused_moe_quant: gu_s must be [{E}, {2 * I}, d / group], got {tuple(gu_s.shape)}")
     group = d // gu_s.shape[2]
-    dn_group = I if gu_q.dtype == quant_gemm.FP8 else group
-    check(tuple(dn_s.shape) == (E, d, I // dn_group) and I % dn_group == 0,
-          f"fused_moe_quant: dn_s must be [{E}, {d}, {I // dn_group}] (group {dn_group}), got "
+    check(dn_s.dim() == 3 and tuple(dn_s.shape[:2]) == (E, d) and dn_s.shape[2] >= 1
+          and I % dn_s.shape[2] == 0,
+          f"fused_moe_quant: dn_s must be [{E}, {d}, I / group] with I = {I}, got "
           f"{tuple(dn_s.shape)}")
+    dn_group = I // dn_s.shape[2]            # each part's group from its own scales
     check(gu_q.dtype == dn_q.dtype, f"fused_moe_quant: gu_q and dn_q hold one code, got "
                                     f"{gu_q.dtype} and {dn_q.dtype}")
     return d, E, I, group, dn_group

@@ -42,14 +42,14 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rotate_store(src, dst, stride_src_h, stride_dst_h, n_heads, c, s,
-                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
+    def rotated(src, stride_src_h, n_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
+        """A row's heads as their two ``[BLOCK_H, BLOCK_HALF]`` halves in the activation dtype,
+        rotated (``ROTATE``) or as read; masked lanes are 0. Also ``rope_cache_fp8``'s."""
         offs_h = tl.arange(0, BLOCK_H)
         offs_i = tl.arange(0, BLOCK_HALF)
         mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
         src_1 = src + offs_h[:, None] * stride_src_h + offs_i[None, :]
-        dst_1 = dst + offs_h[:, None] * stride_dst_h + offs_i[None, :]
         x1 = tl.load(src_1, mask=mask, other=0.0)
         x2 = tl.load(src_1 + HALF, mask=mask, other=0.0)
         if ROTATE:
@@ -70,8 +70,28 @@ if HAS_TRITON:
         else:
             y1 = x1
             y2 = x2
+        return y1, y2
+
+    @triton.jit
+    def _rotate_store(src, dst, stride_src_h, stride_dst_h, n_heads, c, s,
+                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
+        y1, y2 = rotated(src, stride_src_h, n_heads, c, s, HALF, BLOCK_H, BLOCK_HALF, ROTATE,
+                         FP32_MATH)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_i = tl.arange(0, BLOCK_HALF)
+        mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
+        dst_1 = dst + offs_h[:, None] * stride_dst_h + offs_i[None, :]
         tl.store(dst_1, y1.to(dst.dtype.element_ty), mask=mask)
         tl.store(dst_1 + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def angles(pos_ptr, inv_freq_ptr, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        """cos / sin ``[BLOCK_HALF]`` of row ``t``'s angles ``position * inv_freq`` (fp32)."""
+        offs_i = tl.arange(0, BLOCK_HALF)
+        inv = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
+        ang = tl.load(pos_ptr + t).to(tl.float32) * inv                      # [D/2]
+        return tl.cos(ang), tl.sin(ang)
 
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, inv_freq_ptr, qo_ptr, kc_ptr,
@@ -82,11 +102,7 @@ if HAS_TRITON:
                            BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
                            FP32_MATH: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        offs_i = tl.arange(0, BLOCK_HALF)
-        inv = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
-        ang = tl.load(pos_ptr + t).to(tl.float32) * inv                      # [D/2]
-        c = tl.cos(ang)
-        s = tl.sin(ang)
+        c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
         _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
                       c, s, HALF, BLOCK_H, BLOCK_HALF, True, FP32_MATH)
         slot = tl.load(slot_ptr + t).to(tl.int64)

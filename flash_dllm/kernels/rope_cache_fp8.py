@@ -40,43 +40,15 @@ if HAS_TRITON:
     import triton.language as tl
 
     from flash_dllm.kernels.kv_pages_kernels import _fp8_bits, _round_fp32
-    from flash_dllm.kernels.rope_cache import _rotate_store
+    from flash_dllm.kernels.rope_cache import _rotate_store, angles, rotated
 
     @triton.jit
     def _rotated(src, stride_h, n_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
-        """A row's heads ``[BLOCK_H, BLOCK_HALF]`` halves, rotated as ``_rotate_store`` rotates
-        (``ROTATE`` False: as read), in fp32 after the rounding to the activation dtype; masked
-        lanes are 0."""
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_i = tl.arange(0, BLOCK_HALF)
-        mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
-        p = src + offs_h[:, None] * stride_h + offs_i[None, :]
-        x1 = tl.load(p, mask=mask, other=0.0)
-        x2 = tl.load(p + HALF, mask=mask, other=0.0)
-        if ROTATE:
-            dt = x1.dtype
-            a1 = x1.to(tl.float32)
-            a2 = x2.to(tl.float32)
-            if FP32_MATH:
-                y1 = (a1 * c[None, :] - a2 * s[None, :]).to(dt)
-                y2 = (a2 * c[None, :] + a1 * s[None, :]).to(dt)
-            else:
-                cr = c.to(dt).to(tl.float32)[None, :]
-                sr = s.to(dt).to(tl.float32)[None, :]
-                y1 = ((a1 * cr).to(dt).to(tl.float32) - (a2 * sr).to(dt).to(tl.float32)).to(dt)
-                y2 = ((a2 * cr).to(dt).to(tl.float32) + (a1 * sr).to(dt).to(tl.float32)).to(dt)
-        else:
-            y1 = x1
-            y2 = x2
+        """``rope_cache.rotated`` (the activation dtype's values) in fp32."""
+        y1, y2 = rotated(src, stride_h, n_heads, c, s, HALF, BLOCK_H, BLOCK_HALF, ROTATE,
+                         FP32_MATH)
         return y1.to(tl.float32), y2.to(tl.float32)
-
-    @triton.jit
-    def _angles(pos_ptr, inv_freq_ptr, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        offs_i = tl.arange(0, BLOCK_HALF)
-        inv = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
-        ang = tl.load(pos_ptr + t).to(tl.float32) * inv
-        return tl.cos(ang), tl.sin(ang)
 
     @triton.jit
     def _snapshot(slot_ptr, ks_ptr, vs_ptr, old_ptr, T, HKV, PAGE_SIZE: tl.constexpr,
@@ -96,7 +68,7 @@ if HAS_TRITON:
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        c, s = _angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
+        c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
         _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
                       c, s, HALF, BLOCK_H, BLOCK_HALF, True, FP32_MATH)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -171,7 +143,7 @@ if HAS_TRITON:
         if slot >= 0:
             page = slot // PAGE_SIZE
             off = slot % PAGE_SIZE
-            c, s = _angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
+            c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
             h = tl.arange(0, BLOCK_HKV)
             i = tl.arange(0, BLOCK_HALF)
             m = (h[:, None] < HKV) & (i[None, :] < HALF)
