@@ -126,7 +126,8 @@ def test_rmsnorm_reference_matches_layer():
 @pytest.mark.parametrize("dtype,fp32_math", [(torch.float32, True), (torch.bfloat16, True),
                                              (torch.bfloat16, False)])
 @pytest.mark.parametrize("head_dim", [16, 12])           # 12: half (6) is not a power of two
-def test_rope_cache_triton_matches_reference(dtype, fp32_math, head_dim):
+@pytest.mark.parametrize("qk_norm", [False, True])        # per-head q/k RMSNorm first (SDAR)
+def test_rope_cache_triton_matches_reference(dtype, fp32_math, head_dim, qk_norm):
     T, H, Hkv, D, S, P = 11, 4, 2, head_dim, 4, 9
     qkv = _rand(T, (H + 2 * Hkv) * D, dtype=dtype, seed=20)
     q, k, v = rope_cache.split_qkv(qkv, H, Hkv, D)       # strided views of one projection
@@ -137,10 +138,21 @@ def test_rope_cache_triton_matches_reference(dtype, fp32_math, head_dim):
     init = _rand(P, S, Hkv, D, dtype=dtype, seed=23)
     kc, vc = init.clone(), init.clone() + 1
     kr, vr = kc.clone(), vc.clone()
-    q_out = rope_cache.rope_cache_triton(q, k, v, positions, kc, vc, slots, inv, fp32_math)
-    q_ref = rope_cache.rope_cache_reference(q, k, v, positions, kr, vr, slots, inv, fp32_math)
-    _close(q_out, q_ref, dtype, "rotated q")
-    _close(kc, kr, dtype, "k cache")
+    norms = ((1 + 0.1 * _rand(D, seed=24)).to(dtype), (1 - 0.1 * _rand(D, seed=25)).to(dtype),
+             1e-6) if qk_norm else None
+    q_out = rope_cache.rope_cache_triton(q, k, v, positions, kc, vc, slots, inv, fp32_math,
+                                         norms)
+    q_ref = rope_cache.rope_cache_reference(q, k, v, positions, kr, vr, slots, inv, fp32_math,
+                                            norms)
+    if qk_norm and not fp32_math:
+        # the interpreter truncates the normed values to bf16 (the GPU rounds): 1-ulp inputs,
+        # which the activation-dtype rotation's cancellations grow to a few ulps of its output
+        # (tests/gpu/test_kernels_gpu.py compares the GPU's rounding with the unfused kernels)
+        for got, want in ((q_out, q_ref), (kc, kr)):
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.07, atol=0.07)
+    else:
+        _close(q_out, q_ref, dtype, "rotated q")
+        _close(kc, kr, dtype, "k cache")
     assert torch.equal(vc, vr)                           # v is copied, never rounded
 
 
@@ -164,6 +176,39 @@ def test_rope_cache_reference_matches_rotary_layer():
             k_dense, v_dense = paged.gather_kv(cache, 0, table[0], T)
             assert torch.equal(k_dense, rot(k, positions))
             assert torch.equal(v_dense, v)
+
+
+def test_rope_cache_qk_norm_reference_is_norm_then_rotary():
+    """The fused q/k norm is the layer's own: ``RMSNorm`` per head, then the rotation."""
+    from flash_dllm.layers.norm import RMSNorm
+    from flash_dllm.layers.rotary import Rotary
+    T, H, Hkv, D, S = 5, 4, 2, 16, 4
+    for dtype in (torch.float32, torch.bfloat16):
+        qn, kn = RMSNorm(D, 1e-6).to(dtype), RMSNorm(D, 1e-6).to(dtype)
+        with torch.no_grad():
+            qn.weight.copy_(1 + 0.1 * _rand(D, seed=40))
+            kn.weight.copy_(1 - 0.1 * _rand(D, seed=41))
+        rot = Rotary(D, 10000.0, apply_in_fp32=True)
+        q, k, v = (_rand(T, n, D, dtype=dtype, seed=42 + n) for n in (H, Hkv, Hkv))
+        positions = torch.tensor([0, 3, 4, 17, 100])
+        kc = torch.zeros(3, S, Hkv, D, dtype=dtype)
+        vc = torch.zeros_like(kc)
+        slots = torch.arange(T)
+        with torch.no_grad():
+            q_out = rope_cache.rope_cache_reference(
+                q, k, v, positions, kc, vc, slots, rot._freqs(torch.device("cpu")), True,
+                (qn.weight, kn.weight, 1e-6))
+            assert torch.equal(q_out, rot(qn(q), positions))
+            assert torch.equal(kc.view(-1, Hkv, D)[:T], rot(kn(k), positions))
+
+
+def test_rope_cache_rejects_a_bad_norm_weight():
+    q = torch.zeros(2, 2, 8)
+    kc = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="q norm weight must be a contiguous \\[8\\]"):
+        rope_cache.rope_cache_triton(q, q, q, torch.arange(2), kc, kc.clone(), torch.arange(2),
+                                     rope_cache.inv_freq(8, 1e4), True,
+                                     (torch.ones(6), torch.ones(8), 1e-6))
 
 
 # ---- paged attention ---------------------------------------------------------------------------
@@ -226,6 +271,30 @@ def test_paged_attention_split_kv_matches_reference(splits):
                                                       return_mass=True, max_seqlen_k=max(k_lens),
                                                       block_m=16, block_n=16, num_splits=splits)
     _close(out_m, ref, torch.float32, "attention output with mass")
+
+
+@needs_interpreter
+@needs_loaded_bounds
+@pytest.mark.parametrize("splits", [None, 3])
+def test_paged_attention_packs_gqa_heads_for_few_queries(splits):
+    """A block of <= 4 queries with 4 query heads per kv head: one program takes the 4 heads'
+    rows together (``heads_per_program``), the same answer as one head per program and as the
+    reference (bitwise on the GPU: tests/gpu/test_kernels_gpu.py)."""
+    assert paged_attention.heads_per_program(4, 4, 16, False) == 4
+    assert paged_attention.heads_per_program(4, 4, 16, True) == 1      # deterministic / mass
+    assert paged_attention.heads_per_program(1, 4, 16, False) == 1      # no GQA (LLaDA)
+    assert paged_attention.heads_per_program(8, 5, 16, False) == 2      # 5 queries -> 8 rows
+    q_lens, k_lens = [4, 0, 3, 1], [13, 7, 70, 0]
+    q, cache, cu, lens, table = _paged_problem(q_lens, k_lens, 8, 2, 16, 4, torch.float32,
+                                               seed=43)
+    kc, vc = paged.layer_kv(cache, 0)
+    ref = paged_attention.paged_attention_reference(q, kc, vc, cu, lens, table)
+    kw = dict(max_seqlen_k=max(k_lens), block_m=16, block_n=16, num_splits=splits)
+    out = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 4, **kw)
+    one, _ = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 4,
+                                                    return_mass=True, block_m=16, block_n=16)
+    _close(out, ref, torch.float32, "packed-heads attention output")
+    _close(out, one, torch.float32, "packed vs one head per program")
 
 
 def test_split_plan():

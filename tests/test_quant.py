@@ -152,6 +152,17 @@ def test_fp8_round_trip_and_emulation():
 
 
 @needs_interpreter
+def test_quantize_rows_kernel_scales_equal_the_reference():
+    """The fused per-token quantization's scales (a row's absmax / 448, a zero row's floor)
+    equal ``quantize_rows``' bitwise. Its codes are compared on the GPU only
+    (tests/gpu/test_quant_gpu.py): the interpreter's fp32 -> e4m3 cast is wrong."""
+    x = _rand(6, 1000, seed=9, scale=3.0).to(torch.bfloat16)
+    x[1] = 0
+    _, s = fp8_gemm.quantize_rows_triton(x)
+    assert torch.equal(s, fp8_gemm.quantize_rows(x)[1])
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K,cfg", [
     (5, 40, 256, None),                                       # K tiles inside the row's scale

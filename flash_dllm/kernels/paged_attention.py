@@ -24,7 +24,8 @@ and its log2-sum-exp (fp32) to a workspace, and a second kernel merges the chunk
 head). ``split_plan`` picks the split from the host-known grid size only, so it is static for a
 CUDA graph. Mass tracking never splits (it needs each row's final normaliser).
 
-Kernel: program ``(m, h, b)`` owns ``BLOCK_M`` queries of request b and one head; it loops over the
+Kernel: program ``(m, h, b)`` owns ``BLOCK_M`` queries of request b and one head (GQA with few
+queries: ``heads_per_program`` heads of one kv head, as (query, head) rows); it loops over the
 request's keys in ``BLOCK_N`` tiles, looking up each key's page in the block table (any page size;
 a key row is ``D`` contiguous values, 256 B in bf16, so gathered rows still load as full sectors),
 ``tl.dot`` for QK^T and PV with fp32 accumulation (fp32 inputs: ``FP32_PRECISION`` products), exp2-based online softmax. Programs past their
@@ -93,32 +94,32 @@ if HAS_TRITON:
                            stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
                            qk_scale, D, GROUP, CHUNK, part_ptr, lse_ptr, stride_ps, stride_pt,
                            stride_ph, stride_ls, stride_lt, N_SPLITS, ks_ptr, vs_ptr, stride_sp,
-                           PAGE_SIZE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           TRACK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
-                           FP8: tl.constexpr):
-        # NOTE: the split count is a runtime argument (SPLIT: whether there is one): as a
-        # constexpr, every count (1..MAX_SPLITS) compiled its own variant (issue 21)
+                           PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRACK: tl.constexpr,
+                           PREC: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
+                           HP: tl.constexpr = 1):
+        # NOTE: N_SPLITS is a runtime argument (a constexpr compiled one variant per count,
+        # issue 21); HP > 1: rows are (query, head) pairs of HP heads of one kv head
         pid_m = tl.program_id(0)
-        h = tl.program_id(1)
         b = tl.program_id(2) // N_SPLITS
         split = tl.program_id(2) % N_SPLITS
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
-        if pid_m * BLOCK_M >= q_len:
+        if pid_m * (BLOCK_M // HP) >= q_len:
             return
+        h0 = tl.program_id(1) * HP
+        h = h0 + tl.arange(0, BLOCK_M) % HP                 # [BM]: each row's query head
         L = tl.load(len_k_ptr + b)
         n_lo = 0
         if SPLIT:                             # this program's chunk of the keys: [n_lo, L)
             n_lo = split * CHUNK
             L = tl.minimum(L, n_lo + CHUNK)
-        kvh = h // GROUP
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        kvh = h0 // GROUP
+        offs_m = pid_m * (BLOCK_M // HP) + tl.arange(0, BLOCK_M) // HP
         offs_d = tl.arange(0, BLOCK_D)
-        m_mask = offs_m < q_len
-        d_mask = offs_d < D
+        m_mask, d_mask = offs_m < q_len, offs_d < D
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)         # [BM, BD]
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -149,10 +150,10 @@ if HAS_TRITON:
         if SPLIT:                       # partial output + log2-sum-exp; -inf for an empty chunk
             lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(lse_ptr + split * stride_ls + rows * stride_lt + h, lse, mask=m_mask)
-            tl.store(part_ptr + split * stride_ps + rows[:, None] * stride_pt + h * stride_ph
-                     + offs_d[None, :], out, mask=m_mask[:, None] & d_mask[None, :])
+            tl.store(part_ptr + split * stride_ps + rows[:, None] * stride_pt + h[:, None]
+                     * stride_ph + offs_d[None, :], out, mask=m_mask[:, None] & d_mask[None, :])
             return
-        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        tl.store(o_ptr + rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
         if TRACK:
             lse = m_i + tl.log2(l_safe)                        # per-row log2 normaliser
@@ -213,6 +214,18 @@ def split_plan(programs: int, max_seqlen_k: int | None, block_n: int) -> tuple[i
         return 1, 0
     chunk = -(-tiles // want) * block_n
     return -(-max_seqlen_k // chunk), chunk
+
+
+def heads_per_program(group: int, max_seqlen_q: int, block_m: int, plain: bool) -> int:
+    """How many query heads of one kv head a program packs into its ``block_m`` rows: the
+    largest power of 2 dividing the GQA ``group`` whose heads x the (power-of-2-rounded) query
+    count fit, so a block of 4 queries with 4 heads per kv head fills a 16-row tile and reads
+    each K/V tile once, not four times. 1 with mass tracking or ``plain`` (deterministic)."""
+    hp = 1
+    while (not plain and group % (2 * hp) == 0
+           and next_pow2(max(1, max_seqlen_q)) * 2 * hp <= block_m):
+        hp *= 2
+    return hp
 
 
 def seqlen_bound(n: int) -> int:
@@ -358,7 +371,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if block_m is None:
             block_m = 32 if invariant else (
                 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64))
-        m_tiles = -(-max_seqlen_q // block_m)
+        hp = heads_per_program(H // Hkv, max_seqlen_q, block_m,
+                               bool(return_mass) or invariant)
+        m_tiles = -(-max_seqlen_q // (block_m // hp))
         splits, chunk = 1, 0
         if not return_mass:
             check(num_splits is None or num_splits <= MAX_SPLITS,
@@ -367,7 +382,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 chunk = -(-max_seqlen_k // (num_splits * block_n)) * block_n
                 splits = -(-max_seqlen_k // chunk)
             elif num_splits is None and not invariant:
-                splits, chunk = split_plan(m_tiles * H * B, max_seqlen_k, block_n)
+                splits, chunk = split_plan(m_tiles * (H // hp) * B, max_seqlen_k, block_n)
         block_d = max(16, next_pow2(D))
         if splits > 1:
             part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
@@ -375,7 +390,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         else:
             part = lse = mass                                   # never touched
         kq, vq, ks, vs = _kernel_caches(k_cache, v_cache, k_scale, v_scale, mass)
-        _paged_attn_kernel[(m_tiles, H, B * splits)](
+        _paged_attn_kernel[(m_tiles, H // hp, B * splits)](
             q, kq, vq, out, mass, cu_seqlens_q, seq_lens_k, block_table,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -388,7 +403,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-            FP8=fp8,
+            FP8=fp8, HP=hp,
             num_warps=num_warps, num_stages=num_stages)
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their

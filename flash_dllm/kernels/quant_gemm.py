@@ -23,12 +23,13 @@ rounding, not bitwise.
 Kernel, for skinny M (a batch-1 dLLM step is a 32-row GEMM: reading the weights is the whole
 cost, 64 FLOPs per weight byte at most, far below the ridge): a 3-D grid of (BLOCK_N columns,
 SPLIT_K slices of K, BLOCK_M rows). Each program streams its ``[BLOCK_N, K / SPLIT_K]`` slice of
-packed weights once, dequantizes in registers (int4: ``_int_tile_dot``'s nibble reads; no
-unpacked copy of the weights ever exists), and ``tl.dot``s against the (tiny, cached) x tile.
-With few column tiles (N / BLOCK_N below ~2 waves of SMs) the K split gives every SM a slice of
-the weights to stream; the slices write fp32 partials ``[SPLIT_K, M, N]`` that one ``sum`` adds
-in a fixed order (deterministic: no atomics). SPLIT_K = 1 writes the output directly. Tiles: a
-device's tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
+packed weights once, decodes in registers (on GPUs with bf16 x, int4 and e4m3 codes by the bit
+recipes of ``quant_decode``, no conversion instructions; no unpacked copy of the weights ever
+exists), and ``tl.dot``s against the (tiny, cached) x tile. With few column tiles (N / BLOCK_N
+below ~2 waves of SMs) the K split gives every SM a slice of the weights to stream; the slices
+write fp32 partials ``[SPLIT_K, M, N]`` and the tile's last slice to finish (an arrival counter)
+adds them in slice order and writes the output: one launch, deterministic. Tiles: a device's
+tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
 
 NOTE (size): ~500 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
 packed experts), its three int4 reads, the dequantize-once kernel, the layout and the reference.
@@ -45,7 +46,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.kernels import tuned_configs
+from flash_dllm.kernels import quant_decode, tuned_configs
+from flash_dllm.kernels.quant_decode import dequantize_triton  # (op's many-row path)
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -116,12 +118,15 @@ if HAS_TRITON:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
             w = tl.load(q_rows + ks[None, :], mask=w_ok[:, None], other=0)
-            if FP8:          # e4m3 codes, passed as their bytes
-                w = w.to(tl.float8e4nv, bitcast=True)
-            if UPCAST:       # (the interpreter's int -> bf16 cast is wrong: fp32, as exact)
-                x, w = x.to(tl.float32), w.to(tl.float32)
+            if FP8 and not UPCAST and x.dtype == tl.bfloat16:
+                w = quant_decode.e4m3_bf16(w)          # bit recipe, no cvt (quant_decode)
             else:
-                w = w.to(x.dtype)
+                if FP8:      # e4m3 codes, passed as their bytes
+                    w = w.to(tl.float8e4nv, bitcast=True)
+                if UPCAST:   # (the interpreter's int -> bf16 cast is wrong: fp32, as exact)
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                else:
+                    w = w.to(x.dtype)
             part = tl.dot(x, tl.trans(w), input_precision=PREC)
         elif JOIN == 2:
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -139,11 +144,16 @@ if HAS_TRITON:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
             jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
-            b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0).to(tl.int32)
-            if UPCAST:
-                x = x.to(tl.float32)
-            w = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8),
-                           (b.shape[0], BLOCK_K)).to(x.dtype)
+            b = tl.load(q_rows + jb[None, :], mask=w_ok[:, None], other=0)
+            if not UPCAST and x.dtype == tl.bfloat16:     # bit recipe, no cvt (quant_decode)
+                lo, hi = quant_decode.int4_pair_bf16(b)
+                w = tl.reshape(tl.join(lo, hi), (b.shape[0], BLOCK_K))
+            else:
+                b = b.to(tl.int32)
+                if UPCAST:
+                    x = x.to(tl.float32)
+                w = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8),
+                               (b.shape[0], BLOCK_K)).to(x.dtype)
             part = tl.dot(x, tl.trans(w), input_precision=PREC)
         else:
             jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
@@ -203,8 +213,9 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                        stride_xm, stride_qn, stride_sn, stride_om, stride_os, GROUP: tl.constexpr,
+    def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
+                        K_PER_SPLIT, stride_xm, stride_qn, stride_sn, stride_om, stride_pm,
+                        stride_ps, GROUP: tl.constexpr,
                         BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                         UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr,
@@ -221,42 +232,32 @@ if HAS_TRITON:
                          s_ptr + cols[:, None].to(tl.int64) * stride_sn, col_ok, k_start, k_end,
                          GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN, FP8)
         omask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT == 1:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=omask)
-        else:                                          # fp32 partials [SPLIT, M, N]
-            tl.store(out_ptr + pid_k.to(tl.int64) * stride_os
-                     + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc, mask=omask)
-
+        if SPLIT > 1:
+            # fp32 partials [SPLIT, M, N]; the tile's last slice to finish (its counter) adds
+            # them in slice order (deterministic: the order never depends on who came last),
+            # writes the output and re-arms the counter for the next launch or graph replay
+            part = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
+            tl.store(part + pid_k.to(tl.int64) * stride_ps, acc, mask=omask)
+            tl.debug_barrier()                         # every thread's partial is written
+            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k in tl.static_range(SPLIT):
+                    acc += tl.load(part + k * stride_ps, mask=omask, other=0.0,
+                                   cache_modifier=".cg")
+                _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
+                tl.atomic_xchg(cnt, 0)
+        else:
+            _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
 
     @triton.jit
-    def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
-                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-        """W [N, K] in w's dtype = q * scale, in fp32 and rounded once (as ``dequantize``)."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rows < N
-        q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qn
-        s_row = s_ptr + rows[:, None].to(tl.int64) * stride_sn
-        w_row = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-        if BITS == 8:
-            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-            m = n_ok[:, None] & (ks < K)[None, :]
-            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)
-            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
-            tl.store(w_row + ks[None, :], (q * sc).to(w_ptr.dtype.element_ty), mask=m)
-        else:        # each byte's nibbles joined back into their columns: contiguous stores
-            jb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(q_row + jb[None, :], mask=n_ok[:, None] & (2 * jb < K)[None, :],
-                        other=0).to(tl.int32)
-            q = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8), (BLOCK_N, BLOCK_K))
-            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-            m = n_ok[:, None] & (ks < K)[None, :]
-            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
-            tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
-                     mask=m)
+    def _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om,
+                   HAS_BIAS: tl.constexpr):
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=omask)
+
 
 
 # ------------------------------------------------------------------------------ quantization
@@ -427,42 +428,37 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     per = -(-K // split)
     per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]        # slices start on a BLOCK_K boundary
     split = -(-K // per)
-    dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
+    part, cnt = out, out                                  # (unused unless split > 1)
+    if split > 1:
+        part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid[0] * grid[2])
     fp8 = qweight.dtype == FP8
     _wq_gemm_kernel[grid](
-        x, qweight.view(torch.uint8) if fp8 else qweight, scales, bias if bias is not None else scales, dst, M, N, K, per,
-        x.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2),
-        dst.stride(0) if split > 1 else 0, group,
-        BITS=bits, HAS_BIAS=bias is not None and split == 1, SPLIT=split, UPCAST=INTERPRET,
+        x, qweight.view(torch.uint8) if fp8 else qweight, scales,
+        bias if bias is not None else scales, out, part, cnt, M, N, K, per,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), part.stride(-2),
+        part.stride(0) if split > 1 else 0, group,
+        BITS=bits, HAS_BIAS=bias is not None, SPLIT=split, UPCAST=INTERPRET,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         JOIN=int(cfg.get("JOIN", INT4_READ)) if bits == 4 else 0, FP8=fp8,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-    if split > 1:
-        acc = dst.sum(0)                                     # fixed order: deterministic
-        if bias is not None:
-            acc += bias.float()
-        out.copy_(acc)
     return out
 
 
-def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once)."""
-    check(HAS_TRITON, "quant_gemm: triton is not importable")
-    check(qweight.dim() == 2 and qweight.is_contiguous() and scales.dim() == 2
-          and scales.stride(1) == 1, f"quant_gemm.dequantize_triton: a contiguous 2-D qweight "
-          f"and scales, got {describe(qweight)} and {describe(scales)}")
-    check_device("quant_gemm", INTERPRET, qweight, scales)
-    N, K = qweight.shape[0], qweight.shape[1] * (8 // bits)
-    w = torch.empty(N, K, dtype=dtype, device=qweight.device)
-    if N and K:
-        bn, bk = 32, 128
-        _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-            qweight, scales, w, N, K, qweight.stride(0), scales.stride(0), w.stride(0),
-            GROUP=K // scales.shape[1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
-    return w
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, at least ``n``: the split-K tiles' arrival counters. Every launch leaves
+    them at zero (the last slice re-arms its tile's), so one buffer per device serves every GEMM
+    of a stream in turn. Outgrown buffers are kept, never freed: CUDA graphs captured with them
+    still point at them."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 8192), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 # NOTE: from this many rows the GEMM is compute-bound and the in-register dequantization is

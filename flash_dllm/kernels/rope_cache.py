@@ -5,6 +5,8 @@ Given the projected ``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` (usually zero-copy 
 ``slot_mapping [T]`` (``slot = page * page_size + offset``; a negative slot skips the write, e.g.
 padding rows of a CUDA-graph bucket), the kernel
 
+- RMS-normalises q and k per head first when given their norms (``qk_norm``: Qwen3 / SDAR,
+  LLaDA-MoE; ``kernels/rmsnorm``'s arithmetic),
 - rotates q and k (rotate-half RoPE, ``angle = position * inv_freq`` in fp32),
 - stores rotated k and raw v straight into their page slots of ``k_cache``/``v_cache``
   (``[num_pages, page_size, Hkv, D]``, see ``flash_dllm.cache.paged``): no intermediate K/V tensor,
@@ -36,6 +38,7 @@ from flash_dllm.kernels._triton import (
 )
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
+QKNorm = tuple  # (q norm weight [D], k norm weight [D], eps): per-head RMSNorm before the RoPE
 
 if HAS_TRITON:
     import triton
@@ -43,8 +46,10 @@ if HAS_TRITON:
 
     @triton.jit
     def rotated(src, stride_src_h, n_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
+                BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr, FP32_MATH: tl.constexpr,
+                w_ptr=None, eps=0.0, NORM: tl.constexpr = False):
         """A row's heads as their two ``[BLOCK_H, BLOCK_HALF]`` halves in the activation dtype,
+        RMS-normed per head first (``NORM``: weight ``w_ptr [D]``, ``rmsnorm``'s arithmetic),
         rotated (``ROTATE``) or as read; masked lanes are 0. Also ``rope_cache_fp8``'s."""
         offs_h = tl.arange(0, BLOCK_H)
         offs_i = tl.arange(0, BLOCK_HALF)
@@ -52,6 +57,17 @@ if HAS_TRITON:
         src_1 = src + offs_h[:, None] * stride_src_h + offs_i[None, :]
         x1 = tl.load(src_1, mask=mask, other=0.0)
         x2 = tl.load(src_1 + HALF, mask=mask, other=0.0)
+        if NORM:          # as kernels/rmsnorm: fp32 mean square, cast before the weight
+            dt = x1.dtype
+            a1 = x1.to(tl.float32)
+            a2 = x2.to(tl.float32)
+            var = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF)
+            r = tl.rsqrt(var + eps)[:, None]
+            w1 = tl.load(w_ptr + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + offs_i, mask=offs_i < HALF,
+                         other=0.0).to(tl.float32)[None, :]
+            x1 = (w1 * (a1 * r).to(dt).to(tl.float32)).to(dt)
+            x2 = (w2 * (a2 * r).to(dt).to(tl.float32)).to(dt)
         if ROTATE:
             dt = x1.dtype
             if FP32_MATH:
@@ -75,9 +91,10 @@ if HAS_TRITON:
     @triton.jit
     def _rotate_store(src, dst, stride_src_h, stride_dst_h, n_heads, c, s,
                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      ROTATE: tl.constexpr, FP32_MATH: tl.constexpr):
+                      ROTATE: tl.constexpr, FP32_MATH: tl.constexpr, w_ptr=None, eps=0.0,
+                      NORM: tl.constexpr = False):
         y1, y2 = rotated(src, stride_src_h, n_heads, c, s, HALF, BLOCK_H, BLOCK_HALF, ROTATE,
-                         FP32_MATH)
+                         FP32_MATH, w_ptr, eps, NORM)
         offs_h = tl.arange(0, BLOCK_H)
         offs_i = tl.arange(0, BLOCK_HALF)
         mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
@@ -97,14 +114,15 @@ if HAS_TRITON:
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, inv_freq_ptr, qo_ptr, kc_ptr,
                            vc_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                            stride_vh, stride_qot, stride_qoh, stride_kcp, stride_kcs,
-                           stride_kch, stride_vcp, stride_vcs, stride_vch, H, HKV,
-                           PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                           FP32_MATH: tl.constexpr):
+                           stride_kch, stride_vcp, stride_vcs, stride_vch, H, HKV, qn_ptr,
+                           kn_ptr, eps, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
+                           BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr,
+                           NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
         _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
-                      c, s, HALF, BLOCK_H, BLOCK_HALF, True, FP32_MATH)
+                      c, s, HALF, BLOCK_H, BLOCK_HALF, True, FP32_MATH, qn_ptr, eps, NORM)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         valid = slot >= 0
         n_kv = tl.where(valid, HKV, 0)                  # a padding row (slot < 0) stores nothing
@@ -113,10 +131,10 @@ if HAS_TRITON:
         off = slot % PAGE_SIZE
         _rotate_store(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs,
                       stride_kh, stride_kch, n_kv, c, s, HALF, BLOCK_HKV, BLOCK_HALF, True,
-                      FP32_MATH)
+                      FP32_MATH, kn_ptr, eps, NORM)
         _rotate_store(v_ptr + t * stride_vt, vc_ptr + page * stride_vcp + off * stride_vcs,
                       stride_vh, stride_vch, n_kv, c, s, HALF, BLOCK_HKV, BLOCK_HALF, False,
-                      FP32_MATH)
+                      FP32_MATH, kn_ptr, eps, False)
 
 
 def inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -154,8 +172,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_in_fp32: 
 def rope_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, inv_freq: torch.Tensor,
-                         apply_in_fp32: bool = True) -> torch.Tensor:
+                         apply_in_fp32: bool = True, qk_norm: QKNorm | None = None
+                         ) -> torch.Tensor:
     """PyTorch reference: same contract as ``rope_cache_triton`` (writes the caches in place)."""
+    if qk_norm is not None:                    # per head, ``layers.norm.RMSNorm``'s arithmetic
+        from flash_dllm.kernels.rmsnorm import rmsnorm_reference
+        q = rmsnorm_reference(q, qk_norm[0], qk_norm[2])[0]
+        k = rmsnorm_reference(k, qk_norm[1], qk_norm[2])[0]
     freqs = positions.float()[:, None] * inv_freq.float()       # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, D]
     cos, sin = emb.cos(), emb.sin()
@@ -171,9 +194,11 @@ def rope_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      inv_freq: torch.Tensor, apply_in_fp32: bool = True) -> torch.Tensor:
+                      inv_freq: torch.Tensor, apply_in_fp32: bool = True,
+                      qk_norm: QKNorm | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D], positions/slot_mapping [T] int, k/v_cache
-    [num_pages, page_size, Hkv, D], inv_freq [D/2] fp32 -> rotated q [T, H, D] (caches written)."""
+    [num_pages, page_size, Hkv, D], inv_freq [D/2] fp32 -> rotated q [T, H, D] (caches written).
+    ``qk_norm`` (q weight [D], k weight [D], eps): q and k RMS-normed per head first."""
     check(HAS_TRITON, "rope_cache_triton: triton is not importable")
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
           f"rope_cache: q/k/v must be [T, heads, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -207,6 +232,11 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
           f"{tuple(inv_freq.shape)}")
     check_device("rope_cache", INTERPRET, q, k, v, positions, k_cache, v_cache, slot_mapping,
                  inv_freq)
+    if qk_norm is not None:
+        for name, w in (("q", qk_norm[0]), ("k", qk_norm[1])):
+            check(w.shape == (D,) and w.dtype == q.dtype and w.is_contiguous()
+                  and w.device == q.device, f"rope_cache: the {name} norm weight must be a "
+                  f"contiguous [{D}] {q.dtype} on {q.device}, got {w.dtype} {tuple(w.shape)}")
     q_out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
@@ -215,18 +245,22 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), H, Hkv,
+        qk_norm[0] if qk_norm else q, qk_norm[1] if qk_norm else q,
+        float(qk_norm[2]) if qk_norm else 0.0,
         PAGE_SIZE=k_cache.shape[1], HALF=D // 2, BLOCK_HALF=next_pow2(D // 2),
         BLOCK_H=next_pow2(H), BLOCK_HKV=next_pow2(Hkv), FP32_MATH=bool(apply_in_fp32),
-        num_warps=4)
+        NORM=qk_norm is not None, num_warps=4)
     return q_out
 
 
 def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-       inv_freq: torch.Tensor, apply_in_fp32: bool = True) -> torch.Tensor:
-    """Rotated q [T, H, D]; k (rotated) and v land in their cache slots. Triton on CUDA."""
+       inv_freq: torch.Tensor, apply_in_fp32: bool = True, qk_norm: QKNorm | None = None
+       ) -> torch.Tensor:
+    """Rotated q [T, H, D]; k (rotated) and v land in their cache slots. Triton on CUDA.
+    ``qk_norm``: q and k RMS-normed per head before the rotation (SDAR, LLaDA-MoE)."""
     if use_triton(q, k, v, k_cache):
         return rope_cache_triton(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq,
-                                 apply_in_fp32)
+                                 apply_in_fp32, qk_norm)
     return rope_cache_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq,
-                                apply_in_fp32)
+                                apply_in_fp32, qk_norm)

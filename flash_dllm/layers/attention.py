@@ -213,9 +213,10 @@ class Attention(nn.Module):
         self.q_proj = self.k_proj = self.v_proj = None
         self.qkv_proj = fused
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, norm: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., d] -> q [..., H, D], k [..., Hkv, D], v [..., Hkv, D] (q/k normed when the
-        module has a q/k norm, un-rotated)."""
+        module has a q/k norm and ``norm``; un-rotated)."""
         lead = x.shape[:-1]                                   # [B, L] or [T]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
@@ -223,7 +224,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
-        if self.q_norm is not None:               # per head, over head_dim; at inference one
+        if self.q_norm is not None and norm:      # per head, over head_dim; at inference one
             q = add_rmsnorm(q, self.q_norm)[0]    # kernel each on CUDA (the module's own
             k = add_rmsnorm(k, self.k_norm)[0]    # arithmetic on the CPU and under autograd)
         return q, k, v

@@ -153,9 +153,9 @@ class PagedAttentionMetadata:
         # NOTE: an fp8 pool rotates and writes with the quantising kernel
         # (``kernels/rope_cache_fp8``) after the projection; with verification or probe rows
         # (eager steps) it takes the unfused path, as does a module that rotates part of each
-        # head (LLaDA2). q/k-normed heads that rotate whole (SDAR,
-        # LLaDA-MoE) are normed in ``project`` and then rotated and written by the RoPE + page
-        # write kernel, as LLaDA's are; only the kernels that project too skip them.
+        # head (LLaDA2). q/k-normed heads that rotate whole (SDAR, LLaDA-MoE) are normed,
+        # rotated and written by the RoPE + page write kernel (its ``qk_norm``; normed in
+        # ``project`` when special rows read k); only the kernels that project too skip them.
         if attn.rotary.rotary_dim < attn.head_dim or (self.kv_scales is not None
                                                       and self.special):
             return self.attend_normed(layer, attn, x, positions)
@@ -171,6 +171,12 @@ class PagedAttentionMetadata:
             if x.shape[0] > self.QKV_CHUNK_ROWS and not torch.is_grad_enabled():
                 return self.attend_chunked(layer, x, qkv, H, Hkv, positions, attn.rotary,
                                            self.QKV_CHUNK_ROWS)
+        if attn.q_norm is not None and not self.special and attn.q_norm.weight.dtype == x.dtype \
+                and not torch.is_grad_enabled():
+            # q/k norms inside the RoPE + page write kernel: no normed copies of q and k
+            q, k, v = attn.project(x, norm=False)
+            return self.attend(layer, q, k, v, positions, attn.rotary,
+                               (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps))
         q, k, v = attn.project(x)
         return self.attend(layer, q, k, v, positions, attn.rotary)
 
@@ -202,11 +208,12 @@ class PagedAttentionMetadata:
         return self._attend_rotated(layer, qr)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """From projected q [T, H, D], k/v [T, Hkv, D] (un-rotated)."""
+               positions: torch.Tensor, rotary: Rotary, qk_norm=None) -> torch.Tensor:
+        """From projected q [T, H, D], k/v [T, Hkv, D] (un-rotated; ``qk_norm``: not normed
+        yet, the kernel norms them; never with special rows, which read k as given)."""
         kc, vc = self.layer_kv(layer)             # [pages, page_size, Hkv, D]
         qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots, self.inv_freq,
-                              rotary.apply_in_fp32)                # rotated q; k/v now in pages
+                              rotary.apply_in_fp32, qk_norm)       # rotated q; k/v now in pages
         out = self._attend_rotated(layer, qr)
         for seg in self.special:
             self._special_rows(seg, layer, out, qr, k, v, positions, rotary)

@@ -91,6 +91,29 @@ def test_rope_cache(T, model):
     assert torch.equal(vc, rv)
 
 
+@pytest.mark.parametrize("fp32_rope", [False, True])
+def test_rope_cache_qk_norm_equals_norm_then_rope(fp32_rope):
+    """q/k normed per head inside the RoPE + page write kernel (SDAR, LLaDA-MoE) against the
+    unfused kernels (``rmsnorm`` per head, then ``rope_cache``) on SDAR-4B's heads: equal but
+    for the mean square's summation order (two halves vs one row; rarely one bf16 ulp)."""
+    T, H, Hkv, D, S = 300, 32, 8, 128, 16
+    P = paged.pages_needed(T, S) + 2
+    q, k, v = rope_cache.split_qkv(_randn(T, (H + 2 * Hkv) * D, seed=50), H, Hkv, D)
+    wq, wk = (1 + 0.1 * _randn(D, seed=51)), (1 - 0.1 * _randn(D, seed=52))
+    positions = torch.randperm(4096, generator=_gen(53), device=DEV)[:T]
+    slots = torch.randperm(P * S, generator=_gen(54), device=DEV)[:T]
+    inv = rope_cache.inv_freq(D, 1e6, DEV)
+    kc, vc = _randn(P, S, Hkv, D, seed=55), _randn(P, S, Hkv, D, seed=56)
+    kc2, vc2 = kc.clone(), vc.clone()
+    fused = OPS["rope_cache"](q, k, v, positions, kc, vc, slots, inv, fp32_rope, (wq, wk, 1e-6))
+    qn, kn = OPS["rmsnorm"](q, wq, 1e-6)[0], OPS["rmsnorm"](k, wk, 1e-6)[0]
+    plain = OPS["rope_cache"](qn, kn, v, positions, kc2, vc2, slots, inv, fp32_rope)
+    for got, want in ((fused, plain), (kc, kc2)):
+        torch.testing.assert_close(got, want, rtol=3.2e-2, atol=3.2e-2)
+        assert (got != want).float().mean().item() < 0.01
+    assert torch.equal(vc, vc2)
+
+
 # ---- paged attention ---------------------------------------------------------------------------
 def _problem(model, q_lens, k_lens, S=16, seed=30):
     cfg = MODELS[model]
@@ -108,6 +131,32 @@ def _problem(model, q_lens, k_lens, S=16, seed=30):
                       device=DEV)
     lens = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
     return q, cache, cu, lens, paged.block_table(rows, DEV)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_paged_attention_packed_gqa_heads_equal_one_head_per_program(split):
+    """SDAR-4B's batch-1 block step (4 queries, 32 heads on 8 kv heads): the program that packs
+    a kv head's 4 query heads answers bitwise as one head per program (mass tracking keeps one
+    head per program) and as the reference."""
+    H, Hkv, D, S = 32, 8, 128, 16
+    q_lens, k_lens = [4, 3], [1024, 517]
+    need = [paged.pages_needed(L, S) for L in k_lens]
+    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(60)).tolist()
+    table = paged.block_table([perm[:need[0]], perm[need[0]:sum(need)]], DEV)
+    cache = _randn(1, 2, sum(need) + 3, S, Hkv, D, seed=61)
+    kc, vc = paged.layer_kv(cache, 0)
+    q = _randn(sum(q_lens), H, D, seed=62)
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(k_lens, dtype=torch.int32, device=DEV)
+    assert paged_attention.heads_per_program(H // Hkv, 4, 16, False) == 4
+    kw = dict(max_seqlen_k=1024, num_splits=None if split else 1)
+    out = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 4, **kw)
+    one, _ = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 4,
+                                                    return_mass=True)
+    ref = paged_attention.paged_attention_reference(q, kc, vc, cu, lens, table)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    if not split:
+        assert torch.equal(out, one)
 
 
 @pytest.mark.parametrize("model", ["llada", "dream"])

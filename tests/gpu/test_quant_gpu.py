@@ -50,6 +50,71 @@ def test_weight_only_gemm_matches_reference(bits, M, N, K):
           f"weights), bf16 cuBLAS {us_bf16:.1f} us")
 
 
+@pytest.mark.parametrize("code", ["int4", "fp8"])
+@pytest.mark.parametrize("split", [1, 4])
+def test_every_code_decodes_exactly(code, split):
+    """The kernel's in-register decoders (``quant_decode``'s bit recipes) on every byte value:
+    with x the identity and unit scales the GEMM returns the weights themselves, which must
+    equal ``dequantize`` bitwise (each output is one exact product), split or not."""
+    K = 256
+    codes = torch.arange(256, dtype=torch.int32, device=DEV).to(torch.uint8)
+    if code == "int4":
+        q = codes.view(2, 128).repeat(8, 1)                                  # [16, K / 2]
+        s = torch.ones(16, K // 128, dtype=quant_gemm.SCALE_DTYPE, device=DEV)
+        bits, want = 4, quant_gemm.dequantize(q, s, 4, torch.bfloat16)
+    else:
+        codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)  # no NaN
+        q = codes.view(1, 256).repeat(16, 1).view(quant_gemm.FP8)
+        s = torch.ones(16, 1, dtype=torch.float32, device=DEV)
+        bits, want = 8, q.float().to(torch.bfloat16)
+    x = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64 if split > 1 else 128, "SPLIT_K": split}
+    got = quant_gemm.weight_only_triton(x, q, s, None, bits, cfg)
+    torch.testing.assert_close(got.t(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_rows_kernel_equals_the_pytorch_chain(dtype):
+    """W8A8's per-token activation quantization in one kernel equals ``quantize_rows``
+    bitwise (scales and codes; a zero row too), and costs a fraction of it."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = (torch.randn(2048, 4096, device=DEV, generator=g)
+         * torch.rand(2048, 1, device=DEV, generator=g) * 8).to(dtype)
+    x[5] = 0
+    q, s = fp8_gemm.quantize_rows_triton(x)
+    qr, sr = fp8_gemm.quantize_rows(x)
+    assert torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    us, us_ref = (_time(lambda: fp8_gemm.quantize_rows_triton(x)),
+                  _time(lambda: fp8_gemm.quantize_rows(x)))
+    print(f"\nquantize_rows 2048 x 4096 {dtype}: kernel {us:.1f} us, PyTorch chain {us_ref:.1f} us")
+
+
+def test_split_counters_rearm_across_graph_replays():
+    """The split-K tiles' arrival counters return to zero after every launch: a graph replayed
+    many times, then eager calls, keep answering the same (bitwise)."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    w = torch.randn(4096, 4096, device=DEV, generator=g) * 0.02
+    x = torch.randn(32, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    q, s = quant_gemm.quantize(w, 4, 128)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8}
+    first = quant_gemm.weight_only_triton(x, q, s, None, 4, cfg)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        quant_gemm.weight_only_triton(x, q, s, None, 4, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_gemm.weight_only_triton(x, q, s, None, 4, cfg)
+    for _ in range(20):
+        graph.replay()
+    torch.testing.assert_close(out, first, rtol=0, atol=0)
+    torch.testing.assert_close(quant_gemm.weight_only_triton(x, q, s, None, 4, cfg), first,
+                               rtol=0, atol=0)
+    assert all(int(b.abs().sum()) == 0 for b in quant_gemm._COUNTERS[x.device])
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_many_rows_dequantize_once_then_the_bf16_gemm(bits):
     """``op`` from ``DEQUANT_MIN_ROWS`` rows: the dequantize kernel equals ``dequantize``

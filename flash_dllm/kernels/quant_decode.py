@@ -1,0 +1,157 @@
+"""Packed weight codes -> bf16 values in registers, without conversion instructions.
+
+A batch-1 step's weight-only GEMM decodes every weight once; done with ``cvt`` (int -> bf16,
+e4m3 -> f16 -> bf16) the conversions issue at a quarter of the ALU rate on Hopper and bound the
+kernel near 7 weights per clock per SM (the int4 / fp8 rows of
+``benchmarks/results/step/sweep_quant_gemm_int4_h100.json`` read 0.7 / 1.5 TB/s). These decoders
+build the bf16 bit patterns with byte permutes, shifts and masks on two values per 32-bit
+register, then one exact ``fma.rn.bf16x2``:
+
+- int4 (``quant_gemm``'s layout: a byte holds ``q + 8`` for two columns, low nibble first):
+  ``0x4300 | u`` is the bf16 ``128 + u`` (u < 128 fits the mantissa), and ``(128 + u) - 136``
+  is ``q`` exactly (``int4_pair_bf16``: the low and the high nibbles of each byte).
+- e4m3: a code's seven low bits shifted left by 4 are a bf16 whose exponent field is the code's
+  exponent (no rebias) and whose mantissa is the code's: the value times 2^-120, subnormal codes
+  included (a bf16 subnormal then); the sign moves to bit 15; ``* 2^120`` is exact
+  (``e4m3_bf16``). NaN codes (0x7F / 0xFF) decode to a finite value; the quantizer never
+  writes them.
+
+The PTX needs sm_80+ (``fma.rn.bf16x2``); the interpreter cannot run inline assembly, so the
+kernels take these paths on GPUs only (``quant_gemm._int_tile_dot``'s ``FAST``). ``*_reference``
+are the same bit recipes in PyTorch: the CPU tests check them over all 256 byte values against
+the true decodings, and the GPU tests check the kernels against ``quant_gemm``'s reference.
+
+Also here: ``dequantize_triton``, the whole weight decoded once into a dense copy (``quant_gemm.op``
+from ``DEQUANT_MIN_ROWS`` rows), in ``quant_gemm``'s layout, equal to its ``dequantize``.
+"""
+from __future__ import annotations
+
+import torch
+
+from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, describe, interpreting
+
+INTERPRET = interpreting()
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    # per 4 bytes ($4): the bytes spread into 16-bit halves (prmt), nibble masks, one exact fma
+    _INT4_ASM = tl.constexpr("""{
+    .reg .b32 t0, t1, s0, s1, a, b, c, d, one, off;
+    mov.b32 one, 0x3F803F80;
+    mov.b32 off, 0xC308C308;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    shr.b32 s0, t0, 4;
+    shr.b32 s1, t1, 4;
+    and.b32 a, t0, 0x000F000F;
+    and.b32 b, t1, 0x000F000F;
+    and.b32 c, s0, 0x000F000F;
+    and.b32 d, s1, 0x000F000F;
+    or.b32 a, a, 0x43004300;
+    or.b32 b, b, 0x43004300;
+    or.b32 c, c, 0x43004300;
+    or.b32 d, d, 0x43004300;
+    fma.rn.bf16x2 $0, a, one, off;
+    fma.rn.bf16x2 $1, b, one, off;
+    fma.rn.bf16x2 $2, c, one, off;
+    fma.rn.bf16x2 $3, d, one, off;
+    }""")
+
+    # per 4 bytes ($2): each byte to the high half of a 16-bit lane, magnitude bits >> 4 into
+    # the bf16 exponent / mantissa, the sign kept in bit 15, then * 2^120 (exact)
+    _E4M3_ASM = tl.constexpr("""{
+    .reg .b32 t0, t1, s0, s1, p120, nz;
+    mov.b32 p120, 0x7B807B80;
+    mov.b32 nz, 0x80008000;
+    prmt.b32 t0, $2, 0, 0x1404;
+    prmt.b32 t1, $2, 0, 0x3424;
+    shr.b32 s0, t0, 4;
+    shr.b32 s1, t1, 4;
+    and.b32 s0, s0, 0x07F007F0;
+    and.b32 s1, s1, 0x07F007F0;
+    and.b32 t0, t0, 0x80008000;
+    and.b32 t1, t1, 0x80008000;
+    or.b32 s0, s0, t0;
+    or.b32 s1, s1, t1;
+    fma.rn.bf16x2 $0, s0, p120, nz;
+    fma.rn.bf16x2 $1, s1, p120, nz;
+    }""")
+
+    @triton.jit
+    def int4_pair_bf16(b):
+        """uint8 tile -> (low nibbles, high nibbles) as bf16 tiles of ``q = nibble - 8``."""
+        return tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [b],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=4)
+
+    @triton.jit
+    def e4m3_bf16(b):
+        """uint8 tile of e4m3 codes -> their exact bf16 values."""
+        return tl.inline_asm_elementwise(_E4M3_ASM, "=r,=r,r", [b], dtype=tl.bfloat16,
+                                         is_pure=True, pack=4)
+
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
+                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """W [N, K] in w's dtype = q * scale, in fp32 and rounded once (as ``dequantize``)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rows < N
+        q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qn
+        s_row = s_ptr + rows[:, None].to(tl.int64) * stride_sn
+        w_row = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+        if BITS == 8:
+            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+            m = n_ok[:, None] & (ks < K)[None, :]
+            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)
+            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
+            tl.store(w_row + ks[None, :], (q * sc).to(w_ptr.dtype.element_ty), mask=m)
+        else:        # each byte's nibbles joined back into their columns: contiguous stores
+            jb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(q_row + jb[None, :], mask=n_ok[:, None] & (2 * jb < K)[None, :],
+                        other=0).to(tl.int32)
+            q = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8), (BLOCK_N, BLOCK_K))
+            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+            m = n_ok[:, None] & (ks < K)[None, :]
+            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
+            tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
+                     mask=m)
+
+
+def _bf16(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def int4_pair_reference(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int4_pair_bf16``'s recipe in PyTorch (uint8 -> two bf16 tensors)."""
+    b = b.to(torch.int32)
+    lo = _bf16((b & 0xF) | 0x4300).float() - 136.0
+    hi = _bf16(((b >> 4) & 0xF) | 0x4300).float() - 136.0
+    return lo.to(torch.bfloat16), hi.to(torch.bfloat16)
+
+
+def e4m3_reference(b: torch.Tensor) -> torch.Tensor:
+    """``e4m3_bf16``'s recipe in PyTorch (uint8 -> bf16)."""
+    b = b.to(torch.int32)
+    bits = ((b & 0x7F) << 4) | ((b & 0x80) << 8)
+    return (_bf16(bits).double() * 2.0 ** 120).to(torch.bfloat16)
+
+
+def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once)."""
+    check(HAS_TRITON, "quant_decode: triton is not importable")
+    check(qweight.dim() == 2 and qweight.is_contiguous() and scales.dim() == 2
+          and scales.stride(1) == 1, f"quant_gemm.dequantize_triton: a contiguous 2-D qweight "
+          f"and scales, got {describe(qweight)} and {describe(scales)}")
+    check_device("quant_decode", INTERPRET, qweight, scales)
+    N, K = qweight.shape[0], qweight.shape[1] * (8 // bits)
+    w = torch.empty(N, K, dtype=dtype, device=qweight.device)
+    if N and K:
+        bn, bk = 32, 128
+        _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+            qweight, scales, w, N, K, qweight.stride(0), scales.stride(0), w.stride(0),
+            GROUP=K // scales.shape[1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return w
