@@ -20,7 +20,10 @@
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
 #           quant    weight-only GEMM tile sweep (writes $OUT/kernel-configs), then bench step
-#                    of bf16 / fp8 / int8 / int4 with those tiles; LLaDA2-mini int4 experts ~9 min
+#                    of bf16 / fp8 / int4 with those tiles (batch 1), bf16 / fp8 at batch 64;
+#                    LLaDA2-mini int4 experts                                          ~6 min
+#           skinny   few-row bf16 GEMM: GPU test, sweep vs cuBLAS (writes $OUT/kernel-configs),
+#                    SDAR-4B batch 1 without / with its tiles                          ~6 min
 #           kvfp8    bench step with fp8 KV pages against the model dtype; its profile   ~2 min
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini with its random router                                 ~1.5 min
@@ -35,7 +38,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families llada2 deterministic)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny llada2 deterministic)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -116,15 +119,19 @@ group_quant() {
   # weight mode, dual steps side by side, with those tiles (each row's floor is from its mode's
   # stored bytes); then LLaDA2-mini's int4 experts against bf16
   run sweep_quant_gemm_h200 300 "$OUT/step/sweep_quant_gemm_h200.json" \
-    python3 benchmarks/step/sweep_quant_gemm.py --budget-s 200 --rows 32 256 2048 \
-    --write-config "$OUT/kernel-configs" --out "$OUT/step/sweep_quant_gemm_h200.json"
+    python3 benchmarks/step/sweep_quant_gemm.py --codes fp8 int4 --rows 32 --buckets 32 1 8 64 \
+    --keep 4 --budget-s 110 --write-config "$OUT/kernel-configs" \
+    --out "$OUT/step/sweep_quant_gemm_h200.json"
   run step_quant_h200 240 "$OUT/step/step_quant_h200.json" \
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
-    "${FD[@]}" bench step --quantization none fp8 int8 int4 --cache dual --batch 1 64 \
+    "${FD[@]}" bench step --quantization none fp8 int4 --cache dual --batch 1 \
     --json "$OUT/step/step_quant_h200.json"
+  run step_quant_b64_h200 240 "$OUT/step/step_quant_b64_h200.json" \
+    "${FD[@]}" bench step --quantization none fp8 --cache dual --batch 64 \
+    --json "$OUT/step/step_quant_b64_h200.json"
   run step_quant_llada2_mini_h200 120 "$OUT/step/step_quant_llada2_mini_h200.json" \
-    "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none fp8 int4 \
-    --batch 1 64 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
+    "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none int4 \
+    --batch 1 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
 }
 
 group_kvfp8() {
@@ -153,6 +160,22 @@ group_families() {
   run step_llada2_mini_h200 240 "$OUT/step/step_llada2_mini_block_h200.json" \
     "${FD[@]}" bench step --model-shape llada2-mini --cache block --batch 1 8 64 \
     --json "$OUT/step/step_llada2_mini_block_h200.json"
+}
+
+group_skinny() {
+  # issue 41: the few-row bf16 GEMM (off unless tuned): its GPU test, the sweep against cuBLAS
+  # with weights from HBM (writes $OUT/kernel-configs), then SDAR-4B batch 1 without / with it
+  run skinny_gpu_test 120 - python3 -m pytest -m gpu -q tests/gpu/test_skinny_gemm_gpu.py
+  run sweep_skinny_gemm_h200 300 "$OUT/step/sweep_skinny_gemm_h200.json" \
+    python3 benchmarks/step/sweep_skinny_gemm.py --budget-s 200 \
+    --write-config "$OUT/kernel-configs" --out "$OUT/step/sweep_skinny_gemm_h200.json"
+  run step_sdar4b_b1_cublas_h200 120 "$OUT/step/step_sdar4b_block4_b1_cublas_h200.json" \
+    "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 \
+    --json "$OUT/step/step_sdar4b_block4_b1_cublas_h200.json"
+  run step_sdar4b_b1_skinny_h200 120 "$OUT/step/step_sdar4b_block4_b1_skinny_h200.json" \
+    env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
+    "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 \
+    --json "$OUT/step/step_sdar4b_block4_b1_skinny_h200.json"
 }
 
 group_llada2() {

@@ -405,3 +405,15 @@ def test_eval_report_names_the_quantization():
     rep = run_eval(llm, "arith", 2, SamplingParams(max_tokens=32), progress=False)
     assert rep["quantization"]["quantization"] == "int8"
     assert rep["quantization"]["weight_bytes"] < rep["quantization"]["unquantized_bytes"]
+
+
+def test_split_counters_are_never_made_inside_a_graph_capture(monkeypatch):
+    """A counter buffer created while a CUDA graph is captured would hold its zeros only after a
+    replay: during a capture an outgrown buffer gives None (the GEMM runs without a K split);
+    a large enough one is served."""
+    dev = torch.device("cuda", 7)                       # (a key only: nothing is allocated)
+    monkeypatch.setitem(quant_gemm._COUNTERS, dev, [torch.zeros(16, dtype=torch.int32)])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert quant_gemm.split_counters(dev, 8) is quant_gemm._COUNTERS[dev][-1]
+    assert quant_gemm.split_counters(dev, 17) is None
+    assert len(quant_gemm._COUNTERS[dev]) == 1

@@ -421,18 +421,20 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
               or {})}
     check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
           f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
-    split = cfg["SPLIT_K"]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
+    tiles = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+    cnt = split_counters(x.device, tiles[0] * tiles[1]) if cfg["SPLIT_K"] > 1 else None
+    split = cfg["SPLIT_K"] if cnt is not None else 1
     per = -(-K // split)
     per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]        # slices start on a BLOCK_K boundary
     split = -(-K // per)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, triton.cdiv(M, cfg["BLOCK_M"]))
-    part, cnt = out, out                                  # (unused unless split > 1)
+    grid = (tiles[0], split, tiles[1])
+    part = out                                            # (unused unless split > 1)
     if split > 1:
         part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid[0] * grid[2])
+    cnt = out if cnt is None else cnt
     fp8 = qweight.dtype == FP8
     _wq_gemm_kernel[grid](
         x, qweight.view(torch.uint8) if fp8 else qweight, scales,
@@ -450,14 +452,18 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """int32 zeros, at least ``n``: the split-K tiles' arrival counters. Every launch leaves
     them at zero (the last slice re-arms its tile's), so one buffer per device serves every GEMM
-    of a stream in turn. Outgrown buffers are kept, never freed: CUDA graphs captured with them
-    still point at them."""
+    of a stream in turn (``skinny_gemm``'s too). Outgrown buffers are kept, never freed: CUDA
+    graphs captured with them still point at them. None while a graph is being captured and no
+    buffer is large enough (one made inside a capture holds its zeros only after a replay): the
+    caller then runs without a K split."""
     bufs = _COUNTERS.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 8192), dtype=torch.int32, device=device))
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        bufs.append(torch.zeros(max(n, 65536), dtype=torch.int32, device=device))
     return bufs[-1]
 
 

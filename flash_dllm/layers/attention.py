@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_dllm.layers.linear import dense
 from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
 
@@ -220,7 +221,7 @@ class Attention(nn.Module):
         lead = x.shape[:-1]                                   # [B, L] or [T]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = dense(self.qkv_proj, x).split([H * D, Hkv * D, Hkv * D], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(*lead, H, D), k.view(*lead, Hkv, D), v.view(*lead, Hkv, D)
@@ -230,4 +231,4 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
-        return self.o_proj(ctx.attention(self, layer, x, positions))
+        return dense(self.o_proj, ctx.attention(self, layer, x, positions))

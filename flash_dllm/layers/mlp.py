@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flash_dllm.kernels import silu_mul
+from flash_dllm.kernels import silu_mul, skinny_gemm
+from flash_dllm.layers.linear import dense
 
 
 class SwiGLU(nn.Module):
@@ -46,6 +47,9 @@ class SwiGLU(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            # one kernel for silu(gate) * up on the GPU (kernels/silu_mul.py)
-            return self.down_proj(silu_mul.op(self.gate_up_proj(x)))
+            # one launch for the projection and silu(gate) * up where a sweep found it faster
+            # (kernels/skinny_gemm.py), else the GEMM and one silu_mul kernel (kernels/silu_mul)
+            h = (skinny_gemm.silu_gate_up(x, self.gate_up_proj.weight)
+                 if type(self.gate_up_proj) is nn.Linear else None)
+            return dense(self.down_proj, silu_mul.op(self.gate_up_proj(x)) if h is None else h)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
