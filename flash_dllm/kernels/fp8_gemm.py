@@ -57,7 +57,7 @@ if HAS_TRITON:
             ks = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)   # (IEEE, as torch)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             ks = k0 + tl.arange(0, BLOCK)
@@ -133,7 +133,7 @@ def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     pad = -M % 16
     if pad:                                   # the kernel wants rows in multiples of 16
         x2 = torch.cat([x2, x2.new_zeros(pad, K)])
-    xq, xs = quantize_rows_triton(x2) if HAS_TRITON else quantize_rows(x2)
+    xq, xs = quantize_rows_triton(x2) if use_triton(x2) else quantize_rows(x2)
     # (row-wise scaling wants a bf16 output; fp16 activations are cast back below)
     out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=wscale.view(1, -1),
                            out_dtype=torch.bfloat16)

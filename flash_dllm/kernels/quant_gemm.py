@@ -242,9 +242,10 @@ if HAS_TRITON:
             cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
             if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k in tl.static_range(SPLIT):
-                    acc += tl.load(part + k * stride_ps, mask=omask, other=0.0,
-                                   cache_modifier=".cg")
+                p = part                                       # (64-bit pointer steps)
+                for _ in tl.static_range(SPLIT):
+                    acc += tl.load(p, mask=omask, other=0.0, cache_modifier=".cg")
+                    p += stride_ps
                 _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
                 tl.atomic_xchg(cnt, 0)
         else:

@@ -35,6 +35,7 @@ from flash_dllm.kernels._triton import (
     check_device,
     describe,
     interpreting,
+    use_triton,
 )
 
 INTERPRET = interpreting()
@@ -78,8 +79,9 @@ if HAS_TRITON:
                          BLOCK_K, UPCAST)
         up = acc
         if SILU:                                   # the up rows: W[N + cols]
-            up = _slice_dot(x_rows, row_ok, w_rows + N * stride_wn, col_ok, k_start, k_end,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+            w_up = w_ptr + (cols[:, None] + N).to(tl.int64) * stride_wn
+            up = _slice_dot(x_rows, row_ok, w_up, col_ok, k_start, k_end, BLOCK_M, BLOCK_N,
+                            BLOCK_K, UPCAST)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT > 1:        # fp32 partials [SPLIT, M, N (x 2: gate, up)]; the last slice adds
             part = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
@@ -91,12 +93,12 @@ if HAS_TRITON:
             if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k in tl.static_range(SPLIT):
-                    acc += tl.load(part + k * stride_ps, mask=omask, other=0.0,
-                                   cache_modifier=".cg")
+                p = part                                       # (64-bit pointer steps)
+                for _ in tl.static_range(SPLIT):
+                    acc += tl.load(p, mask=omask, other=0.0, cache_modifier=".cg")
                     if SILU:
-                        up += tl.load(part + k * stride_ps + N, mask=omask, other=0.0,
-                                      cache_modifier=".cg")
+                        up += tl.load(p + N, mask=omask, other=0.0, cache_modifier=".cg")
+                    p += stride_ps
                 _epilogue(acc, up, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om,
                           HAS_BIAS, SILU)
                 tl.atomic_xchg(cnt, 0)
@@ -160,8 +162,8 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x [M, K] (rows contiguous), weight [N, K] (``silu``: [2I, K], out [M, I]) -> out in x's
     dtype."""
     check(HAS_TRITON, "skinny_gemm: triton is not importable")
-    check(x.dim() == 2 and x.stride(1) == 1 and x.dtype in HALF_DTYPES + (torch.float32,),
-          f"skinny_gemm: x must be a float [M, K] with contiguous rows, got {describe(x)}")
+    check(x.dim() == 2 and x.stride(1) == 1 and x.dtype in HALF_DTYPES,
+          f"skinny_gemm: x must be a bf16 / fp16 [M, K] with contiguous rows, got {describe(x)}")
     M, K = x.shape
     check(weight.dim() == 2 and weight.shape[1] == K and weight.stride(1) == 1
           and weight.dtype == x.dtype,
@@ -211,11 +213,11 @@ def _tuned(device_name: str, key: str, M: int, env_dir: str | None) -> dict | No
 def tuned_config(x: torch.Tensor, N: int, silu: bool) -> dict | None:
     """The sweep's tiles for this GEMM and row count on x's device, or None (no kernel: the
     caller's cuBLAS path), and None wherever the kernel is not to run (see the module)."""
-    if not x.is_cuda or not _has_tables(x.device):   # (common: no sweep for this device)
+    if not use_triton(x) or not _has_tables(x.device):   # (common: no sweep for this device)
         return None
     env = os.environ.get(tuned_configs.ENV)
     M, K = x.shape[0] if x.dim() == 2 else x.numel() // max(1, x.shape[-1]), x.shape[-1]
-    if (not HAS_TRITON or M == 0 or M > MAX_ROWS or x.dtype not in HALF_DTYPES
+    if (M == 0 or M > MAX_ROWS or x.dtype not in HALF_DTYPES
             or torch.is_grad_enabled() or batch_invariant_active()):
         return None
     cfg = _tuned(_device_name(x.device), problem_key(N, K, silu), M, env)

@@ -50,6 +50,7 @@ class SwiGLU(nn.Module):
             # one launch for the projection and silu(gate) * up where a sweep found it faster
             # (kernels/skinny_gemm.py), else the GEMM and one silu_mul kernel (kernels/silu_mul)
             h = (skinny_gemm.silu_gate_up(x, self.gate_up_proj.weight)
-                 if type(self.gate_up_proj) is nn.Linear else None)
+                 if type(self.gate_up_proj) is nn.Linear and self.gate_up_proj.bias is None
+                 else None)
             return dense(self.down_proj, silu_mul.op(self.gate_up_proj(x)) if h is None else h)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
