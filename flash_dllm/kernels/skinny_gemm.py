@@ -199,9 +199,7 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
+_device_name = quant_gemm._device_name      # (one cached name per device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,21 +235,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = tuned_config(x, weight.shape[0], False)
     if cfg is None:
         return F.linear(x, weight, bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    return skinny_triton(x2, weight, bias, False, cfg).view(*lead, weight.shape[0])
+    return _on_rows(x, weight, bias, False, cfg)
 
 
 def silu_gate_up(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of the fused gate/up projection in one launch where a sweep found it
     faster than cuBLAS + ``silu_mul``; None elsewhere (the caller runs the pair)."""
     cfg = tuned_config(x, weight.shape[0] // 2, True)
-    if cfg is None:
-        return None
-    lead = x.shape[:-1]
+    return None if cfg is None else _on_rows(x, weight, None, True, cfg)
+
+
+def _on_rows(x, weight, bias, silu, cfg):
+    """The kernel on x's rows ([..., K] -> [..., N]), leading dims kept."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    return skinny_triton(x2, weight, None, True, cfg).view(*lead, weight.shape[0] // 2)
+    out = skinny_triton(x2, weight, bias, silu, cfg)
+    return out.view(*x.shape[:-1], out.shape[-1])
