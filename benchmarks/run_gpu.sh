@@ -24,7 +24,10 @@
 #                    LLaDA2-mini int4 experts                                          ~6 min
 #           skinny   few-row bf16 GEMM: GPU test, sweep vs cuBLAS (writes $OUT/kernel-configs),
 #                    SDAR-4B batch 1 without / with its tiles                          ~6 min
-#           kvfp8    bench step with fp8 KV pages against the model dtype; its profile   ~2 min
+#           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1): its GPU test, then
+#                    SDAR-4B batch 1 and LLaDA-8B batch-1 bf16 / fp8 / int4 off / on  ~5 min
+#           kvfp8    bench step with fp8 KV pages against the model dtype (and with the pages'
+#                    bit-recipe decode, FLASH_DLLM_KV_FP8_DECODE=1); its profile       ~3 min
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini with its random router                                 ~1.5 min
 #           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites; serving
@@ -38,7 +41,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny llada2 deterministic)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -141,9 +144,15 @@ group_kvfp8() {
       "${FD[@]}" bench step --kv-cache-dtype $dt --cache dual --batch 1 64 \
       --json "$OUT/step/step_kv_${dt}_h200.json"
   done
-  run profile_kvfp8_b64_h200 120 "$OUT/step/profile_kvfp8_b64_h200.json" \
-    python3 benchmarks/step/profile_step.py --kv-cache-dtype fp8 --batch 64 --steps 6 \
-    --out "$OUT/step/profile_kvfp8_b64_h200.json"
+  # fp8 pages decoded by quant_decode's bit recipe instead of cvt (opt-in until this has run)
+  run step_kv_fp8_decode_h200 240 "$OUT/step/step_kv_fp8_decode_h200.json" \
+    env FLASH_DLLM_KV_FP8_DECODE=1 "${FD[@]}" bench step --kv-cache-dtype fp8 --cache dual \
+    --batch 1 64 --json "$OUT/step/step_kv_fp8_decode_h200.json"
+  for dt in fp8 auto; do
+    run profile_kv${dt}_h200 120 "$OUT/step/profile_kv${dt}_h200.json" \
+      python3 benchmarks/step/profile_step.py --kv-cache-dtype $dt --batch 1 64 --steps 4 \
+      --out "$OUT/step/profile_kv${dt}_h200.json"
+  done
 }
 
 group_families() {
@@ -169,13 +178,35 @@ group_skinny() {
   run sweep_skinny_gemm_h200 300 "$OUT/step/sweep_skinny_gemm_h200.json" \
     python3 benchmarks/step/sweep_skinny_gemm.py --budget-s 200 \
     --write-config "$OUT/kernel-configs" --out "$OUT/step/sweep_skinny_gemm_h200.json"
+  # the baseline: empty entries for SDAR-4B's shapes (cuBLAS), whatever the package holds
+  python3 -c "import sys, torch
+from flash_dllm.kernels import tuned_configs as t
+name = torch.cuda.get_device_name(0)
+keys = ['N6144_K2560', 'N2560_K4096', 'silu_N9728_K2560', 'N2560_K9728']
+t.write(t.config_path('skinny_gemm', name, sys.argv[1]), 'skinny_gemm', name,
+        {k: {'4': {}, '8': {}} for k in keys}, 'run_gpu.sh: cuBLAS baseline')" \
+    "$OUT/kernel-configs-cublas"
   run step_sdar4b_b1_cublas_h200 120 "$OUT/step/step_sdar4b_block4_b1_cublas_h200.json" \
-    "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 \
+    env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs-cublas" "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 \
     --json "$OUT/step/step_sdar4b_block4_b1_cublas_h200.json"
   run step_sdar4b_b1_skinny_h200 120 "$OUT/step/step_sdar4b_block4_b1_skinny_h200.json" \
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 \
     --json "$OUT/step/step_sdar4b_block4_b1_skinny_h200.json"
+}
+
+group_pdl() {
+  # issues 40, 41: the step's kernels launched with PDL (FLASH_DLLM_PDL=1) against plain
+  # launches, same card, same call
+  run pdl_gpu_test 120 - python3 -m pytest -m gpu -q tests/gpu/test_pdl_gpu.py
+  for p in 0 1; do
+    run step_sdar4b_b1_pdl${p}_h200 120 "$OUT/step/step_sdar4b_block4_b1_pdl${p}_h200.json" \
+      env FLASH_DLLM_PDL=$p "${FD[@]}" bench step --model-shape sdar-4b --cache block \
+      --block-length 4 --batch 1 --json "$OUT/step/step_sdar4b_block4_b1_pdl${p}_h200.json"
+    run step_quant_b1_pdl${p}_h200 180 "$OUT/step/step_quant_b1_pdl${p}_h200.json" \
+      env FLASH_DLLM_PDL=$p "${FD[@]}" bench step --quantization none fp8 int4 --cache dual \
+      --batch 1 --json "$OUT/step/step_quant_b1_pdl${p}_h200.json"
+  done
 }
 
 group_llada2() {

@@ -38,8 +38,8 @@ SHAPES = {
     "llada-8b": [("qkv", 12288, 4096, False), ("o", 4096, 4096, False),
                  ("gate_up", 12288, 4096, True), ("down", 4096, 12288, False)],
 }
-GRID = {"SPLIT_K": [1, 2, 4], "BLOCK_K": [128, 256], "BLOCK_N": [32, 64, 128],
-        "num_stages": [3, 4], "num_warps": [4]}
+GRID = {"SPLIT_K": [1, 2, 4, 8], "BLOCK_K": [128, 256], "BLOCK_N": [16, 32, 64],
+        "num_stages": [3, 4, 5], "num_warps": [4]}   # (BLOCK_N 128 never won on an H100)
 
 
 def copies(nbytes: int, stream_mb: float) -> int:

@@ -7,6 +7,7 @@ tests set it before anything imports triton) it accepts CPU tensors, otherwise i
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -20,6 +21,12 @@ except ImportError:  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
+try:  # pragma: no cover - Triton >= 3.3 (the device's 3.6 has it)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - never called: pdl() is False without them
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
 
 
 def interpreting() -> bool:
@@ -99,3 +106,64 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int32, torch.int64)
+
+
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with ``launch_pdl`` may start
+# while the one before it in the stream still runs; its programs block in ``pdl_wait`` until that
+# kernel has finished and its writes are visible, then let the next kernel launch. The launch gap
+# between the small kernels of a batch-1 step (~1.2 us each, ~0.4 ms of SDAR-4B's 4.4 ms) is
+# hidden, and a GEMM can prefetch its weights (which no kernel writes) before it waits.
+# Opt-in (``FLASH_DLLM_PDL=1``) until its GPU A/B has run (``benchmarks/run_gpu.sh OUT pdl``):
+# compiled for sm_90 and tested under the interpreter only so far.
+PDL_ENV = "FLASH_DLLM_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Launch a kernel on ``t``'s device with PDL? (CUDA sm_90+, compiled, turned on)."""
+    return (HAS_GDC and t.is_cuda and os.environ.get(PDL_ENV, "0") == "1"
+            and not interpreting() and _pdl_capable(t.device.index or 0))
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel that takes ``PDL: tl.constexpr`` and calls ``pdl_wait(PDL)``
+    before it touches anything an earlier kernel writes: ``kernel[grid](..., **pdl_args(x))``.
+    Every kernel launched with ``launch_pdl`` must wait so: the kernels after it rely on its
+    completion implying its predecessor's."""
+    on = pdl(t)
+    return {"PDL": on, "launch_pdl": on}
+
+
+if HAS_TRITON:
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Wait for the previous kernel in the stream, then let the next one launch (its
+        programs then wait here while this kernel runs: one kernel ahead, never a chain)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """One L2 prefetch per element of ``ptrs`` (global addresses; no value, never a fault):
+        what a kernel launched with PDL does with the weights it will stream (no kernel writes
+        them) while it waits in ``pdl_wait``. Compiled code only (not the interpreter)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_lines(programs: int, rows: int, k_lines: int, budget_mb: float | None = None
+                   ) -> int:
+    """How many 128-byte lines of each of its ``rows`` weight rows a program prefetches before
+    ``pdl_wait``: a power of 2 (or 0), at most ``k_lines`` (rounded up) and 32, all programs
+    together at most ``FLASH_DLLM_PREFETCH_MB`` (default 8 MiB: a sixth of an H100's L2)."""
+    if budget_mb is None:
+        budget_mb = float(os.environ.get("FLASH_DLLM_PREFETCH_MB", "8"))
+    lines = min(32, next_pow2(max(1, k_lines)))
+    while lines and programs * rows * lines * 128 > budget_mb * 2 ** 20:
+        lines //= 2
+    return lines

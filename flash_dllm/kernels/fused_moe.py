@@ -80,6 +80,7 @@ from flash_dllm.kernels._triton import (
     check_dtype,
     interpreting,
     next_pow2,
+    pdl_args,
     use_triton,
 )
 
@@ -92,8 +93,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels._triton import pdl_wait
+
     @triton.jit
-    def _count_kernel(ids_ptr, counts_ptr, P, BLOCK_P: tl.constexpr):
+    def _count_kernel(ids_ptr, counts_ptr, P, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         e = tl.program_id(0)
         acc = tl.zeros([BLOCK_P], tl.int32)
         for p0 in range(0, P, BLOCK_P):
@@ -103,7 +107,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, total_ptr, P, E,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                      PDL: tl.constexpr):
+        pdl_wait(PDL)
         e = tl.program_id(0)
         offs_e = tl.arange(0, BLOCK_E)
         counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
@@ -148,7 +154,9 @@ if HAS_TRITON:
     def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ptr, total_ptr, P, TOPK, D, I,
                         stride_xt, stride_we, stride_wn, stride_ht, num_n,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return                         # past the last group: the grid is only a bound
@@ -181,7 +189,8 @@ if HAS_TRITON:
                      D, I, stride_ht, stride_we, stride_wn, stride_ot, num_n,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                     ATOMIC: tl.constexpr):
+                     ATOMIC: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -209,7 +218,9 @@ if HAS_TRITON:
                      mask=ok)
 
     @triton.jit
-    def _sum_kernel(buf_ptr, ids_ptr, out_ptr, TOPK, E, D, BLOCK: tl.constexpr):
+    def _sum_kernel(buf_ptr, ids_ptr, out_ptr, TOPK, E, D, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         c_ok = cols < D
@@ -337,9 +348,10 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int):
     if P == 0 or E == 0:
         return sorted_ids, block_expert, total.zero_()
     counts = torch.empty(E, dtype=torch.int32, device=dev)
-    _count_kernel[(E,)](ids, counts, P, BLOCK_P=_SCAN, num_warps=4)
+    _count_kernel[(E,)](ids, counts, P, BLOCK_P=_SCAN, num_warps=4, **pdl_args(ids))
     _place_kernel[(E,)](ids, counts, sorted_ids, block_expert, total, P, E, BLOCK_M=block_m,
-                        BLOCK_P=_SCAN, BLOCK_E=max(16, next_pow2(E)), num_warps=4)
+                        BLOCK_P=_SCAN, BLOCK_E=max(16, next_pow2(E)), num_warps=4,
+                        **pdl_args(ids))
     return sorted_ids, block_expert, total
 
 
@@ -396,7 +408,7 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, *, config: di
     h = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)  # [cap, I]
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"
     launch = {"BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec, "num_warps": cfg["num_warps"],
-              "num_stages": cfg["num_stages"]}
+              "num_stages": cfg["num_stages"], **pdl_args(x)}
     blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
     _gate_up_kernel[(blocks * n_gu,)](
         x, w_gate_up, h, sorted_ids, block_expert, total, P, k, d, I, x.stride(0),
@@ -412,7 +424,8 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, *, config: di
     if atomic:
         return out.copy_(buf)
     block = min(1024, max(16, next_pow2(d)))
-    _sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4)
+    _sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4,
+                                     **pdl_args(x))
     return out
 
 

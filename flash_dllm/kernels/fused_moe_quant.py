@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from flash_dllm.kernels import fused_moe, quant_gemm
-from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, use_triton
+from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, pdl_args, use_triton
 
 INTERPRET = fused_moe.INTERPRET
 
@@ -33,13 +33,16 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels._triton import pdl_wait
+
     @triton.jit
     def _gate_up_wq_kernel(x_ptr, q_ptr, s_ptr, h_ptr, sorted_ptr, expert_ptr, total_ptr, P,
                            TOPK, D, I, GROUP: tl.constexpr, stride_xt, stride_qe, stride_qn,
                            stride_se, stride_sn, stride_ht, num_n, BITS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr,
-                           FP8: tl.constexpr):
+                           FP8: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -65,7 +68,9 @@ if HAS_TRITON:
                         stride_se, stride_sn, stride_ot, num_n, BITS: tl.constexpr,
                         BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                        PREC: tl.constexpr, JOIN: tl.constexpr, FP8: tl.constexpr):
+                        PREC: tl.constexpr, JOIN: tl.constexpr, FP8: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
             return
@@ -141,7 +146,7 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
         gu_q, dn_q = gu_q.view(torch.uint8), dn_q.view(torch.uint8)
     launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
               "JOIN": quant_gemm.INT4_READ if bits == 4 else 0, "FP8": fp8,
-              "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+              "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_args(x)}
     blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
     _gate_up_wq_kernel[(blocks * n_gu,)](
         x, gu_q, gu_s, h, sorted_ids, block_expert, total, P, k, d, I, group, x.stride(0),
@@ -153,7 +158,8 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
         dn_q.stride(0), dn_q.stride(1), dn_s.stride(0), dn_s.stride(1), buf.stride(0), n_dn,
         BLOCK_N=cfg["DN_N"], BLOCK_K=cfg["DN_K"], **launch)
     block = min(1024, max(16, triton.next_power_of_2(d)))
-    fused_moe._sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4)
+    fused_moe._sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4,
+                                               **pdl_args(x))
     return out
 
 

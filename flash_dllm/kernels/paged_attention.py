@@ -39,23 +39,33 @@ helpers and the PyTorch reference share one layout and are read together.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from flash_dllm.kernels import quant_decode
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
     HAS_TRITON,
+    batch_invariant_active,
     check,
     check_device,
     check_dtype,
-    batch_invariant_active,
     interpreting,
     next_pow2,
+    pdl_args,
     use_triton,
 )
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 FP8 = torch.float8_e4m3fn   # fp8 KV pools (kernels/kv_quant.py)
+
+
+def fp8_decode_on() -> bool:
+    """fp8 pages decoded by ``quant_decode``'s bit recipe (``_kv_tile``'s ``FP8 == 2``) rather
+    than ``cvt``: opt-in (``FLASH_DLLM_KV_FP8_DECODE=1``) until its GPU A/B has run (compiled
+    for sm_90 only so far; the recipe itself is bitwise-tested on the GPU in ``quant_gemm``)."""
+    return os.environ.get("FLASH_DLLM_KV_FP8_DECODE", "0") == "1"
 # float32 inputs: how ``tl.dot`` multiplies. "ieee" (true fp32 products on the CUDA cores) took
 # 7.0 ms of a 9.8 ms step at batch 32 of the demo model against 0.06 ms in bf16
 # (profile_batch_step_h200.json); "tf32x3" splits each operand into two TF32 parts and runs three
@@ -66,15 +76,20 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels._triton import pdl_wait
+
     @triton.jit
     def _kv_tile(ptr, page, slot, kvh, stride_p, stride_s, stride_h, offs_d, mask, dtype,
                  FP8: tl.constexpr):
         """[BN, BD] key (or value) rows of kv head ``kvh`` at (``page``, ``slot``) [BN] in
         ``dtype``; fp8 pools: the e4m3 codes (loaded as uint8) as values, unscaled (exact in
         any float dtype): their page's scale is applied to the scores / probabilities instead
-        (``_kv_scaled``), so a tile costs one conversion per element."""
+        (``_kv_scaled``), so a tile costs one conversion per element (``FP8 == 2``, bf16 on a
+        GPU: ``quant_decode``'s bit recipe, no ``cvt``)."""
         x = tl.load(ptr + (page * stride_p + slot * stride_s + kvh * stride_h)[:, None]
                     + offs_d[None, :], mask=mask, other=0)
+        if FP8 == 2 and dtype == tl.bfloat16:
+            return quant_decode.e4m3_bf16(x)
         if FP8:
             x = x.to(tl.float8e4nv, bitcast=True)
         return x.to(dtype)
@@ -97,12 +112,12 @@ if HAS_TRITON:
                            PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRACK: tl.constexpr,
                            PREC: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
-                           HP: tl.constexpr = 1):
+                           HP: tl.constexpr = 1, PDL: tl.constexpr = False):
         # NOTE: N_SPLITS is a runtime argument (a constexpr compiled one variant per count,
         # issue 21); HP > 1: rows are (query, head) pairs of HP heads of one kv head
-        pid_m = tl.program_id(0)
-        b = tl.program_id(2) // N_SPLITS
-        split = tl.program_id(2) % N_SPLITS
+        pdl_wait(PDL)
+        pid_m, pid_bs = tl.program_id(0), tl.program_id(2)
+        b, split = pid_bs // N_SPLITS, pid_bs % N_SPLITS
         q_start = tl.load(cu_q_ptr + b)
         q_len = tl.load(cu_q_ptr + b + 1) - q_start
         if pid_m * (BLOCK_M // HP) >= q_len:
@@ -174,8 +189,9 @@ if HAS_TRITON:
     @triton.jit
     def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, stride_ps, stride_pt, stride_ph,
                              stride_ls, stride_lt, stride_ot, stride_oh, D, SPLITS,
-                             BLOCK_S: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -403,15 +419,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-            FP8=fp8, HP=hp,
-            num_warps=num_warps, num_stages=num_stages)
+            FP8=2 if fp8 and not INTERPRET and fp8_decode_on() else int(fp8), HP=hp,
+            num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their
             # own programs only; every row t < T belongs to some request, so all are merged
             _merge_splits_kernel[(T, H)](
                 part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                 lse.stride(1), out.stride(0), out.stride(1), D, splits,
-                BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, num_warps=4)   # one variant for any count
+                BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, num_warps=4,   # one variant for any count
+                **pdl_args(q))
     elif T > 0:
         out.zero_()
     return (out, mass) if return_mass else out

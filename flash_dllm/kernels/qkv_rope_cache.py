@@ -44,6 +44,7 @@ from flash_dllm.kernels._triton import (
     check_dtype,
     interpreting,
     next_pow2,
+    pdl_args,
     use_triton,
 )
 
@@ -55,6 +56,8 @@ ENABLED = os.environ.get("FLASH_DLLM_FUSED_QKV", "1") == "1"
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from flash_dllm.kernels._triton import pdl_wait
 
     @triton.jit
     def _rope_pair(y1, y2, c, s, FP32_MATH: tl.constexpr):
@@ -82,7 +85,8 @@ if HAS_TRITON:
                                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
                                HAS_BIAS: tl.constexpr, FP32_MATH: tl.constexpr,
-                               UPCAST: tl.constexpr):
+                               UPCAST: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         HALF: tl.constexpr = HEAD_DIM // 2
         CHUNKS: tl.constexpr = HALF // BLOCK_C
         pid_m = tl.program_id(0)
@@ -260,7 +264,7 @@ def qkv_rope_cache_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         v_cache.stride(2), H, Hkv, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_C=block_c, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         FP32_MATH=bool(apply_in_fp32), UPCAST=INTERPRET, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **pdl_args(x))
     return q_out
 
 

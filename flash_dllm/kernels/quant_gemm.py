@@ -51,13 +51,14 @@ from flash_dllm.kernels.quant_decode import dequantize_triton  # (op's many-row 
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
     HAS_TRITON,
+    batch_invariant_active,
     check,
     check_device,
     check_dtype,
     describe,
-    batch_invariant_active,
     interpreting,
     next_pow2,
+    pdl_args,
     use_triton,
 )
 
@@ -67,15 +68,15 @@ SCALE_DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
 _QMAX = {8: 127, 4: 7}
 # How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 1,
-# the nibbles joined into their columns. Timed on an H100 in CUDA graphs at LLaDA-8B's four
-# projections, 32 rows, default tiles (benchmarks/results/step/sweep_quant_gemm_int4_h100.json):
-# read 1 35 / 20 / 56 / 46 us, read 2 50 / 47 / 75 / 127 us, read 0 154 / 102 / 295 / 290 us
-# (int8 30 / 14 / 44 / 31 us); a byte-per-column read (each byte loaded twice) was slower still.
+# the nibbles joined into their columns: fastest on an H100 (``step/sweep_quant_gemm_int4_h100
+# .json``: LLaDA-8B's projections at 32 rows, read 1 35 / 20 / 56 / 46 us, 2 50 / 47 / 75 / 127).
 INT4_READ = 1
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from flash_dllm.kernels._triton import pdl_wait
 
     @triton.jit
     def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end,
@@ -215,11 +216,12 @@ if HAS_TRITON:
     @triton.jit
     def _wq_gemm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
                         K_PER_SPLIT, stride_xm, stride_qn, stride_sn, stride_om, stride_pm,
-                        stride_ps, GROUP: tl.constexpr,
-                        BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                        UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr,
-                        FP8: tl.constexpr):
+                        stride_ps, GROUP: tl.constexpr, BITS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, JOIN: tl.constexpr, FP8: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl_wait(PDL)
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -432,9 +434,8 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]        # slices start on a BLOCK_K boundary
     split = -(-K // per)
     grid = (tiles[0], split, tiles[1])
-    part = out                                            # (unused unless split > 1)
-    if split > 1:
-        part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    part = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
+            else out)                                     # (unused unless split > 1)
     cnt = out if cnt is None else cnt
     fp8 = qweight.dtype == FP8
     _wq_gemm_kernel[grid](
@@ -446,7 +447,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         JOIN=int(cfg.get("JOIN", INT4_READ)) if bits == 4 else 0, FP8=fp8,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pdl_args(x))
     return out
 
 

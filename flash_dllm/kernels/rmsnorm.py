@@ -21,6 +21,7 @@ from flash_dllm.kernels._triton import (
     check_dtype,
     interpreting,
     next_pow2,
+    pdl_args,
     use_triton,
 )
 
@@ -30,9 +31,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels._triton import pdl_wait
+
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_r, stride_o,
-                        stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < d
@@ -94,7 +99,7 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rmsnorm_kernel[(T,)](
         x, r, weight, out, res_out, d, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
         float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16))
+        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16), **pdl_args(x))
     return out, res_out
 
 

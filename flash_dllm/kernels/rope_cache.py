@@ -34,6 +34,7 @@ from flash_dllm.kernels._triton import (
     check_dtype,
     interpreting,
     next_pow2,
+    pdl_args,
     use_triton,
 )
 
@@ -43,6 +44,8 @@ QKNorm = tuple  # (q norm weight [D], k norm weight [D], eps): per-head RMSNorm 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from flash_dllm.kernels._triton import pdl_wait
 
     @triton.jit
     def rotated(src, stride_src_h, n_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -118,7 +121,8 @@ if HAS_TRITON:
                            kn_ptr, eps, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr,
-                           NORM: tl.constexpr):
+                           NORM: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
         _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
@@ -249,7 +253,7 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         float(qk_norm[2]) if qk_norm else 0.0,
         PAGE_SIZE=k_cache.shape[1], HALF=D // 2, BLOCK_HALF=next_pow2(D // 2),
         BLOCK_H=next_pow2(H), BLOCK_HKV=next_pow2(Hkv), FP32_MATH=bool(apply_in_fp32),
-        NORM=qk_norm is not None, num_warps=4)
+        NORM=qk_norm is not None, num_warps=4, **pdl_args(q))
     return q_out
 
 

@@ -31,7 +31,14 @@ from __future__ import annotations
 import torch
 
 from flash_dllm.kernels import kv_quant, rope_cache
-from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, next_pow2, use_triton
+from flash_dllm.kernels._triton import (
+    HAS_TRITON,
+    check,
+    check_device,
+    next_pow2,
+    pdl_args,
+    use_triton,
+)
 
 INTERPRET = rope_cache.INTERPRET
 
@@ -39,6 +46,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels._triton import pdl_wait
     from flash_dllm.kernels.kv_pages_kernels import _fp8_bits, _round_fp32
     from flash_dllm.kernels.rope_cache import _rotate_store, angles, rotated
 
@@ -52,7 +60,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _snapshot(slot_ptr, ks_ptr, vs_ptr, old_ptr, T, HKV, PAGE_SIZE: tl.constexpr,
-                  BLOCK_HKV: tl.constexpr):
+                  BLOCK_HKV: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         page = tl.where(slot >= 0, slot, 0) // PAGE_SIZE
@@ -66,7 +75,8 @@ if HAS_TRITON:
                      vs_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_qot, stride_qoh, H, HKV, PAGE_SIZE: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr):
+                     BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
         _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
@@ -110,7 +120,8 @@ if HAS_TRITON:
     @triton.jit
     def _requant(slot_ptr, old_ptr, flag_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, T, P, HKV, D,
                  stride_cp, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)                                    # 0: K, 1: V
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -137,7 +148,8 @@ if HAS_TRITON:
                      vs_ptr, flag_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp,
                      stride_cs, stride_ch, P, HKV, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                     FP32_MATH: tl.constexpr):
+                     FP32_MATH: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -218,20 +230,22 @@ def rope_cache_fp8_triton(q, k, v, positions, k_cache, v_cache, k_scale, v_scale
     kc, vc = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     old = torch.empty((2, T, Hkv), dtype=torch.float32, device=q.device)
     flags = torch.zeros((2 * P,), dtype=torch.int32, device=q.device)
-    _snapshot[(T,)](slot_mapping, k_scale, v_scale, old, T, Hkv, PAGE_SIZE=ps, BLOCK_HKV=bkv)
+    pdl = pdl_args(q)
+    _snapshot[(T,)](slot_mapping, k_scale, v_scale, old, T, Hkv, PAGE_SIZE=ps, BLOCK_HKV=bkv,
+                    **pdl)
     _rotate_amax[(T,)](q, k, v, positions, slot_mapping, inv_freq, q_out, k_scale, v_scale,
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                        v.stride(1), q_out.stride(0), q_out.stride(1), H, Hkv, PAGE_SIZE=ps,
                        HALF=half, BLOCK_HALF=bh, BLOCK_H=next_pow2(H), BLOCK_HKV=bkv,
-                       FP32_MATH=bool(apply_in_fp32), num_warps=4)
+                       FP32_MATH=bool(apply_in_fp32), num_warps=4, **pdl)
     _requant[(T, 2)](slot_mapping, old, flags, kc, vc, k_scale, v_scale, T, P, Hkv, D,
                      kc.stride(0), kc.stride(1), kc.stride(2), PAGE_SIZE=ps,
-                     BLOCK_D=next_pow2(D), num_warps=4)
+                     BLOCK_D=next_pow2(D), num_warps=4, **pdl)
     _quant_store[(T,)](k, v, positions, slot_mapping, inv_freq, kc, vc, k_scale, v_scale, flags,
                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
                        kc.stride(1), kc.stride(2), P, Hkv, PAGE_SIZE=ps, HALF=half,
                        BLOCK_HALF=bh, BLOCK_HKV=bkv, FP32_MATH=bool(apply_in_fp32),
-                       num_warps=4)
+                       num_warps=4, **pdl)
     return q_out
 
 

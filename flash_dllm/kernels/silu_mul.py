@@ -25,6 +25,7 @@ from flash_dllm.kernels._triton import (
     check_device,
     check_dtype,
     interpreting,
+    pdl_args,
     use_triton,
 )
 
@@ -34,8 +35,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from flash_dllm.kernels._triton import pdl_wait
+
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -68,7 +73,8 @@ def silu_mul_triton(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if T == 0 or inter == 0:
         return out
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        **pdl_args(gate_up))
     return out
 
 

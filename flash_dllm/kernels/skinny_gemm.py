@@ -35,6 +35,8 @@ from flash_dllm.kernels._triton import (
     check_device,
     describe,
     interpreting,
+    pdl_args,
+    prefetch_lines,
     use_triton,
 )
 
@@ -45,6 +47,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from flash_dllm.kernels._triton import pdl_wait, prefetch_l2
 
     @triton.jit
     def _slice_dot(x_rows, row_ok, w_rows, col_ok, k_start, k_end, BLOCK_M: tl.constexpr,
@@ -66,13 +70,20 @@ if HAS_TRITON:
                        stride_xm, stride_wn, stride_om, stride_pm, stride_ps,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU: tl.constexpr,
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)          # (SILU: of the gate / output)
         row_ok, col_ok = rows < M, cols < N
         k_start = pid_k * K_PER_SPLIT
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if PDL and PF_LINES > 0:     # the slice's first lines into L2 while the last kernel runs
+            ks = tl.minimum(k_start + tl.arange(0, PF_LINES) * 64, k_end - 1)[None, :]
+            pf_rows = tl.minimum(cols, N - 1)[:, None].to(tl.int64)
+            prefetch_l2(w_ptr + pf_rows * stride_wn + ks)
+            if SILU:
+                prefetch_l2(w_ptr + (pf_rows + N) * stride_wn + ks)
+        pdl_wait(PDL)
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
         acc = _slice_dot(x_rows, row_ok, w_rows, col_ok, k_start, k_end, BLOCK_M, BLOCK_N,
@@ -186,6 +197,9 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = -(-K // per)
     grid = (tiles[0], split, tiles[1])
+    pdl = pdl_args(x)
+    lines = (prefetch_lines(grid[0] * split * (2 if silu else 1), cfg["BLOCK_N"],
+                            -(-per * x.element_size() // 128)) if pdl["PDL"] else 0)
     part, cnt = out, out if cnt is None else cnt
     if split > 1:
         part = torch.empty(split, M, 2 * N if silu else N, dtype=torch.float32,
@@ -195,7 +209,8 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x.stride(0), weight.stride(0), out.stride(0), part.stride(-2),
         part.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None, SPLIT=split,
         SILU=silu, UPCAST=INTERPRET, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PF_LINES=lines, **pdl)
     return out
 
 
