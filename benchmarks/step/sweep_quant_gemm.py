@@ -229,12 +229,19 @@ def main() -> None:
               "dequant_min_rows": quant_gemm.DEQUANT_MIN_ROWS, "cases": cases,
               "sweep_budget_s": a.budget_s, "sweep_stopped_early": stopped,
               "sweep_points": len(points), "winners": configs, "sweep": points}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2))
-    if a.write_config:
-        path = tuned_configs.config_path("quant_gemm", name, a.write_config)
-        tuned_configs.write(path, "quant_gemm", name, configs,
-                            "benchmarks/step/sweep_quant_gemm.py (timed in CUDA graphs)")
+    save(report, a.out, a.write_config, "quant_gemm", name, configs,
+         "benchmarks/step/sweep_quant_gemm.py (timed in CUDA graphs)")
+
+
+def save(report: dict, out: str, config_dir: str | None, kernel: str, device_name: str,
+         configs: dict, source: str) -> None:
+    """A sweep's report as JSON at ``out``; with ``config_dir`` its winners as the kernel's
+    tuned-config file for the device there (``FLASH_DLLM_KERNEL_CONFIGS=config_dir``)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    if config_dir:
+        path = tuned_configs.config_path(kernel, device_name, config_dir)
+        tuned_configs.write(path, kernel, device_name, configs, source)
         print(f"wrote {path}", flush=True)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sweep_quant_gemm import graph_time  # noqa: E402  (the same CUDA-graph timing)
+from sweep_quant_gemm import graph_time, save  # noqa: E402  (the same timing and report)
 
-from flash_dllm.kernels import silu_mul, skinny_gemm, tuned_configs  # noqa: E402
+from flash_dllm.kernels import silu_mul, skinny_gemm  # noqa: E402
 
 # (model, projection, N (output width; gate/up: the intermediate size), K, silu)
 SHAPES = {
@@ -119,13 +118,8 @@ def main() -> None:
               "timing": "mean per launch in one CUDA graph cycling through weight copies",
               "stream_mb": a.stream_mb, "margin": a.margin, "budget_s": a.budget_s,
               "stopped_early": stopped, "cases": cases, "winners": configs}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=2))
-    if a.write_config:
-        path = tuned_configs.config_path("skinny_gemm", name, a.write_config)
-        tuned_configs.write(path, "skinny_gemm", name, configs,
-                            "benchmarks/step/sweep_skinny_gemm.py (CUDA graphs, weights from HBM)")
-        print(f"wrote {path}", flush=True)
+    save(report, a.out, a.write_config, "skinny_gemm", name, configs,
+         "benchmarks/step/sweep_skinny_gemm.py (CUDA graphs, weights from HBM)")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,18 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
     @triton.jit
+    def split_sum(p, stride_ps, omask, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+        """A split-K tile's fp32 partials at ``p`` (slice ``s`` at ``p + s * stride_ps``) added
+        in slice order, the same order whichever slice came last (``quant_gemm``,
+        ``skinny_gemm``: their tile's last slice sums; deterministic)."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in tl.static_range(SPLIT):                   # (64-bit pointer steps)
+            acc += tl.load(p, mask=omask, other=0.0, cache_modifier=".cg")
+            p += stride_ps
+        return acc
+
+    @triton.jit
     def prefetch_l2(ptrs):
         """One L2 prefetch per element of ``ptrs`` (global addresses; no value, never a fault):
         what a kernel launched with PDL does with the weights it will stream (no kernel writes

@@ -348,10 +348,10 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block_m: int):
     if P == 0 or E == 0:
         return sorted_ids, block_expert, total.zero_()
     counts = torch.empty(E, dtype=torch.int32, device=dev)
-    _count_kernel[(E,)](ids, counts, P, BLOCK_P=_SCAN, num_warps=4, **pdl_args(ids))
+    pdl = pdl_args(ids)
+    _count_kernel[(E,)](ids, counts, P, BLOCK_P=_SCAN, num_warps=4, **pdl)
     _place_kernel[(E,)](ids, counts, sorted_ids, block_expert, total, P, E, BLOCK_M=block_m,
-                        BLOCK_P=_SCAN, BLOCK_E=max(16, next_pow2(E)), num_warps=4,
-                        **pdl_args(ids))
+                        BLOCK_P=_SCAN, BLOCK_E=max(16, next_pow2(E)), num_warps=4, **pdl)
     return sorted_ids, block_expert, total
 
 
@@ -408,7 +408,9 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, *, config: di
     h = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)  # [cap, I]
     prec = FP32_PRECISION if x.dtype == torch.float32 else "tf32"
     launch = {"BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec, "num_warps": cfg["num_warps"],
-              "num_stages": cfg["num_stages"], **pdl_args(x)}
+              "num_stages": cfg["num_stages"]}
+    pdl = pdl_args(x)
+    launch.update(pdl)
     blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
     _gate_up_kernel[(blocks * n_gu,)](
         x, w_gate_up, h, sorted_ids, block_expert, total, P, k, d, I, x.stride(0),
@@ -425,7 +427,7 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_ids, topk_weights, *, config: di
         return out.copy_(buf)
     block = min(1024, max(16, next_pow2(d)))
     _sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4,
-                                     **pdl_args(x))
+                                     **pdl)
     return out
 
 

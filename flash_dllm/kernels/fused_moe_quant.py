@@ -146,7 +146,9 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
         gu_q, dn_q = gu_q.view(torch.uint8), dn_q.view(torch.uint8)
     launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
               "JOIN": quant_gemm.INT4_READ if bits == 4 else 0, "FP8": fp8,
-              "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_args(x)}
+              "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    pdl = pdl_args(x)
+    launch.update(pdl)
     blocks, n_gu, n_dn = sorted_ids.shape[0] // bm, -(-I // cfg["GU_N"]), -(-d // cfg["DN_N"])
     _gate_up_wq_kernel[(blocks * n_gu,)](
         x, gu_q, gu_s, h, sorted_ids, block_expert, total, P, k, d, I, group, x.stride(0),
@@ -159,7 +161,7 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
         BLOCK_N=cfg["DN_N"], BLOCK_K=cfg["DN_K"], **launch)
     block = min(1024, max(16, triton.next_power_of_2(d)))
     fused_moe._sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4,
-                                               **pdl_args(x))
+                                               **pdl)
     return out
 
 

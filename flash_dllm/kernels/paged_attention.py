@@ -66,6 +66,8 @@ def fp8_decode_on() -> bool:
     than ``cvt``: opt-in (``FLASH_DLLM_KV_FP8_DECODE=1``) until its GPU A/B has run (compiled
     for sm_90 only so far; the recipe itself is bitwise-tested on the GPU in ``quant_gemm``)."""
     return os.environ.get("FLASH_DLLM_KV_FP8_DECODE", "0") == "1"
+
+
 # float32 inputs: how ``tl.dot`` multiplies. "ieee" (true fp32 products on the CUDA cores) took
 # 7.0 ms of a 9.8 ms step at batch 32 of the demo model against 0.06 ms in bf16
 # (profile_batch_step_h200.json); "tf32x3" splits each operand into two TF32 parts and runs three
@@ -406,6 +408,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         else:
             part = lse = mass                                   # never touched
         kq, vq, ks, vs = _kernel_caches(k_cache, v_cache, k_scale, v_scale, mass)
+        pdl = pdl_args(q)
         _paged_attn_kernel[(m_tiles, H // hp, B * splits)](
             q, kq, vq, out, mass, cu_seqlens_q, seq_lens_k, block_table,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -420,7 +423,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
             FP8=2 if fp8 and not INTERPRET and fp8_decode_on() else int(fp8), HP=hp,
-            num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+            num_warps=num_warps, num_stages=num_stages, **pdl)
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their
             # own programs only; every row t < T belongs to some request, so all are merged
@@ -428,7 +431,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                 lse.stride(1), out.stride(0), out.stride(1), D, splits,
                 BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, num_warps=4,   # one variant for any count
-                **pdl_args(q))
+                **pdl)
     elif T > 0:
         out.zero_()
     return (out, mass) if return_mass else out

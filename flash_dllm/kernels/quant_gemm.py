@@ -76,7 +76,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flash_dllm.kernels._triton import pdl_wait
+    from flash_dllm.kernels._triton import pdl_wait, split_sum
 
     @triton.jit
     def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end,
@@ -243,11 +243,7 @@ if HAS_TRITON:
             tl.debug_barrier()                         # every thread's partial is written
             cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
             if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                p = part                                       # (64-bit pointer steps)
-                for _ in tl.static_range(SPLIT):
-                    acc += tl.load(p, mask=omask, other=0.0, cache_modifier=".cg")
-                    p += stride_ps
+                acc = split_sum(part, stride_ps, omask, SPLIT, BLOCK_M, BLOCK_N)
                 _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
                 tl.atomic_xchg(cnt, 0)
         else:

@@ -48,7 +48,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flash_dllm.kernels._triton import pdl_wait, prefetch_l2
+    from flash_dllm.kernels._triton import pdl_wait, prefetch_l2, split_sum
 
     @triton.jit
     def _slice_dot(x_rows, row_ok, w_rows, col_ok, k_start, k_end, BLOCK_M: tl.constexpr,
@@ -102,14 +102,9 @@ if HAS_TRITON:
             tl.debug_barrier()
             cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
             if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                p = part                                       # (64-bit pointer steps)
-                for _ in tl.static_range(SPLIT):
-                    acc += tl.load(p, mask=omask, other=0.0, cache_modifier=".cg")
-                    if SILU:
-                        up += tl.load(p + N, mask=omask, other=0.0, cache_modifier=".cg")
-                    p += stride_ps
+                acc = split_sum(part, stride_ps, omask, SPLIT, BLOCK_M, BLOCK_N)
+                if SILU:
+                    up = split_sum(part + N, stride_ps, omask, SPLIT, BLOCK_M, BLOCK_N)
                 _epilogue(acc, up, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om,
                           HAS_BIAS, SILU)
                 tl.atomic_xchg(cnt, 0)

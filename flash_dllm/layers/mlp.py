@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flash_dllm.kernels import silu_mul, skinny_gemm
-from flash_dllm.layers.linear import dense
+from flash_dllm.layers.linear import dense, dense_swiglu
 
 
 class SwiGLU(nn.Module):
@@ -47,10 +46,5 @@ class SwiGLU(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            # one launch for the projection and silu(gate) * up where a sweep found it faster
-            # (kernels/skinny_gemm.py), else the GEMM and one silu_mul kernel (kernels/silu_mul)
-            h = (skinny_gemm.silu_gate_up(x, self.gate_up_proj.weight)
-                 if type(self.gate_up_proj) is nn.Linear and self.gate_up_proj.bias is None
-                 else None)
-            return dense(self.down_proj, silu_mul.op(self.gate_up_proj(x)) if h is None else h)
+            return dense(self.down_proj, dense_swiglu(self.gate_up_proj, x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
