@@ -26,8 +26,7 @@
 #                    SDAR-4B batch 1 without / with its tiles                          ~6 min
 #           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1): its GPU test, then
 #                    SDAR-4B batch 1 and LLaDA-8B batch-1 bf16 / fp8 / int4 off / on  ~5 min
-#           kvfp8    bench step with fp8 KV pages against the model dtype (and with the pages'
-#                    bit-recipe decode, FLASH_DLLM_KV_FP8_DECODE=1); its profile       ~3 min
+#           kvfp8    bench step with fp8 KV pages against the model dtype; its profile  ~2 min
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini with its random router                                 ~1.5 min
 #           llada2   the LLaDA2 proxy: GPU graph test and its accuracy, both suites; serving
@@ -144,10 +143,6 @@ group_kvfp8() {
       "${FD[@]}" bench step --kv-cache-dtype $dt --cache dual --batch 1 64 \
       --json "$OUT/step/step_kv_${dt}_h200.json"
   done
-  # fp8 pages decoded by quant_decode's bit recipe instead of cvt (opt-in until this has run)
-  run step_kv_fp8_decode_h200 240 "$OUT/step/step_kv_fp8_decode_h200.json" \
-    env FLASH_DLLM_KV_FP8_DECODE=1 "${FD[@]}" bench step --kv-cache-dtype fp8 --cache dual \
-    --batch 1 64 --json "$OUT/step/step_kv_fp8_decode_h200.json"
   for dt in fp8 auto; do
     run profile_kv${dt}_h200 120 "$OUT/step/profile_kv${dt}_h200.json" \
       python3 benchmarks/step/profile_step.py --kv-cache-dtype $dt --batch 1 64 --steps 4 \

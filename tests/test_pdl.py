@@ -11,7 +11,7 @@ from flash_dllm.kernels import _triton
 def test_pdl_is_opt_in_and_off_on_the_cpu(monkeypatch):
     x = torch.zeros(2)
     monkeypatch.delenv(_triton.PDL_ENV, raising=False)
-    assert _triton.pdl_args(x) == {"PDL": False, "launch_pdl": False}
+    assert _triton.pdl_args(x) == {"PDL": 0, "launch_pdl": False}
     monkeypatch.setenv(_triton.PDL_ENV, "1")          # asked for, but not a CUDA tensor
     assert not _triton.pdl(x)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flash_dllm.kernels import quant_gemm, tuned_configs
+from flash_dllm.kernels import fp8_gemm, quant_gemm, tuned_configs
 from flash_dllm.kernels._triton import HAS_TRITON
 
 needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and quant_gemm.INTERPRET),
@@ -124,3 +124,28 @@ def test_int4_joined_nibbles_equal_the_reference(dtype, join):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), quant_gemm.weight_only_reference(x, q, s, None, 4)
                                .float(), rtol=tol, atol=tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("code", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_the_transposed_dots_equal_the_reference(code, split):
+    """The ``SWAP`` tile (``W @ x^T`` into a transposed accumulator, scaled per row, transposed
+    once): the reference's values for each code, with and without a K split, with a bias."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(80, 256, generator=g) * 0.05
+    if code == "fp8":
+        q8, s8 = fp8_gemm.quantize_weight(w)
+        q, s, bits = q8, s8.view(-1, 1), 8
+    else:
+        bits = 4 if code == "int4" else 8
+        q, s = quant_gemm.quantize(w, bits, 64)
+    x = torch.randn(7, 256, generator=g)
+    bias = torch.randn(80, generator=g)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split, "SWAP": 1}
+    got = quant_gemm.weight_only_triton(x, q, s, bias, bits, cfg)
+    want = quant_gemm.weight_only_reference(x, q, s, bias, bits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert quant_gemm.check_tile({"SWAP": 1}, "t") == {"SWAP": 1}
+    with pytest.raises(ValueError, match="SWAP = 2"):
+        quant_gemm.check_tile({"SWAP": 2}, "t")

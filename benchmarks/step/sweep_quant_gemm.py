@@ -42,7 +42,8 @@ SHAPES = [("qkv", 3 * 4096, 4096), ("o", 4096, 4096), ("gate_up", 2 * 12288, 409
 ROWS = [32, 64, 128, 256, 2048]
 # (the first key varies slowest: tiles without a K split first, the budget may stop the grid)
 GRID = {"SPLIT_K": [1, 2, 4, 8], "BLOCK_K": [64, 128], "BLOCK_N": [32, 64, 128],
-        "num_warps": [4], "num_stages": [3]}     # (8 warps never won a bucket on the H100)
+        "num_warps": [4], "num_stages": [3],     # (8 warps never won a bucket on the H100)
+        "SWAP": [0, 1]}                          # (the transposed dots: W @ x^T)
 
 
 def graph_time(fn, reps: int) -> float:
@@ -81,8 +82,9 @@ SHARE = {"int8": 0.25, "fp8": 0.25, "int4": 0.5}     # of the sweep's budget (in
 CODE_BITS = {"int8": 8, "fp8": 8, "int4": 4}          # fp8: one scale per row (its group is K)
 
 
-def tiles(code: str) -> list[dict]:
-    out = [dict(zip(GRID, combo)) for combo in itertools.product(*GRID.values())]
+def tiles(code: str, grid: dict | None = None) -> list[dict]:
+    grid = grid or GRID
+    out = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
     if code == "int4":        # the default nibble read only (the others have no bit-recipe
         out = [{**t, "JOIN": quant_gemm.INT4_READ} for t in out]    # decoder: the baseline
     return out                                                      # table times them)
@@ -108,6 +110,10 @@ def baseline(weights, rows, reps, group, dev) -> list[dict]:
                 row[f"{code}_config"] = cfg
                 row[f"{code}_kernel_us"] = graph_time(
                     lambda: quant_gemm.weight_only_triton(x, q, s, None, bits, cfg), reps)
+                row[f"{code}_swap_kernel_us"] = graph_time(
+                    lambda: quant_gemm.weight_only_triton(x, q, s, None, bits,
+                                                          {**cfg, "SWAP": 1 - cfg.get("SWAP", 0)}),
+                    reps)
                 for j in ((0, 1, 2) if code == "int4" else ()):   # every nibble read, same tiles
                     row[f"int4_read{j}_kernel_us"] = graph_time(
                         lambda: quant_gemm.weight_only_triton(x, q, s, None, bits,
@@ -119,7 +125,8 @@ def baseline(weights, rows, reps, group, dev) -> list[dict]:
             cases.append(row)
             print(f"{name:8s} M={M:5d}: bf16 {row['bf16_us']:7.1f} us"
                   + (f"  fp8 w8a8 {row['fp8_w8a8_us']:7.1f}" if "fp8_w8a8_us" in row else "")
-                  + "".join(f"  {c} {row[f'{c}_kernel_us']:7.1f}" for c in packs)
+                  + "".join(f"  {c} {row[f'{c}_kernel_us']:7.1f} (swapped "
+                            f"{row[f'{c}_swap_kernel_us']:.1f})" for c in packs)
                   + "".join(f"  {c} dequant+gemm {row[f'{c}_dequant_gemm_us']:7.1f}"
                             for c in packs if c != "fp8"), flush=True)
     return cases
@@ -140,7 +147,7 @@ def time_tile(weights, code, M, cfg, reps, dev) -> dict[str, float | None]:
     return out
 
 
-def sweep(weights, buckets, reps, budget_s, keep, dev, codes=CODES
+def sweep(weights, buckets, reps, budget_s, keep, dev, codes=CODES, grid: dict | None = None
           ) -> tuple[list[dict], bool]:
     """``SHARE`` of the budget per code (int4's grid is three times the others': its ``JOIN``
     reads); the codes the weights hold (fp8 only on a card with FP8)."""
@@ -150,7 +157,7 @@ def sweep(weights, buckets, reps, budget_s, keep, dev, codes=CODES
         t0, first, rest = time.monotonic(), buckets[0], buckets[1:]
         budget = budget_s * SHARE[code] / sum(SHARE[c] for c in codes)
         scored = []
-        for tile in tiles(code):
+        for tile in tiles(code, grid):
             if time.monotonic() - t0 > budget * 0.7:          # leave time for the buckets
                 stopped = True
                 break
@@ -204,6 +211,9 @@ def main() -> None:
                     help="seconds for the sweep (compiles included)")
     ap.add_argument("--codes", nargs="+", choices=CODES, default=list(CODES),
                     help="the codes to sweep (the baseline table times them all)")
+    ap.add_argument("--grid", type=json.loads, metavar="JSON",
+                    help='tile values to sweep instead of GRID, e.g. \'{"SPLIT_K": [2, 4], '
+                         '"BLOCK_K": [128], "BLOCK_N": [64], "SWAP": [0, 1]}\'')
     ap.add_argument("--write-config", metavar="DIR",
                     help="write the winners as DIR/quant_gemm/<device>.json")
     a = ap.parse_args()
@@ -219,7 +229,8 @@ def main() -> None:
             packs["fp8"] = (f8[0], f8[1].view(-1, 1), 8)
         weights[name] = (w, packs, f8)
     cases = baseline(weights, a.rows, a.reps, a.group, dev)
-    points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev, a.codes)
+    points, stopped = sweep(weights, a.buckets, a.reps, a.budget_s, a.keep, dev, a.codes,
+                            a.grid)
     configs = winners(points, a.group)
     name = torch.cuda.get_device_name(dev)
     for key, rows in sorted(configs.items()):

@@ -123,10 +123,20 @@ def _pdl_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def pdl_mode(t: torch.Tensor) -> int:
+    """How a kernel on ``t``'s device launches: 0 plainly; with PDL (CUDA sm_90+, compiled, turned
+    on) 1 = each program lets the next kernel launch as soon as it has waited (``FLASH_DLLM_PDL=1``),
+    2 = only as it exits (``FLASH_DLLM_PDL=2``: the next kernel's launch overlaps this one's tail,
+    its programs never hold an SM while this one still has programs to place)."""
+    mode = os.environ.get(PDL_ENV, "0")
+    if mode not in ("1", "2") or not (HAS_GDC and t.is_cuda) or interpreting():
+        return 0
+    return int(mode) if _pdl_capable(t.device.index or 0) else 0
+
+
 def pdl(t: torch.Tensor) -> bool:
-    """Launch a kernel on ``t``'s device with PDL? (CUDA sm_90+, compiled, turned on)."""
-    return (HAS_GDC and t.is_cuda and os.environ.get(PDL_ENV, "0") == "1"
-            and not interpreting() and _pdl_capable(t.device.index or 0))
+    """Launch a kernel on ``t``'s device with PDL? (``pdl_mode`` not 0)."""
+    return pdl_mode(t) > 0
 
 
 def pdl_args(t: torch.Tensor) -> dict:
@@ -134,18 +144,20 @@ def pdl_args(t: torch.Tensor) -> dict:
     before it touches anything an earlier kernel writes: ``kernel[grid](..., **pdl_args(x))``.
     Every kernel launched with ``launch_pdl`` must wait so: the kernels after it rely on its
     completion implying its predecessor's."""
-    on = pdl(t)
-    return {"PDL": on, "launch_pdl": on}
+    mode = pdl_mode(t)
+    return {"PDL": mode, "launch_pdl": mode > 0}
 
 
 if HAS_TRITON:
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
-        """Wait for the previous kernel in the stream, then let the next one launch (its
-        programs then wait here while this kernel runs: one kernel ahead, never a chain)."""
+        """Wait for the previous kernel in the stream; ``PDL == 1``: then let the next one launch
+        (its programs then wait here while this kernel runs: one kernel ahead, never a chain);
+        ``PDL == 2``: the next one launches as this kernel's programs exit."""
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if PDL == 1:
+                gdc_launch_dependents()
 
     @triton.jit
     def split_sum(p, stride_ps, omask, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -39,11 +39,9 @@ helpers and the PyTorch reference share one layout and are read together.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from flash_dllm.kernels import quant_decode
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -59,13 +57,6 @@ from flash_dllm.kernels._triton import (
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 FP8 = torch.float8_e4m3fn   # fp8 KV pools (kernels/kv_quant.py)
-
-
-def fp8_decode_on() -> bool:
-    """fp8 pages decoded by ``quant_decode``'s bit recipe (``_kv_tile``'s ``FP8 == 2``) rather
-    than ``cvt``: opt-in (``FLASH_DLLM_KV_FP8_DECODE=1``) until its GPU A/B has run (compiled
-    for sm_90 only so far; the recipe itself is bitwise-tested on the GPU in ``quant_gemm``)."""
-    return os.environ.get("FLASH_DLLM_KV_FP8_DECODE", "0") == "1"
 
 
 # float32 inputs: how ``tl.dot`` multiplies. "ieee" (true fp32 products on the CUDA cores) took
@@ -86,12 +77,10 @@ if HAS_TRITON:
         """[BN, BD] key (or value) rows of kv head ``kvh`` at (``page``, ``slot``) [BN] in
         ``dtype``; fp8 pools: the e4m3 codes (loaded as uint8) as values, unscaled (exact in
         any float dtype): their page's scale is applied to the scores / probabilities instead
-        (``_kv_scaled``), so a tile costs one conversion per element (``FP8 == 2``, bf16 on a
-        GPU: ``quant_decode``'s bit recipe, no ``cvt``)."""
+        (``_kv_scaled``), so a tile costs one conversion per element. (``quant_decode``'s e4m3
+        bit recipe instead of ``cvt`` was no faster here: findings/quantization.md.)"""
         x = tl.load(ptr + (page * stride_p + slot * stride_s + kvh * stride_h)[:, None]
                     + offs_d[None, :], mask=mask, other=0)
-        if FP8 == 2 and dtype == tl.bfloat16:
-            return quant_decode.e4m3_bf16(x)
         if FP8:
             x = x.to(tl.float8e4nv, bitcast=True)
         return x.to(dtype)
@@ -422,7 +411,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-            FP8=2 if fp8 and not INTERPRET and fp8_decode_on() else int(fp8), HP=hp,
+            FP8=fp8, HP=hp,
             num_warps=num_warps, num_stages=num_stages, **pdl)
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their

@@ -21,8 +21,10 @@ kernels take these paths on GPUs only (``quant_gemm._int_tile_dot``'s ``FAST``).
 are the same bit recipes in PyTorch: the CPU tests check them over all 256 byte values against
 the true decodings, and the GPU tests check the kernels against ``quant_gemm``'s reference.
 
-Also here: ``dequantize_triton``, the whole weight decoded once into a dense copy (``quant_gemm.op``
-from ``DEQUANT_MIN_ROWS`` rows), in ``quant_gemm``'s layout, equal to its ``dequantize``.
+Also here: the packed layout's own functions (``quantize``, ``unpack``, ``dequantize``: the
+layout is described in ``quant_gemm``, which re-exports them) and ``dequantize_triton``, the whole
+weight decoded once into a dense copy (``quant_gemm.op`` from ``DEQUANT_MIN_ROWS`` rows), equal to
+``dequantize``.
 """
 from __future__ import annotations
 
@@ -118,6 +120,51 @@ if HAS_TRITON:
             sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
             tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
                      mask=m)
+
+
+# The packed layout (``quant_gemm``'s docstring): what the quantizer writes, every kernel reads.
+INT_BITS = (8, 4)
+SCALE_DTYPE = torch.float16
+_QMAX = {8: 127, 4: 7}
+
+
+def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` (any float dtype; leading dims allowed, ``[..., N, K]``) -> (qweight,
+    scales) in the layout above. ``group`` must divide K (the caller names the layer when it
+    does not)."""
+    check(bits in INT_BITS, f"quantize: bits must be one of {INT_BITS}, got {bits}")
+    K = w.shape[-1]
+    check(group >= 1 and K % group == 0, f"quantize: group {group} must divide K = {K}")
+    check(bits == 8 or K % 2 == 0, f"quantize: int4 packs two weights per byte, K = {K} is odd")
+    wf = w.float().unflatten(-1, (K // group, group))                  # [..., N, K/g, g]
+    amax = wf.abs().amax(-1, keepdim=True)
+    # NOTE: the scale is rounded to its storage dtype first and the weights are quantized with
+    # the rounded scale, so dequant(q) is the nearest grid point of the scale actually stored
+    scale = (amax / _QMAX[bits]).clamp_min(1e-7).to(SCALE_DTYPE)
+    q = torch.round(wf / scale.float()).clamp(-_QMAX[bits] - (bits == 4), _QMAX[bits])
+    q = q.flatten(-2).to(torch.int8)                                   # [..., N, K]
+    if bits == 4:
+        u = (q + 8).to(torch.uint8)
+        q = u[..., 0::2] | (u[..., 1::2] << 4)                          # [..., N, K/2]
+    return q.contiguous(), scale.squeeze(-1).contiguous()
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers ``q`` [..., N, K] (int8) of a packed ``qweight``."""
+    if bits == 8:
+        return qweight
+    lo = (qweight & 0xF).to(torch.int8) - 8
+    hi = (qweight >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], dim=-1).flatten(-2)                   # [..., N, K]
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W = q * scale`` [..., N, K], computed in fp32 and rounded once to ``dtype``."""
+    q = unpack(qweight, bits).float()
+    group = q.shape[-1] // scales.shape[-1]
+    w = q.unflatten(-1, (scales.shape[-1], group)) * scales.float().unsqueeze(-1)
+    return w.flatten(-2).to(dtype)
 
 
 def _bf16(bits: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,9 @@ write fp32 partials ``[SPLIT_K, M, N]`` and the tile's last slice to finish (an 
 adds them in slice order and writes the output: one launch, deterministic. Tiles: a device's
 tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
 
-NOTE (size): ~500 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
-packed experts), its three int4 reads, the dequantize-once kernel, the layout and the reference.
+NOTE (size): ~480 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
+packed experts), its three int4 reads and transposed dots, the tiles and the reference (the
+layout's ``quantize`` / ``unpack`` / ``dequantize`` live in ``quant_decode``, re-exported here).
 
 NOTE (batch invariance): the split and the tiles follow M (through ``default_config``), so a
 row's reduction order may change with the batch size; pass one ``config`` for bit-stable
@@ -48,6 +49,13 @@ import torch.nn.functional as F
 
 from flash_dllm.kernels import quant_decode, tuned_configs
 from flash_dllm.kernels.quant_decode import dequantize_triton  # (op's many-row path)
+from flash_dllm.kernels.quant_decode import (  # noqa: F401  (the layout's own functions)
+    INT_BITS,
+    SCALE_DTYPE,
+    dequantize,
+    quantize,
+    unpack,
+)
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
     HAS_TRITON,
@@ -63,10 +71,7 @@ from flash_dllm.kernels._triton import (
 )
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
-INT_BITS = (8, 4)
-SCALE_DTYPE = torch.float16
 FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
-_QMAX = {8: 127, 4: 7}
 # How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 1,
 # the nibbles joined into their columns: fastest on an H100 (``step/sweep_quant_gemm_int4_h100
 # .json``: LLaDA-8B's projections at 32 rows, read 1 35 / 20 / 56 / 46 us, 2 50 / 47 / 75 / 127).
@@ -82,7 +87,7 @@ if HAS_TRITON:
     def wq_dot_acc(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k_start, k_end,
                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
                    UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr,
-                   FP8: tl.constexpr = False):
+                   FP8: tl.constexpr = False, SWAP: tl.constexpr = 0):
         """acc [BM, BN] += A[:, k_start:k_end] @ dequant(Q[:, k_start:k_end])^T, the weight
         dequantized in registers: ``a_rows`` [BM, 1] / ``q_rows``, ``s_rows`` [BN, 1] point at
         each row's start (x / packed integers / scales, in this module's layout); ``a_ok`` /
@@ -92,12 +97,24 @@ if HAS_TRITON:
         group boundaries) the integers themselves meet x in the dot (``_int_tile_dot``) and the
         tile's partial sum is scaled per column after it: one conversion per weight, no scale
         gather, no K mask (every tile is whole). Otherwise each weight is dequantized before the
-        dot (``_dequant_tile_dot``: ``q * s`` rounded to x's dtype, as the reference)."""
-        if GROUP % BLOCK_K == 0:
+        dot (``_dequant_tile_dot``: ``q * s`` rounded to x's dtype, as the reference).
+
+        ``SWAP`` (whole-group tiles only): the dots are taken transposed, ``W @ x^T`` into a
+        ``[BN, BM]`` accumulator (the decoded weight the dot's first operand, the few rows of x
+        its narrow second one), scaled per row and transposed once at the end."""
+        if GROUP % BLOCK_K == 0 and SWAP:
+            acc_t = tl.zeros((acc.shape[1], acc.shape[0]), dtype=tl.float32)
             for k0 in range(k_start, k_end, BLOCK_K):
                 s = tl.load(s_rows + k0 // GROUP, mask=w_ok[:, None], other=0.0)   # [BN, 1]
                 part = _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS, BLOCK_K, UPCAST,
-                                     PREC, JOIN, FP8)
+                                     PREC, JOIN, FP8, 1)
+                acc_t += part * s.to(tl.float32)
+            acc += tl.trans(acc_t)
+        elif GROUP % BLOCK_K == 0:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                s = tl.load(s_rows + k0 // GROUP, mask=w_ok[:, None], other=0.0)   # [BN, 1]
+                part = _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS, BLOCK_K, UPCAST,
+                                     PREC, JOIN, FP8, 0)
                 acc += part * tl.trans(s.to(tl.float32))
         else:
             for k0 in range(k_start, k_end, BLOCK_K):
@@ -108,8 +125,9 @@ if HAS_TRITON:
     @triton.jit
     def _int_tile_dot(a_rows, a_ok, q_rows, w_ok, k0, BITS: tl.constexpr,
                       BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                      JOIN: tl.constexpr, FP8: tl.constexpr):
-        """[BM, BN] fp32: x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
+                      JOIN: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr):
+        """[BM, BN] fp32 (``SWAP``: its transpose [BN, BM], from ``_mm``):
+        x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
         (exact in any float dtype: |q| <= 127). int4 reads its nibbles one of three ways (the
         tile option ``JOIN``; ``INT4_READ`` has the H100's timings): 0, two half-width dots
         against x's even / odd columns loaded strided (scalar loads, not pipelined); 1, the
@@ -128,7 +146,7 @@ if HAS_TRITON:
                     x, w = x.to(tl.float32), w.to(tl.float32)
                 else:
                     w = w.to(x.dtype)
-            part = tl.dot(x, tl.trans(w), input_precision=PREC)
+            part = _mm(x, w, PREC, SWAP)
         elif JOIN == 2:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
@@ -139,8 +157,7 @@ if HAS_TRITON:
             xe, xo = tl.split(tl.reshape(x, (x.shape[0], BLOCK_K // 2, 2)))
             we = ((b & 0xF) - 8).to(x.dtype)
             wo = ((b >> 4) - 8).to(x.dtype)
-            part = tl.dot(xe, tl.trans(we), input_precision=PREC)
-            part += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+            part = _mm(xe, we, PREC, SWAP) + _mm(xo, wo, PREC, SWAP)
         elif JOIN:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
@@ -155,7 +172,7 @@ if HAS_TRITON:
                     x = x.to(tl.float32)
                 w = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8),
                                (b.shape[0], BLOCK_K)).to(x.dtype)
-            part = tl.dot(x, tl.trans(w), input_precision=PREC)
+            part = _mm(x, w, PREC, SWAP)
         else:
             jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # byte index
             ke = 2 * jb
@@ -166,9 +183,17 @@ if HAS_TRITON:
                 xe, xo = xe.to(tl.float32), xo.to(tl.float32)
             we = ((b & 0xF) - 8).to(xe.dtype)
             wo = ((b >> 4) - 8).to(xe.dtype)
-            part = tl.dot(xe, tl.trans(we), input_precision=PREC)
-            part += tl.dot(xo, tl.trans(wo), input_precision=PREC)
+            part = _mm(xe, we, PREC, SWAP) + _mm(xo, wo, PREC, SWAP)
         return part
+
+    @triton.jit
+    def _mm(x, w, PREC: tl.constexpr, SWAP: tl.constexpr):
+        """x [BM, BK] @ w [BN, BK]^T, or with ``SWAP`` its transpose w @ x^T [BN, BM]."""
+        if SWAP:
+            out = tl.dot(w, tl.trans(x), input_precision=PREC)
+        else:
+            out = tl.dot(x, tl.trans(w), input_precision=PREC)
+        return out
 
     @triton.jit
     def _dequant_tile_dot(acc, a_rows, a_ok, q_rows, s_rows, w_ok, k0, k_end,
@@ -220,7 +245,7 @@ if HAS_TRITON:
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, JOIN: tl.constexpr, FP8: tl.constexpr,
-                        PDL: tl.constexpr):
+                        SWAP: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,7 +257,7 @@ if HAS_TRITON:
                          x_ptr + rows[:, None].to(tl.int64) * stride_xm, row_ok,
                          q_ptr + cols[:, None].to(tl.int64) * stride_qn,
                          s_ptr + cols[:, None].to(tl.int64) * stride_sn, col_ok, k_start, k_end,
-                         GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN, FP8)
+                         GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN, FP8, SWAP)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT > 1:
             # fp32 partials [SPLIT, M, N]; the tile's last slice to finish (its counter) adds
@@ -257,46 +282,6 @@ if HAS_TRITON:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=omask)
 
-
-
-# ------------------------------------------------------------------------------ quantization
-def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` (any float dtype; leading dims allowed, ``[..., N, K]``) -> (qweight,
-    scales) in the layout above. ``group`` must divide K (the caller names the layer when it
-    does not)."""
-    check(bits in INT_BITS, f"quantize: bits must be one of {INT_BITS}, got {bits}")
-    K = w.shape[-1]
-    check(group >= 1 and K % group == 0, f"quantize: group {group} must divide K = {K}")
-    check(bits == 8 or K % 2 == 0, f"quantize: int4 packs two weights per byte, K = {K} is odd")
-    wf = w.float().unflatten(-1, (K // group, group))                  # [..., N, K/g, g]
-    amax = wf.abs().amax(-1, keepdim=True)
-    # NOTE: the scale is rounded to its storage dtype first and the weights are quantized with
-    # the rounded scale, so dequant(q) is the nearest grid point of the scale actually stored
-    scale = (amax / _QMAX[bits]).clamp_min(1e-7).to(SCALE_DTYPE)
-    q = torch.round(wf / scale.float()).clamp(-_QMAX[bits] - (bits == 4), _QMAX[bits])
-    q = q.flatten(-2).to(torch.int8)                                   # [..., N, K]
-    if bits == 4:
-        u = (q + 8).to(torch.uint8)
-        q = u[..., 0::2] | (u[..., 1::2] << 4)                          # [..., N, K/2]
-    return q.contiguous(), scale.squeeze(-1).contiguous()
-
-
-def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integers ``q`` [..., N, K] (int8) of a packed ``qweight``."""
-    if bits == 8:
-        return qweight
-    lo = (qweight & 0xF).to(torch.int8) - 8
-    hi = (qweight >> 4).to(torch.int8) - 8
-    return torch.stack([lo, hi], dim=-1).flatten(-2)                   # [..., N, K]
-
-
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``W = q * scale`` [..., N, K], computed in fp32 and rounded once to ``dtype``."""
-    q = unpack(qweight, bits).float()
-    group = q.shape[-1] // scales.shape[-1]
-    w = q.unflatten(-1, (scales.shape[-1], group)) * scales.float().unsqueeze(-1)
-    return w.flatten(-2).to(dtype)
 
 
 def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -358,7 +343,8 @@ def _tuned(device_name: str, key: str, M: int, env_dir: str | None) -> dict | No
 
 
 TILE_RULES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 1,
-              "num_stages": 1, "JOIN": 0}      # name -> smallest value (powers of 2 but stages)
+              "num_stages": 1, "JOIN": 0, "SWAP": 0}   # name -> smallest value (powers of 2
+_CHOICES = {"JOIN": (0, 1, 2), "SWAP": (0, 1)}         # but stages; these: one of a few)
 
 
 def check_tile(cfg: dict, where: str) -> dict:
@@ -370,11 +356,11 @@ def check_tile(cfg: dict, where: str) -> dict:
         if lo is None:
             raise ValueError(f"{where}: unknown tile {name!r} (known: {sorted(TILE_RULES)})")
         ok = isinstance(v, int) and v >= lo and (
-            name == "num_stages" or (name == "JOIN" and v in (0, 1, 2))
-            or (name != "JOIN" and v & (v - 1) == 0))
+            name == "num_stages" or (name in _CHOICES and v in _CHOICES[name])
+            or (name not in _CHOICES and v & (v - 1) == 0))
         if not ok:
             raise ValueError(f"{where}: {name} = {v!r} is not a valid tile (a power of 2 >= "
-                             f"{lo}; num_stages >= 1; JOIN 0, 1 or 2)")
+                             f"{lo}; num_stages >= 1; JOIN 0, 1 or 2; SWAP 0 or 1)")
     return cfg
 
 
@@ -443,6 +429,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         JOIN=int(cfg.get("JOIN", INT4_READ)) if bits == 4 else 0, FP8=fp8,
+        SWAP=int(cfg.get("SWAP", 0)),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pdl_args(x))
     return out
 
