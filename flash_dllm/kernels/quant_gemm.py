@@ -76,6 +76,15 @@ FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weig
 # the nibbles joined into their columns: fastest on an H100 (``step/sweep_quant_gemm_int4_h100
 # .json``: LLaDA-8B's projections at 32 rows, read 1 35 / 20 / 56 / 46 us, 2 50 / 47 / 75 / 127).
 INT4_READ = 1
+# The transposed dots (tile option ``SWAP``) where no tile says: ``FLASH_DLLM_WQ_SWAP=1`` (the
+# fused MoE's packed experts too) until a GPU A/B has timed them.
+SWAP_ENV = "FLASH_DLLM_WQ_SWAP"
+
+
+def swap_default() -> int:
+    """1 when ``FLASH_DLLM_WQ_SWAP=1``: tiles without a ``SWAP`` entry take the transposed dots."""
+    return int(os.environ.get(SWAP_ENV, "0") == "1")
+
 
 if HAS_TRITON:
     import triton
@@ -429,7 +438,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         JOIN=int(cfg.get("JOIN", INT4_READ)) if bits == 4 else 0, FP8=fp8,
-        SWAP=int(cfg.get("SWAP", 0)),
+        SWAP=int(cfg.get("SWAP", swap_default())),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pdl_args(x))
     return out
 
