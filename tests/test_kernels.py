@@ -127,13 +127,15 @@ def test_rmsnorm_reference_matches_layer():
                                              (torch.bfloat16, False)])
 @pytest.mark.parametrize("head_dim", [16, 12])           # 12: half (6) is not a power of two
 @pytest.mark.parametrize("qk_norm", [False, True])        # per-head q/k RMSNorm first (SDAR)
-def test_rope_cache_triton_matches_reference(dtype, fp32_math, head_dim, qk_norm):
-    T, H, Hkv, D, S, P = 11, 4, 2, head_dim, 4, 9
+@pytest.mark.parametrize("T,H", [(11, 4), (3, 5)])      # q's heads over 2 / 4 programs a token
+def test_rope_cache_triton_matches_reference(dtype, fp32_math, head_dim, qk_norm, T, H):
+    assert rope_cache.q_programs(T, H) == (2 if H == 4 else 4)
+    Hkv, D, S, P = 2, head_dim, 4, 9
     qkv = _rand(T, (H + 2 * Hkv) * D, dtype=dtype, seed=20)
     q, k, v = rope_cache.split_qkv(qkv, H, Hkv, D)       # strided views of one projection
     positions = torch.randperm(40, generator=_gen(21))[:T]
     slots = torch.randperm(P * S, generator=_gen(22))[:T]
-    slots[3] = -1                                        # padding row: no write
+    slots[T - 2] = -1                                    # padding row: no write
     inv = rope_cache.inv_freq(D, 10000.0)
     init = _rand(P, S, Hkv, D, dtype=dtype, seed=23)
     kc, vc = init.clone(), init.clone() + 1

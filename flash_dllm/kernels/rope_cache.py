@@ -17,8 +17,10 @@ the activation-dtype math of ``layers.rotary.Rotary`` (cos/sin and every product
 ``inv_freq`` is passed in (``inv_freq()`` below or ``Rotary._freqs``) so the kernel and the model
 share bit-identical frequencies.
 
-Kernel: one program per token; a ``[heads, D/2]`` register tile per half, so a token's q, k and v
-are each read once and its K and V slot rows (``Hkv * D`` contiguous values each) written once.
+Kernel: per token, ``Q_SPLIT`` programs for q's heads (each a ``[heads / Q_SPLIT, D/2]`` register
+tile per half) and one for k and v (its K and V slot rows, ``Hkv * D`` contiguous values each,
+written once). ``Q_SPLIT`` is 1 from ~64 tokens; below, q's heads are spread over more programs so
+a few-token step (SDAR's block of 4) is not a handful of programs each looping over 32 heads.
 Duplicate slots in one call are undefined (last writer wins in either path).
 """
 from __future__ import annotations
@@ -121,12 +123,18 @@ if HAS_TRITON:
                            kn_ptr, eps, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr,
-                           NORM: tl.constexpr, PDL: tl.constexpr):
+                           NORM: tl.constexpr, Q_SPLIT: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)                  # < Q_SPLIT: a share of q's heads; else k and v
         c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
-        _rotate_store(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, stride_qh, stride_qoh, H,
-                      c, s, HALF, BLOCK_H, BLOCK_HALF, True, FP32_MATH, qn_ptr, eps, NORM)
+        if j < Q_SPLIT:
+            h0 = j * (BLOCK_H // Q_SPLIT)
+            _rotate_store(q_ptr + t * stride_qt + h0 * stride_qh,
+                          qo_ptr + t * stride_qot + h0 * stride_qoh, stride_qh, stride_qoh,
+                          H - h0, c, s, HALF, BLOCK_H // Q_SPLIT, BLOCK_HALF, True, FP32_MATH,
+                          qn_ptr, eps, NORM)
+            return
         slot = tl.load(slot_ptr + t).to(tl.int64)
         valid = slot >= 0
         n_kv = tl.where(valid, HKV, 0)                  # a padding row (slot < 0) stores nothing
@@ -244,7 +252,8 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     q_out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
-    _rope_cache_kernel[(T,)](
+    q_split = q_programs(T, H)
+    _rope_cache_kernel[(T, q_split + 1)](
         q, k, v, positions, slot_mapping, inv_freq, q_out, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -253,8 +262,17 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         float(qk_norm[2]) if qk_norm else 0.0,
         PAGE_SIZE=k_cache.shape[1], HALF=D // 2, BLOCK_HALF=next_pow2(D // 2),
         BLOCK_H=next_pow2(H), BLOCK_HKV=next_pow2(Hkv), FP32_MATH=bool(apply_in_fp32),
-        NORM=qk_norm is not None, num_warps=4, **pdl_args(q))
+        NORM=qk_norm is not None, Q_SPLIT=q_split, num_warps=4, **pdl_args(q))
     return q_out
+
+
+def q_programs(T: int, H: int, target: int = 64) -> int:
+    """Programs per token for q's heads: a power of 2 with ``T * it`` near ``target`` (1 from
+    ``target`` tokens), at most half of ``next_pow2(H)`` (each program two heads or more)."""
+    n = 1
+    while T * n < target and n * 4 <= next_pow2(H):
+        n *= 2
+    return n
 
 
 def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -66,7 +66,7 @@ def test_rmsnorm(T, model):
 
 
 # ---- rope + cache write ------------------------------------------------------------------------
-@pytest.mark.parametrize("T", [37, 2048])
+@pytest.mark.parametrize("T", [4, 37, 2048])           # q's heads over 16 / 2 / 1 programs
 @pytest.mark.parametrize("model", ["llada", "dream"])
 def test_rope_cache(T, model):
     cfg = MODELS[model]
@@ -91,12 +91,13 @@ def test_rope_cache(T, model):
     assert torch.equal(vc, rv)
 
 
+@pytest.mark.parametrize("T", [4, 300])
 @pytest.mark.parametrize("fp32_rope", [False, True])
-def test_rope_cache_qk_norm_equals_norm_then_rope(fp32_rope):
+def test_rope_cache_qk_norm_equals_norm_then_rope(fp32_rope, T):
     """q/k normed per head inside the RoPE + page write kernel (SDAR, LLaDA-MoE) against the
     unfused kernels (``rmsnorm`` per head, then ``rope_cache``) on SDAR-4B's heads: equal but
     for the mean square's summation order (two halves vs one row; rarely one bf16 ulp)."""
-    T, H, Hkv, D, S = 300, 32, 8, 128, 16
+    H, Hkv, D, S = 32, 8, 128, 16
     P = paged.pages_needed(T, S) + 2
     q, k, v = rope_cache.split_qkv(_randn(T, (H + 2 * Hkv) * D, seed=50), H, Hkv, D)
     wq, wk = (1 + 0.1 * _randn(D, seed=51)), (1 - 0.1 * _randn(D, seed=52))
