@@ -41,7 +41,7 @@ if HAS_TRITON:
                            stride_se, stride_sn, stride_ht, num_n, BITS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            UPCAST: tl.constexpr, PREC: tl.constexpr, JOIN: tl.constexpr,
-                           FP8: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+                           FP8: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -54,10 +54,10 @@ if HAS_TRITON:
         g_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_g = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q, g_s, n_ok, 0, D, GROUP, BITS,
-                                      BLOCK_K, UPCAST, PREC, JOIN, FP8, SWAP)
+                                      BLOCK_K, UPCAST, PREC, JOIN, FP8)
         acc_u = quant_gemm.wq_dot_acc(zero, a_rows, m_ok, g_q + I * stride_qn,
                                       g_s + I * stride_sn, n_ok, 0, D, GROUP, BITS, BLOCK_K,
-                                      UPCAST, PREC, JOIN, FP8, SWAP)
+                                      UPCAST, PREC, JOIN, FP8)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u              # SwiGLU in fp32, rounded once
         tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_ht + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -69,7 +69,7 @@ if HAS_TRITON:
                         BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                         PREC: tl.constexpr, JOIN: tl.constexpr, FP8: tl.constexpr,
-                        SWAP: tl.constexpr, PDL: tl.constexpr):
+                        PDL: tl.constexpr):
         pdl_wait(PDL)
         pid_m = tl.program_id(0) // num_n
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -82,7 +82,7 @@ if HAS_TRITON:
         w_s = s_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
         acc = quant_gemm.wq_dot_acc(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a_rows, m_ok,
                                     w_q, w_s, n_ok, 0, I, GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN,
-                                    FP8, SWAP)
+                                    FP8)
         acc *= tl.load(tw_ptr + pair, mask=m_ok, other=0.0)[:, None]        # mixing weight
         tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :], acc,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -146,7 +146,6 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
         gu_q, dn_q = gu_q.view(torch.uint8), dn_q.view(torch.uint8)
     launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
               "JOIN": quant_gemm.INT4_READ if bits == 4 else 0, "FP8": fp8,
-              "SWAP": quant_gemm.swap_default(),
               "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     pdl = pdl_args(x)
     launch.update(pdl)

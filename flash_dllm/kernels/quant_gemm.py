@@ -28,8 +28,11 @@ recipes of ``quant_decode``, no conversion instructions; no unpacked copy of the
 exists), and ``tl.dot``s against the (tiny, cached) x tile. With few column tiles (N / BLOCK_N
 below ~2 waves of SMs) the K split gives every SM a slice of the weights to stream; the slices
 write fp32 partials ``[SPLIT_K, M, N]`` and the tile's last slice to finish (an arrival counter)
-adds them in slice order and writes the output: one launch, deterministic. Tiles: a device's
-tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
+adds them in slice order and writes the output: one launch, deterministic. The tile option
+``SWAP`` takes the dots transposed (``W @ x^T``: the decoded weight becomes the register operand
+of Hopper's wgmma, the few rows of x its narrow N side); on an H100 it won the int4 shapes at 32
+rows (gate/up 44.4 -> 39.1 us) and lost fp8's and the fused MoE's (findings/quantization.md).
+Tiles: a device's tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
 
 NOTE (size): ~480 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
 packed experts), its three int4 reads and transposed dots, the tiles and the reference (the
@@ -76,15 +79,6 @@ FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weig
 # the nibbles joined into their columns: fastest on an H100 (``step/sweep_quant_gemm_int4_h100
 # .json``: LLaDA-8B's projections at 32 rows, read 1 35 / 20 / 56 / 46 us, 2 50 / 47 / 75 / 127).
 INT4_READ = 1
-# The transposed dots (tile option ``SWAP``) where no tile says: ``FLASH_DLLM_WQ_SWAP=1`` (the
-# fused MoE's packed experts too) until a GPU A/B has timed them.
-SWAP_ENV = "FLASH_DLLM_WQ_SWAP"
-
-
-def swap_default() -> int:
-    """1 when ``FLASH_DLLM_WQ_SWAP=1``: tiles without a ``SWAP`` entry take the transposed dots."""
-    return int(os.environ.get(SWAP_ENV, "0") == "1")
-
 
 if HAS_TRITON:
     import triton
@@ -438,7 +432,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         JOIN=int(cfg.get("JOIN", INT4_READ)) if bits == 4 else 0, FP8=fp8,
-        SWAP=int(cfg.get("SWAP", swap_default())),
+        SWAP=int(cfg.get("SWAP", 0)),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pdl_args(x))
     return out
 
