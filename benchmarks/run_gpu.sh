@@ -24,8 +24,8 @@
 #                    LLaDA2-mini int4 experts                                          ~6 min
 #           skinny   few-row bf16 GEMM: GPU test, sweep vs cuBLAS (writes $OUT/kernel-configs),
 #                    SDAR-4B batch 1 without / with its tiles                          ~6 min
-#           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1): its GPU test, then
-#                    SDAR-4B batch 1 and LLaDA-8B batch-1 bf16 / fp8 / int4 off / on  ~5 min
+#           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1 or 2): its GPU test,
+#                    SDAR-4B batch 1 and LLaDA-8B batch-1 bf16 / fp8 / int4, PDL 0 / 1 / 2  ~6 min
 #           kvfp8    bench step with fp8 KV pages against the model dtype; its profile  ~2 min
 #           families bench step of sdar-4b (block 4, batch 1 / 128), sdar-30b-a3b, llada-moe-7b,
 #                    llada2-mini with its random router                                 ~1.5 min
@@ -194,7 +194,7 @@ group_pdl() {
   # issues 40, 41: the step's kernels launched with PDL (FLASH_DLLM_PDL=1) against plain
   # launches, same card, same call
   run pdl_gpu_test 120 - python3 -m pytest -m gpu -q tests/gpu/test_pdl_gpu.py
-  for p in 0 1; do
+  for p in 0 1 2; do
     run step_sdar4b_b1_pdl${p}_h200 120 "$OUT/step/step_sdar4b_block4_b1_pdl${p}_h200.json" \
       env FLASH_DLLM_PDL=$p "${FD[@]}" bench step --model-shape sdar-4b --cache block \
       --block-length 4 --batch 1 --json "$OUT/step/step_sdar4b_block4_b1_pdl${p}_h200.json"
