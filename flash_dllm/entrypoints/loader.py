@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flash_dllm.config import EngineConfig
 from flash_dllm.engine.engine import Engine
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.models.ckpt_quant import checkpoint_quantization
@@ -27,13 +28,18 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     args = args or EngineArgs()
     world = tensor_parallel_world(args)
     quant = config_override.get("quantization", args.quantization)
-    if quant is None and world == 1:
-        # a checkpoint published quantized keeps its mode unless told otherwise (as vLLM)
+    if world == 1:
+        # a checkpoint published quantized keeps its mode unless told otherwise (as vLLM), and
+        # an int4 one its group size (its codes are then used as stored: layers/quant.py)
         folder = model_path(args.model)
         ckq = checkpoint_quantization(read_config(folder)[2], folder)
-        quant = None if ckq is None else ckq.mode
-        if quant is not None:
+        if quant is None and ckq is not None:
+            quant = ckq.mode
             config_override = {**config_override, "quantization": quant}
+        if ckq is not None and ckq.group_size and quant == ckq.mode \
+                and "quantization_group_size" not in config_override \
+                and args.quantization_group_size == EngineConfig.quantization_group_size:
+            config_override = {**config_override, "quantization_group_size": ckq.group_size}
     if world > 1 and quant is not None:
         raise ValueError(f"quantization={quant!r} with tensor_parallel_size={world} is not "
                          "supported yet (each rank's shards would need their own group "

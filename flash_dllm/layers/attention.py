@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flash_dllm.layers.linear import dense
+from flash_dllm.layers.linear import concat_linears, dense
 from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
 
@@ -204,13 +204,7 @@ class Attention(nn.Module):
         parts = (self.q_proj, self.k_proj, self.v_proj)
         if self.qkv_proj is not None or any(type(p) is not nn.Linear for p in parts):
             return                  # fused already, or quantized unfused (each part its own GEMM)
-        w = torch.cat([p.weight for p in parts])
-        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.q_proj.bias is not None,
-                          device=w.device, dtype=w.dtype)
-        fused.weight.copy_(w)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-        del w
+        fused = concat_linears(parts)
         self.q_proj = self.k_proj = self.v_proj = None
         self.qkv_proj = fused
 

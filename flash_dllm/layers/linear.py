@@ -25,3 +25,21 @@ def dense_swiglu(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if h is not None:
             return h
     return silu_mul.op(mod(x))
+
+
+@torch.no_grad()
+def concat_linears(parts) -> nn.Linear:
+    """One ``nn.Linear`` over ``parts``' weights (and biases) stacked along the outputs: q/k/v's
+    and gate/up's fused GEMM (``fuse()``). The int4 codes a checkpoint carried for them
+    (``ckpt_codes``, ``models/loader``) are stacked the same way."""
+    w = torch.cat([p.weight for p in parts])
+    bias = all(p.bias is not None for p in parts)
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=bias, device=w.device, dtype=w.dtype)
+    fused.weight.copy_(w)
+    if bias:
+        fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    codes = [getattr(p, "ckpt_codes", {}).get("weight") for p in parts]
+    if all(c is not None for c in codes) and len({c[2] for c in codes}) == 1:
+        fused.ckpt_codes = {"weight": (torch.cat([c[0] for c in codes]),
+                                       torch.cat([c[1] for c in codes]), codes[0][2])}
+    return fused

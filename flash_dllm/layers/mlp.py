@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flash_dllm.layers.linear import dense, dense_swiglu
+from flash_dllm.layers.linear import concat_linears, dense, dense_swiglu
 
 
 class SwiGLU(nn.Module):
@@ -26,10 +26,7 @@ class SwiGLU(nn.Module):
         if self.gate_up_proj is not None or any(
                 type(p) is not nn.Linear for p in (self.gate_proj, self.up_proj)):
             return                  # fused already, or quantized unfused (see Attention.fuse)
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-        fused.weight.copy_(w)
-        del w
+        fused = concat_linears((self.gate_proj, self.up_proj))
         self.gate_proj = self.up_proj = None
         self.gate_up_proj = fused
 

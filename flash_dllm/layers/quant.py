@@ -24,6 +24,12 @@ each expert tile dequantized in registers: an int4 expert streams a quarter of b
 an H100 LLaDA2-mini's int4 step is 0.98x bf16's at batch 1: benchmarks/findings/
 quantization.md). Under ``fp8`` the experts are weight-only too: their e4m3 codes (one scale
 per row) run in the same fused kernel.
+
+NOTE (checkpoints published in int4): a layer whose loader left it ``ckpt_codes`` (a
+compressed-tensors pack-quantized checkpoint: ``models/ckpt_quant``) takes those codes and
+scales as they are under ``int4`` with the checkpoint's group size, instead of quantizing its
+dequantized weight again (which would move codes: the checkpoint's scale is absmax / 7.5, ours
+absmax / 7). Any other mode or group quantizes the dequantized weight.
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ class Fp8Method:
             raise QuantError(f"quantization='fp8' needs FP8 tensor cores (CUDA compute "
                              f"capability >= 8.9), {device} has {cap}: use 'int8' or 'int4'")
 
-    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def quantize(self, w: torch.Tensor, carried=None) -> tuple[torch.Tensor, ...]:
         return fp8_gemm.quantize_weight(w)
 
     def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +95,11 @@ class IntMethod:
                              f"that divides it (e.g. --quantization-group-size "
                              f"{_largest_pow2_divisor(in_features, self.group_size)})")
 
-    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def quantize(self, w: torch.Tensor, carried=None) -> tuple[torch.Tensor, ...]:
+        """(qweight, scales) of ``w``; a checkpoint's int4 ``carried`` (codes, scales, group)
+        as they are when they fit this method."""
+        if carried is not None and self.bits == 4 and carried[2] == self.group_size:
+            return carried[0].to(w.device), carried[1].to(w.device)
         return quant_gemm.quantize(w, self.bits, self.group_size)
 
     def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
@@ -132,7 +142,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.method = method
         self.out_features, self.in_features = linear.weight.shape
-        for name, t in zip(method.names, method.quantize(linear.weight.detach())):
+        carried = getattr(linear, "ckpt_codes", {}).get("weight")
+        for name, t in zip(method.names, method.quantize(linear.weight.detach(), carried)):
             setattr(self, name, _frozen(t))
         self.bias = linear.bias
 
@@ -151,11 +162,13 @@ class QuantExperts(nn.Module):
     """A MoE layer's packed experts, quantized (``w_gate_up`` [E, 2I, d], ``w_down`` [E, d, I])
     and called as ``(x, topk_ids, topk_weights) -> out``; see the module's NOTE."""
 
-    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, method) -> None:
+    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, method,
+                 carried: dict | None = None) -> None:
         super().__init__()
         self.method = method
         for part, w in (("gate_up", w_gate_up), ("down", w_down)):
-            for name, t in zip(method.names, method.quantize(w.detach())):
+            codes = (carried or {}).get(f"w_{part}")
+            for name, t in zip(method.names, method.quantize(w.detach(), codes)):
                 setattr(self, f"{part}_{name}", _frozen(t))
 
     def weights(self, part: str, dtype: torch.dtype) -> torch.Tensor:
@@ -197,10 +210,13 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_
             targets.append((module, None, name))
     for parent, attr, _ in targets:
         if attr is None:                                       # a MoE layer's experts
-            parent.quant_experts = QuantExperts(parent.w_gate_up, parent.w_down, method)
+            parent.quant_experts = QuantExperts(parent.w_gate_up, parent.w_down, method,
+                                                getattr(parent, "ckpt_codes", None))
             del parent.w_gate_up, parent.w_down
         else:
             setattr(parent, attr, QuantLinear(getattr(parent, attr), method))
+    for m in model.modules():                  # a checkpoint's int4 codes: used or not, done
+        m.__dict__.pop("ckpt_codes", None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"quantization": mode, "group_size": group_size if mode != "fp8" else None,

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from flash_dllm.models import registry
-from flash_dllm.models.ckpt_quant import Dequantizer, checkpoint_quantization, read_weight
+from flash_dllm.models.ckpt_quant import Dequantizer, quantized_reader, read_weight
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, Piece, as_id_tuple
 
@@ -118,17 +118,6 @@ def _open_weights(path: Path):
                               "corrupt? Download it again") from None
 
 
-def _quantized_reader(folder: Path, raw: dict, names: dict, tp) -> Dequantizer | None:
-    """The reader of a checkpoint published quantized (``models/ckpt_quant.py``), or None."""
-    ckq = checkpoint_quantization(raw, folder)
-    if ckq is None:
-        return None
-    if tp is not None and tp.world > 1:
-        raise CheckpointError(f"{folder}: a {ckq.layout} checkpoint with tensor parallelism is "
-                              "not supported yet: use one device")
-    return Dequantizer(ckq, names)
-
-
 def build_model(cfg: ModelConfig | dict, device: str | torch.device = "cpu",
                 dtype: str | torch.dtype = torch.float32, init: bool = True,
                 seed: int | None = None, tp=None) -> nn.Module:
@@ -162,7 +151,7 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     # the headers, read once, when a check or a quantized layout needs the names up front
     names = ({p: tensor_names([p]) for p in files}
              if family.check_tensors or "quantization_config" in raw else {})
-    deq = _quantized_reader(folder, raw, names, tp)
+    deq = quantized_reader(folder, raw, names, tp)
     if family.check_tensors is not None:       # before anything is allocated
         why = family.check_tensors(cfg, [n for ns in names.values() for n in ns
                                          if deq is None or not deq.hidden(n)])
@@ -187,9 +176,10 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     unexpected: list[str] = []
     for path in files:
         with _open_weights(path) as f:
-            for name in f.keys():
-                if deq is not None and deq.hidden(name):
+            for stored in f.keys():
+                if deq is not None and deq.hidden(stored):
                     continue
+                name = stored if deq is None else deq.param_name(stored)
                 targets = plan.get(name)
                 if targets is None:
                     unexpected.append(name)
@@ -208,19 +198,8 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
                         with torch.no_grad():
                             target = p[dest]
                             target.copy_(handle[src].reshape(target.shape).to(dtype=p.dtype))
-                elif len(targets) == 1 and targets[0][1].whole:
-                    ours = targets[0][0]
-                    t = read_weight(f, path, name, deq, _open_weights)
-                    _check_shape(name, path, tuple(t.shape), tuple(params[ours].shape))
-                    with torch.no_grad():
-                        params[ours].copy_(t.to(dtype=params[ours].dtype))
                 else:
-                    t = read_weight(f, path, name, deq, _open_weights)
-                    _check_shape(name, path, tuple(t.shape), targets[0][1].shape)
-                    with torch.no_grad():
-                        for ours, piece in targets:
-                            p = params[ours]
-                            p[piece.dest].copy_(t[piece.src].to(dtype=p.dtype))
+                    _read_into(f, path, stored, name, targets, params, deq)
                 seen.add(name)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in {folder} (no {family.name} parameter takes "
@@ -229,7 +208,25 @@ def load_model(folder: str | os.PathLike, device: str | torch.device = "cpu",
     if missing:
         raise CheckpointError(f"missing tensors in {folder}: {missing[:8]}"
                               f"{' ...' if len(missing) > 8 else ''}")
+    if deq is not None:
+        deq.attach(model)                     # the kept int4 codes, for layers/quant
     return model.eval(), cfg
+
+
+def _read_into(f, path: Path, stored: str, name: str, targets: list, params: dict,
+               deq: Dequantizer | None) -> None:
+    """Tensor ``stored`` of ``f`` (planned as ``name``), read whole (through ``deq`` when the
+    checkpoint is quantized) into its (parameter, piece) ``targets``; an int4 weight's codes and
+    scales are kept as stored too (``Dequantizer.carry``)."""
+    t = read_weight(f, path, stored, deq, _open_weights)
+    _check_shape(name, path, tuple(t.shape), targets[0][1].shape)
+    with torch.no_grad():
+        for ours, piece in targets:
+            p = params[ours]
+            p[piece.dest].copy_(t[piece.src].to(dtype=p.dtype))
+    if deq is not None and deq.carried is not None:
+        for ours, piece in targets:
+            deq.carry(ours, params[ours].shape, piece)
 
 
 def local_piece(piece: Piece, full: tuple[int, ...],
