@@ -290,3 +290,16 @@ def test_published_int4_moe_checkpoint_keeps_its_expert_codes(tmp_path):
     assert llm.engine.runner.weight_info["group_size"] == group
     ids = [[1, 5, 9, 17, 33, 2, 2, 2]]
     torch.testing.assert_close(llm.logits(ids), ref.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_activation_reordered_int4_is_refused_in_one_line(tmp_path):
+    """GPTQ's activation order (``weight_g_idx``) permutes a layer's groups: not read."""
+    from safetensors.torch import load_file, save_file
+    folder, _, _ = _write_int4_checkpoint(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    sd["model.layers.0.self_attn.q_proj.weight_g_idx"] = torch.zeros(64, dtype=torch.int32)
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"weight_g_idx: activation-reordered \(g_idx\) int4 "
+                                         r"is not read") as e:
+        LLM(folder)
+    assert "\n" not in str(e.value)
