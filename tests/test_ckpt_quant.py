@@ -22,15 +22,8 @@ ct = pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 
 
-def _write_fp8_checkpoint(tmp_path, scheme: str = "FP8_DYNAMIC"):
-    """The tiny Dream checkpoint, quantized and saved by compressed-tensors (weights' scales
-    from their per-channel extremes, as its min-max observer computes them)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
-                                                 preset_name_to_scheme)
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from safetensors.torch import save_file
-
+def _tiny_dream_in_transformers(tmp_path):
+    """The tiny Dream checkpoint (its folder, config.json) and transformers' Qwen2 holding it."""
     src = write_tiny_checkpoint(tmp_path / "bf16", "dream")
     raw = json.loads((src / "config.json").read_text())
     cfg = transformers.Qwen2Config(**{k: raw[k] for k in (
@@ -40,6 +33,27 @@ def _write_fp8_checkpoint(tmp_path, scheme: str = "FP8_DYNAMIC"):
     hf = transformers.Qwen2ForCausalLM(cfg)
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         hf.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+    return src, raw, hf
+
+
+def _computes_as(llm, ref) -> None:
+    """The same logits (1e-5) and the same greedy text as ``ref``."""
+    ids = [[1, 5, 9, 17, 33, 2, 2, 2]]
+    torch.testing.assert_close(llm.logits(ids), ref.logits(ids), rtol=1e-5, atol=1e-5)
+    p = SamplingParams(max_tokens=16, decode="vanilla", cache="none")
+    assert llm.generate(["ab"], p)[0].text == ref.generate(["ab"], p)[0].text
+
+
+def _write_fp8_checkpoint(tmp_path, scheme: str = "FP8_DYNAMIC"):
+    """The tiny Dream checkpoint, quantized and saved by compressed-tensors (weights' scales
+    from their per-channel extremes, as its min-max observer computes them)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
+                                                 preset_name_to_scheme)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    src, raw, hf = _tiny_dream_in_transformers(tmp_path)
     apply_quantization_config(hf, QuantizationConfig(
         config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])}, ignore=["lm_head"]))
     for mod in hf.modules():
@@ -77,10 +91,7 @@ def test_published_fp8_checkpoint_loads_with_its_codes(tmp_path):
                                .squeeze(1), rtol=1e-6, atol=0)
     # it computes as fp8 quantization of the original weights does (same codes, same scales)
     ref = LLM(src, quantization="fp8")
-    ids = [[1, 5, 9, 17, 33, 2, 2, 2]]
-    torch.testing.assert_close(llm.logits(ids), ref.logits(ids), rtol=1e-5, atol=1e-5)
-    p = SamplingParams(max_tokens=16, decode="vanilla", cache="none")
-    assert llm.generate(["ab"], p)[0].text == ref.generate(["ab"], p)[0].text
+    _computes_as(llm, ref)
     # another mode asked for: the dequantized weights (codes x scales) are quantized to it
     as_int8 = LLM(folder, quantization="int8", quantization_group_size=32)
     assert as_int8.engine.runner.weight_info["quantization"] == "int8"
@@ -149,15 +160,7 @@ def _write_int4_checkpoint(tmp_path, group: int = 16):
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import save_file
 
-    src = write_tiny_checkpoint(tmp_path / "bf16", "dream")
-    raw = json.loads((src / "config.json").read_text())
-    cfg = transformers.Qwen2Config(**{k: raw[k] for k in (
-        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps",
-        "max_position_embeddings", "tie_word_embeddings")})
-    hf = transformers.Qwen2ForCausalLM(cfg)
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        hf.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+    src, raw, hf = _tiny_dream_in_transformers(tmp_path)
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
         num_bits=4, type="int", symmetric=True, strategy="group", group_size=group))
     apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme},
@@ -231,10 +234,7 @@ def test_published_int4_checkpoint_loads_with_its_codes(tmp_path):
     assert fused.layers[0].attn.qkv_proj is not None
     ref = LLM(plain)                        # the same values in float32, unquantized
     assert ref.engine.runner.weight_info["quantization"] is None
-    ids = [[1, 5, 9, 17, 33, 2, 2, 2]]
-    torch.testing.assert_close(llm.logits(ids), ref.logits(ids), rtol=1e-5, atol=1e-5)
-    p = SamplingParams(max_tokens=16, decode="vanilla", cache="none")
-    assert llm.generate(["ab"], p)[0].text == ref.generate(["ab"], p)[0].text
+    _computes_as(llm, ref)
     as_int8 = LLM(folder, quantization="int8", quantization_group_size=32)
     assert as_int8.engine.runner.weight_info["quantization"] == "int8"
     torch.testing.assert_close(as_int8.engine.model.layers[0].attn.o_proj

@@ -86,7 +86,7 @@ def tiles(code: str, grid: dict | None = None) -> list[dict]:
     grid = grid or GRID
     out = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
     if code == "int4":        # the default nibble read only (the others have no bit-recipe
-        out = [{**t, "JOIN": quant_gemm.INT4_READ} for t in out]    # decoder: the baseline
+        out = [{"JOIN": quant_gemm.INT4_READ, **t} for t in out]    # decoder: the baseline
     return out                                                      # table times them)
 
 

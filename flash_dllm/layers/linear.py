@@ -39,7 +39,7 @@ def concat_linears(parts) -> nn.Linear:
     if bias:
         fused.bias.copy_(torch.cat([p.bias for p in parts]))
     codes = [getattr(p, "ckpt_codes", {}).get("weight") for p in parts]
-    if all(c is not None for c in codes) and len({c[2] for c in codes}) == 1:
+    if all(c is not None for c in codes):            # (one checkpoint: one group size)
         fused.ckpt_codes = {"weight": (torch.cat([c[0] for c in codes]),
                                        torch.cat([c[1] for c in codes]), codes[0][2])}
     return fused

@@ -24,10 +24,9 @@ scales, block or group FP8 scales). Those can be served by loading the bf16 chec
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import sys
 
 import torch
 
@@ -204,12 +203,12 @@ class Dequantizer:
         if tuple(s.shape) != (n, k // g):
             raise UnreadQuantization(f"{base}.weight_scale has shape {tuple(s.shape)}: group "
                                      f"scales of a [{n}, {k}] weight are [{n}, {k // g}]")
-        assert sys.byteorder == "little"       # (int32 words seen as their bytes)
+        if sys.byteorder != "little":          # (int32 words seen as their bytes)
+            raise UnreadQuantization(f"{name}: int4 packs are read on little-endian hosts only")
         codes = words.contiguous().view(torch.uint8)                     # [N, K / 2]
         scales = s.to(quant_decode.SCALE_DTYPE)
         self.carried = (codes, scales)
         return quant_decode.dequantize(codes, scales, 4)
-
 
     def carry(self, ours: str, shape: tuple, piece) -> None:
         """Copy ``piece`` (``models.family.Piece``) of the weight just read's codes and scales
