@@ -303,3 +303,21 @@ def test_activation_reordered_int4_is_refused_in_one_line(tmp_path):
                                          r"is not read") as e:
         LLM(folder)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda sd: sd.pop("model.layers.0.mlp.up_proj.weight_shape"),
+     r"model.layers.0.mlp.up_proj.weight_packed: no model.layers.0.mlp.up_proj.weight_shape"),
+    (lambda sd: sd.update({"model.layers.0.mlp.up_proj.weight_packed":
+                           sd["model.layers.0.mlp.up_proj.weight_packed"][:, :4].clone()}),
+     r"up_proj.weight_packed: torch.int32 \(96, 4\) is not an int4 pack of \[96, 64\]"),
+])
+def test_a_malformed_int4_pack_is_a_one_line_error(tmp_path, edit, why):
+    from safetensors.torch import load_file, save_file
+    folder, _, _ = _write_int4_checkpoint(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=why) as e:
+        LLM(folder)
+    assert "\n" not in str(e.value)
