@@ -140,6 +140,22 @@ def test_engine_admits_by_pages_and_frees_on_finish_and_abort():
     assert [r.finish_reason for r in reqs] == ["abort", "length", "length"]
 
 
+def test_aborting_every_request_leaves_the_engine_idle_at_once():
+    # no step in between: the async engine's stats snapshot is taken right after the aborts,
+    # before their outputs reach the clients (a CI flake: it showed the aborted pages held)
+    from flash_dllm.config import SamplingParams
+
+    eng = _engine(num_pages=6, max_num_seqs=1)
+    p = SamplingParams(max_tokens=16, block_length=8, early_stop=False, **EXACT)
+    reqs = [eng.add_request([1, 10, 11, 12], p) for _ in range(2)]
+    eng.step()                                        # one runs, one waits
+    assert eng.counts() == (1, 1) and eng.pool.num_used == 3
+    for r in reqs:
+        assert eng.abort(r.request_id)
+    assert not eng.has_unfinished() and eng.counts() == (0, 0)
+    assert eng.pool.num_used == 0 and eng.stats_snapshot().pages_used == 0
+
+
 def test_engine_rejects_request_larger_than_pool():
     from flash_dllm.config import SamplingParams
 

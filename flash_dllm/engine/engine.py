@@ -156,7 +156,10 @@ class Engine:
             return False
         req.abort()
         self._release(req)    # serving: an aborted request frees its pages at once (unpublished)
-        self.scheduler.invalidate()
+        # ... and is gone from ``running`` now: an engine whose requests were all aborted is
+        # idle at once (the async engine's stats snapshot then shows the pages freed before
+        # the aborted outputs reach their clients)
+        self.scheduler.drop_finished()
         return True
 
     def graphs_ready(self) -> None:

@@ -48,7 +48,9 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        """A running request, or a waiting one not aborted (an aborted waiting request stays
+        in ``waiting`` until admission skips it)."""
+        return bool(self.running) or any(not r.finished for r in self.waiting)
 
     @property
     def num_waiting(self) -> int:
