@@ -278,9 +278,10 @@ class EngineConfig:
               "the GEMM kernel; 1 or 0.5 byte/weight + scales). " + QUANT_ACCURACY
               + " (default: none, the checkpoint's dtype; a checkpoint published in "
               "compressed-tensors FP8 or int4: its own mode)", choices=QUANT_MODES)
-    quantization_group_size: int = knob(
-        128, "int8 / int4: input columns sharing one scale; must divide every quantized "
-             "layer's input width (default: %(default)s; an int4 checkpoint's own group)", ge=1)
+    quantization_group_size: int | None = knob(
+        None, "int8 / int4: input columns sharing one scale; must divide every quantized "
+              "layer's input width (default: 128; for a checkpoint published in int4, its "
+              "own group)", ge=1)
     # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py,
     # cache/io/kv_offload.py)
     # keep finished requests' full pages as cached blocks and reuse them for prompts that start

@@ -235,6 +235,11 @@ def test_published_int4_checkpoint_loads_with_its_codes(tmp_path):
     ref = LLM(plain)                        # the same values in float32, unquantized
     assert ref.engine.runner.weight_info["quantization"] is None
     _computes_as(llm, ref)
+    # a group size the user gives wins, 128 (the default's value) included
+    regrouped = LLM(folder, quantization_group_size=32).engine.runner.weight_info
+    assert (regrouped["quantization"], regrouped["group_size"]) == ("int4", 32)
+    with pytest.raises(ValueError, match="quantization_group_size=128 does not divide"):
+        LLM(folder, quantization_group_size=128)
     as_int8 = LLM(folder, quantization="int8", quantization_group_size=32)
     assert as_int8.engine.runner.weight_info["quantization"] == "int8"
     torch.testing.assert_close(as_int8.engine.model.layers[0].attn.o_proj

@@ -182,7 +182,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               fused_step: bool = True, fused_max_rows: int | None = None,
               tensor_parallel_size: int = 1, tp=None, routing: str = "model",
               quantization: list[str] | None = None,
-              group_size: int = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto",
+              group_size: int | None = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto",
               deterministic: bool = False) -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
@@ -190,6 +190,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     ``quantization``: the weight modes to time, one model each (``none``: the dtype's own; the
     default is ``["none"]``); each row says its mode, and its floor is from that mode's bytes."""
     modes = list(quantization or ["none"])
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     if tensor_parallel_size > 1 and tp is None:
         if modes != ["none"]:
             raise ValueError("bench step --quantization runs on one device (quantized weights "

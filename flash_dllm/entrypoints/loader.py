@@ -7,7 +7,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flash_dllm.config import EngineConfig
 from flash_dllm.engine.engine import Engine
 from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.models.ckpt_quant import checkpoint_quantization
@@ -37,8 +36,8 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
             quant = ckq.mode
             config_override = {**config_override, "quantization": quant}
         if ckq is not None and ckq.group_size and quant == ckq.mode \
-                and "quantization_group_size" not in config_override \
-                and args.quantization_group_size == EngineConfig.quantization_group_size:
+                and config_override.get("quantization_group_size",
+                                        args.quantization_group_size) is None:
             config_override = {**config_override, "quantization_group_size": ckq.group_size}
     if world > 1 and quant is not None:
         raise ValueError(f"quantization={quant!r} with tensor_parallel_size={world} is not "

@@ -122,7 +122,9 @@ def _largest_pow2_divisor(n: int, at_most: int) -> int:
     return g
 
 
-def make_method(mode: str, group_size: int = DEFAULT_GROUP_SIZE):
+def make_method(mode: str, group_size: int | None = DEFAULT_GROUP_SIZE):
+    """The linear method of ``mode``; ``group_size`` None: ``DEFAULT_GROUP_SIZE``."""
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     if mode == "fp8":
         return Fp8Method()
     if mode in ("int8", "int4"):
@@ -184,7 +186,8 @@ class QuantExperts(nn.Module):
 KEEP = ("lm_head", "embed")
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_SIZE) -> dict:
+def quantize_model(model: nn.Module, mode: str,
+                   group_size: int | None = DEFAULT_GROUP_SIZE) -> dict:
     """Replace the model's projections (and MoE experts) by quantized ones, in place.
 
     Every layer is checked before any is changed, so a bad group size fails with the model
@@ -219,7 +222,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = DEFAULT_GROUP_
         m.__dict__.pop("ckpt_codes", None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"quantization": mode, "group_size": group_size if mode != "fp8" else None,
+    return {"quantization": mode, "group_size": getattr(method, "group_size", None),
             "weight_bytes": weight_bytes(model), "unquantized_bytes": before,
             "layers": len(targets)}
 
