@@ -52,6 +52,8 @@ class Fp8Method:
 
     name = "fp8"
     names = ("qweight", "wscale")
+    # why a deterministic engine refuses this mode on a GPU (None: batch-invariant there)
+    not_batch_invariant = "torch._scaled_mm picks its kernel by shape"
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
         if device.type == "cuda" and not fp8_gemm.supported(device):
@@ -80,6 +82,7 @@ class IntMethod:
     """int8 / int4 weight-only with group scales (W8A16 / W4A16)."""
 
     names = ("qweight", "scales")
+    not_batch_invariant = None       # (the kernel's tiles and split follow N and K, not rows)
 
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size = bits, group_size
@@ -187,18 +190,25 @@ KEEP = ("lm_head", "embed")
 
 
 def quantize_model(model: nn.Module, mode: str,
-                   group_size: int | None = DEFAULT_GROUP_SIZE) -> dict:
+                   group_size: int | None = DEFAULT_GROUP_SIZE,
+                   deterministic: bool = False) -> dict:
     """Replace the model's projections (and MoE experts) by quantized ones, in place.
 
     Every layer is checked before any is changed, so a bad group size fails with the model
-    intact. Returns ``{"quantization", "group_size", "weight_bytes", "unquantized_bytes",
-    "layers"}``."""
+    intact; ``deterministic``: the engine must be batch-invariant (a mode that is not on this
+    device is refused). Returns ``{"quantization", "group_size", "weight_bytes",
+    "unquantized_bytes", "layers"}``."""
     if getattr(model, "tp", None) is not None:
         raise QuantError(f"quantization={mode!r} with tensor parallelism is not supported yet "
                          "(the shards would need their own group boundaries): use one device")
     method = make_method(mode, group_size)
     before = weight_bytes(model)
     device = next(model.parameters()).device
+    if deterministic and device.type == "cuda" and method.not_batch_invariant:
+        raise QuantError(f"deterministic=True with quantization={mode!r} is not batch-invariant "
+                         f"on a GPU yet ({method.not_batch_invariant}): use "
+                         f"{[m for m in QUANT_MODES if not make_method(m).not_batch_invariant]}, "
+                         "or no quantization")
     targets = []                                   # (parent, attribute, qualified name)
     for name, module in model.named_modules():
         for child_name, child in module.named_children():

@@ -58,13 +58,9 @@ class ModelRunner:
         self.quantization = config.quantization
         self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
         if config.quantization is not None:
-            if config.deterministic and config.quantization == "fp8" \
-                    and self.device.type == "cuda":
-                raise ValueError("deterministic=True with quantization='fp8' is not "
-                                 "batch-invariant on a GPU yet (torch._scaled_mm picks its "
-                                 "kernel by shape): use int8 / int4, or no quantization")
             self.weight_info = quantize_model(model, config.quantization,
-                                              config.quantization_group_size)
+                                              config.quantization_group_size,
+                                              deterministic=config.deterministic)
         self.weight_bytes = self.weight_info["weight_bytes"]
         # NOTE: allocated before the KV pool is sized from gpu_memory_utilization, so the pool
         # accounts for it
