@@ -82,7 +82,7 @@ class IntMethod:
     """int8 / int4 weight-only with group scales (W8A16 / W4A16)."""
 
     names = ("qweight", "scales")
-    not_batch_invariant = None       # (the kernel's tiles and split follow N and K, not rows)
+    not_batch_invariant = None       # (deterministic: one tile for any rows, quant_gemm.op)
 
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size = bits, group_size
