@@ -41,10 +41,10 @@ QUANT_MODES = ("fp8", "int8", "int4")
 QUANT_ACCURACY = ("Measured on the CPU against unquantized: demo model, exact sampler, n = 200: "
                   "arith int8 97.5%% (same), int4 96.5%% (-1), fp8 98%% (+0.5), code 100%% in "
                   "each mode; proxy-llada chain, default mode, batch 1, n = 200, group 32: "
-                  "int8 88.5%% (+1), int4 85.5%% (-2). "
-                  "Speed on an H100 (LLaDA-8B shape, batch-1 step against bf16's): int8 0.82x, "
-                  "fp8 1.19x, int4 4.0x (slower: its kernel is not tuned yet); they save memory "
-                  "first")
+                  "int8 88.5%% (+1), int4 85.5%% (-2), fp8 86.5%% (-1). "
+                  "Step time on an H100 (LLaDA-8B shape, dual cache, against bf16's): batch 1 "
+                  "fp8 0.74x, int4 0.68x (int8 0.82x with older tiles); batch 64 fp8 1.31x "
+                  "the throughput (benchmarks/README.md)")
 
 
 @dataclass(frozen=True)
