@@ -282,6 +282,10 @@ class EngineConfig:
         None, "int8 / int4: input columns sharing one scale; must divide every quantized "
               "layer's input width (default: 128; for a checkpoint published in int4, its "
               "own group)", ge=1)
+    quantize_lm_head: bool = knob(
+        False, "with --quantization: quantize the LM head too (read at every step: LLaDA-8B's "
+               "is 1.04 GB in bf16). The confidence every decode policy ranks by comes from its "
+               "logits; its accuracy cost is in docs/models.md (default: off)")
     # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py,
     # cache/io/kv_offload.py)
     # keep finished requests' full pages as cached blocks and reuse them for prompts that start

@@ -25,6 +25,9 @@ from flash_dllm.layers.quant import DEFAULT_GROUP_SIZE, quantize_model
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.loader import build_model
 
+HEAD = "+head"          # a --quantization mode's suffix: the LM head quantized too
+
+
 class _Timer:
     """Wall time of a callable: CUDA events on a GPU, perf_counter on the CPU."""
 
@@ -212,7 +215,9 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         if mode != "none":
             if dev.type == "cuda":           # the runner's order: fuse, then quantize the GEMMs
                 model.fuse_projections()
-            quantize_model(model, mode, group_size)
+            # ("int4+head": the LM head quantized too, EngineConfig.quantize_lm_head)
+            quantize_model(model, mode.removesuffix(HEAD), group_size,
+                           lm_head=mode.endswith(HEAD))
         set_routing(model, cfg, routing, shape)
         tdtype = next(model.parameters()).dtype
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -229,7 +234,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                 "weight_bytes": weight_bytes, "copy_bandwidth_GBps": bw / 1e9,
                 "matmul_TFLOPs": rate / 1e12, "floor_ms": 1e3 * weight_bytes / bw}
         weights[mode] = {"weight_bytes": weight_bytes, "floor_ms": 1e3 * weight_bytes / bw,
-                         "group_size": group_size if mode in ("int8", "int4") else None}
+                         "group_size": group_size if mode.startswith("int") else None}
         for cache, b in [(c, b) for c in caches for b in batches]:
             r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                            cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,

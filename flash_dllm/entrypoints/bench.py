@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
 from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
@@ -129,10 +128,11 @@ def add_parser(sub) -> None:
                         "GEMMs and kernel launches on a GPU, padded rows on the CPU): what "
                         "they cost per step")
     t.add_argument("--quantization", nargs="+", default=["none"],
-                   choices=["none", *QUANT_MODES],
+                   choices=["none", *QUANT_MODES, *(m + "+head" for m in QUANT_MODES)],
                    help="weight modes to time, one model each, rows side by side (e.g. none "
-                        "fp8 int8 int4); each row's weight-read floor is from its mode's stored "
-                        "bytes (default: none, the --dtype weights)")
+                        "fp8 int8 int4; MODE+head: the LM head quantized too, "
+                        "--quantize-lm-head); each row's weight-read floor is from its mode's "
+                        "stored bytes (default: none, the --dtype weights)")
     t.add_argument("--quantization-group-size", type=int, default=128,
                    help="int8 / int4: inputs per scale (default: %(default)s)")
     t.add_argument("--json", default=None, help="write the report here")

@@ -81,7 +81,8 @@ class LLM:
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
         if config.quantization is not None:         # as the engine's runner would
             report_weights(quantize_model(self._model, config.quantization,
-                                          config.quantization_group_size))
+                                          config.quantization_group_size,
+                                          lm_head=config.quantize_lm_head))
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)
         self.sampling_defaults = SamplingDefaults.of(

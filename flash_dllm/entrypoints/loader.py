@@ -62,10 +62,12 @@ def report_weights(info: dict) -> None:
     if info.get("quantization") is None:
         return
     group = f", group {info['group_size']}" if info.get("group_size") else ""
+    kept = "embeddings and MoE routers" if info.get("lm_head") else \
+        "embeddings, LM head and MoE routers"
     print(f"flash-dllm: weights {info['weight_bytes'] / 2**20:.1f} MiB as "
           f"{info['quantization']}{group} ({info['unquantized_bytes'] / 2**20:.1f} MiB "
-          f"unquantized; {info['layers']} layers quantized; embeddings, LM head and MoE routers "
-          "kept)", file=sys.stderr, flush=True)
+          f"unquantized; {info['layers']} layers quantized; {kept} kept)", file=sys.stderr,
+          flush=True)
 
 
 def tensor_parallel_world(args: EngineArgs) -> int:

@@ -19,6 +19,11 @@ gate_up, down, a MoE layer's packed experts and its shared expert). Kept in the 
 the embeddings, the LM head (the confidence every decode policy ranks slots by is read from its
 logits) and a MoE router (which experts run is a discrete choice; its weight is E x d, tiny).
 
+NOTE (LM head): ``quantize_lm_head`` quantizes the head too, by the same mode (a tied model's
+head gets its own quantized copy: the embedding stays). Its bytes are read at every step
+(LLaDA-8B: 1.04 GB in bf16, ~8 % of the int4 step), so it is the one unquantized weight a
+batch-1 step streams; off by default: what it costs in accuracy is in docs/models.md.
+
 NOTE (MoE experts): int8 / int4 experts run in ``kernels/fused_moe_quant`` (the fused MoE with
 each expert tile dequantized in registers: an int4 expert streams a quarter of bf16's bytes; on
 an H100 LLaDA2-mini's int4 step is 0.98x bf16's at batch 1: benchmarks/findings/
@@ -191,13 +196,14 @@ KEEP = ("lm_head", "embed")
 
 def quantize_model(model: nn.Module, mode: str,
                    group_size: int | None = DEFAULT_GROUP_SIZE,
-                   deterministic: bool = False) -> dict:
+                   deterministic: bool = False, lm_head: bool = False) -> dict:
     """Replace the model's projections (and MoE experts) by quantized ones, in place.
 
     Every layer is checked before any is changed, so a bad group size fails with the model
     intact; ``deterministic``: the engine must be batch-invariant (a mode that is not on this
-    device is refused). Returns ``{"quantization", "group_size", "weight_bytes",
-    "unquantized_bytes", "layers"}``."""
+    device is refused); ``lm_head``: the LM head too (see the module's NOTE). Returns
+    ``{"quantization", "group_size", "weight_bytes", "unquantized_bytes", "layers",
+    "lm_head"}``."""
     if getattr(model, "tp", None) is not None:
         raise QuantError(f"quantization={mode!r} with tensor parallelism is not supported yet "
                          "(the shards would need their own group boundaries): use one device")
@@ -221,6 +227,8 @@ def quantize_model(model: nn.Module, mode: str,
             method.check(f"{name}.w_gate_up", module.w_gate_up.shape[-1], device)
             method.check(f"{name}.w_down", module.w_down.shape[-1], device)
             targets.append((module, None, name))
+    if lm_head:
+        method.check("lm_head", model.embed.weight.shape[1], device)
     for parent, attr, _ in targets:
         if attr is None:                                       # a MoE layer's experts
             parent.quant_experts = QuantExperts(parent.w_gate_up, parent.w_down, method,
@@ -228,13 +236,26 @@ def quantize_model(model: nn.Module, mode: str,
             del parent.w_gate_up, parent.w_down
         else:
             setattr(parent, attr, QuantLinear(getattr(parent, attr), method))
+    if lm_head:
+        model.lm_head = QuantLinear(_head_linear(model), method)
     for m in model.modules():                  # a checkpoint's int4 codes: used or not, done
         m.__dict__.pop("ckpt_codes", None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"quantization": mode, "group_size": getattr(method, "group_size", None),
             "weight_bytes": weight_bytes(model), "unquantized_bytes": before,
-            "layers": len(targets)}
+            "layers": len(targets) + lm_head, "lm_head": lm_head}
+
+
+def _head_linear(model: nn.Module) -> nn.Linear:
+    """The model's LM head as an ``nn.Linear``: its own, or a tied model's embedding matrix
+    (shared, not copied: the embedding keeps it)."""
+    if model.lm_head is not None:
+        return model.lm_head
+    emb = model.embed.weight
+    lin = nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta")
+    lin.weight = emb
+    return lin
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -86,6 +86,8 @@ class DiffusionTransformer(nn.Module):
     def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (this rank's vocabulary shard under tensor parallelism)."""
         h, _ = add_rmsnorm(h, self.norm)
+        if type(self.lm_head) is not nn.Linear and self.lm_head is not None:
+            return self.lm_head(h)                     # quantized (layers/quant.py)
         if self.lm_head is not None:
             return h @ self.lm_head.weight.t()
         w = self.embed.weight
