@@ -20,8 +20,9 @@
 #           ab       fused step on/off end to end (eval batch 1, serve c8)        ~5 min
 #           pd       disaggregation on one GPU: tests, pack/unpack, bench pd       ~7 min
 #           quant    weight-only GEMM tile sweep (writes $OUT/kernel-configs), then bench step
-#                    of bf16 / fp8 / int4 with those tiles (batch 1), bf16 / fp8 at batch 64;
-#                    LLaDA2-mini int4 experts                                          ~6 min
+#                    of bf16 / fp8 / int4 with those tiles (batch 1; fp8 / int4 also with the
+#                    LM head quantized, MODE+head), bf16 / fp8 at batch 64; LLaDA2-mini int4
+#                    experts (and int4+head)                                           ~7 min
 #           skinny   few-row bf16 GEMM: GPU test, sweep vs cuBLAS (writes $OUT/kernel-configs),
 #                    SDAR-4B batch 1 without / with its tiles                          ~6 min
 #           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1 or 2): its GPU test,
@@ -126,14 +127,15 @@ group_quant() {
     --out "$OUT/step/sweep_quant_gemm_h200.json"
   run step_quant_h200 240 "$OUT/step/step_quant_h200.json" \
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
-    "${FD[@]}" bench step --quantization none fp8 int4 --cache dual --batch 1 \
-    --json "$OUT/step/step_quant_h200.json"
+    "${FD[@]}" bench step --quantization none fp8 fp8+head int4 int4+head --cache dual \
+    --batch 1 --json "$OUT/step/step_quant_h200.json"
   run step_quant_b64_h200 240 "$OUT/step/step_quant_b64_h200.json" \
     "${FD[@]}" bench step --quantization none fp8 --cache dual --batch 64 \
     --json "$OUT/step/step_quant_b64_h200.json"
   run step_quant_llada2_mini_h200 120 "$OUT/step/step_quant_llada2_mini_h200.json" \
-    "${FD[@]}" bench step --model-shape llada2-mini --cache block --quantization none int4 \
-    --batch 1 --routing uniform --json "$OUT/step/step_quant_llada2_mini_h200.json"
+    "${FD[@]}" bench step --model-shape llada2-mini --cache block \
+    --quantization none int4 int4+head --batch 1 --routing uniform \
+    --json "$OUT/step/step_quant_llada2_mini_h200.json"
 }
 
 group_kvfp8() {

@@ -73,14 +73,14 @@ def test_engine_and_llm_take_the_knob():
     prompt = "Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have in all?"
     params = SamplingParams(max_tokens=32, **EXACT)
     plain = LLM(quantization="int4")
-    llm = LLM(engine_config=EngineConfig(quantization="int4", quantize_lm_head=True))
+    llm = LLM(quantization="int4", quantize_lm_head=True)
     assert isinstance(llm.engine.model.lm_head, QuantLinear)
     assert llm.engine.runner.weight_info["lm_head"] is True
     assert llm.engine.stats_snapshot().weight_bytes < plain.engine.stats_snapshot().weight_bytes
     out = llm.generate([prompt], params)[0].text
     assert out == plain.generate([prompt], params)[0].text == "23-12=11. 23+11=34. #### 34"
     with pytest.raises(ValueError, match="quantize_lm_head=True needs a quantization mode"):
-        LLM(engine_config=EngineConfig(quantize_lm_head=True))
+        LLM(engine_config=EngineConfig(quantize_lm_head=True))    # (the config's field too)
 
 
 def test_bench_step_times_the_head_mode_beside_the_others():

@@ -38,8 +38,8 @@ class LLM:
     ``close()`` (or ``with LLM(...) as llm:``, or at exit). ``deterministic=True``
     (``EngineConfig.deterministic``): a request's answer does not depend on what else runs or
     is cached (docs/serving.md#same-answer-under-load). ``quantization="fp8" | "int8" | "int4"``
-    (``EngineConfig.quantization``, with ``quantization_group_size``): the weights quantized at
-    load (``flash_dllm/layers/quant.py``).
+    (``EngineConfig.quantization``, with ``quantization_group_size``; ``quantize_lm_head``: the
+    LM head too): the weights quantized at load (``flash_dllm/layers/quant.py``).
 
     NOTE: a model the paged engine cannot run (``ModelConfig.paged_unsupported`` says why) loads
     without an engine: ``logits`` works through the dense forward, while ``generate`` / ``chat``
@@ -52,11 +52,13 @@ class LLM:
                  tensor_parallel_size: int = 1,
                  sampling_defaults: dict | None = None,
                  deterministic: bool | None = None, quantization: str | None = None,
-                 quantization_group_size: int | None = None) -> None:
+                 quantization_group_size: int | None = None,
+                 quantize_lm_head: bool | None = None) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
         for name, value in (("max_num_seqs", max_num_seqs), ("deterministic", deterministic),
                             ("quantization", quantization),
-                            ("quantization_group_size", quantization_group_size)):
+                            ("quantization_group_size", quantization_group_size),
+                            ("quantize_lm_head", quantize_lm_head)):
             if value is not None:
                 override[name] = value
         args = EngineArgs(model=None if model is None else str(model), device=device,

@@ -33,7 +33,9 @@ def _time(fn, reps=50) -> float:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("M,N,K", SHAPES + [(1, 4096, 4096), (256, 4096, 4096)])
+# (and LLaDA-8B's LM head, --quantize-lm-head: 126464 columns)
+@pytest.mark.parametrize("M,N,K", SHAPES + [(1, 4096, 4096), (256, 4096, 4096),
+                                           (32, 126464, 4096)])
 def test_weight_only_gemm_matches_reference(bits, M, N, K):
     g = torch.Generator(device=DEV).manual_seed(M + N + K)
     w = torch.randn(N, K, device=DEV, generator=g) * 0.02
@@ -307,3 +309,19 @@ def test_rope_cache_fp8_equals_reference_and_captures():
     want = rc.rope_cache_fp8_triton(q, k, v, p, kc, vc, ks, vs, s, inv)
     assert torch.equal(qo, want) and torch.equal(ks2, ks) and torch.equal(vs2, vs)
     assert torch.equal(kc2.view(torch.uint8), kc.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["int4", "fp8"])
+def test_engine_with_a_quantized_lm_head_answers(mode):
+    """--quantize-lm-head with graphs and fused steps: the demo's arithmetic answer holds."""
+    if mode == "fp8" and not fp8_gemm.supported(DEV):
+        pytest.skip("needs FP8 tensor cores")
+    from flash_dllm import LLM, SamplingParams
+    from flash_dllm.config import EngineConfig
+    from flash_dllm.layers.quant import QuantLinear
+
+    llm = LLM(device="cuda", engine_config=EngineConfig(quantization=mode, quantize_lm_head=True))
+    assert isinstance(llm.engine.model.lm_head, QuantLinear)
+    out = llm.generate(["Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have "
+                        "in all?"], SamplingParams(max_tokens=64))[0].text
+    assert out.endswith("#### 34"), out
