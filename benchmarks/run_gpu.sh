@@ -125,14 +125,14 @@ group_quant() {
     python3 benchmarks/step/sweep_quant_gemm.py --codes fp8 int4 --rows 32 --buckets 32 1 8 64 \
     --keep 4 --budget-s 110 --write-config "$OUT/kernel-configs" \
     --out "$OUT/step/sweep_quant_gemm_h200.json"
-  run step_quant_h200 240 "$OUT/step/step_quant_h200.json" \
+  run step_quant_h200 330 "$OUT/step/step_quant_h200.json" \
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --quantization none fp8 fp8+head int4 int4+head --cache dual \
     --batch 1 --json "$OUT/step/step_quant_h200.json"
   run step_quant_b64_h200 240 "$OUT/step/step_quant_b64_h200.json" \
     "${FD[@]}" bench step --quantization none fp8 --cache dual --batch 64 \
     --json "$OUT/step/step_quant_b64_h200.json"
-  run step_quant_llada2_mini_h200 120 "$OUT/step/step_quant_llada2_mini_h200.json" \
+  run step_quant_llada2_mini_h200 180 "$OUT/step/step_quant_llada2_mini_h200.json" \
     "${FD[@]}" bench step --model-shape llada2-mini --cache block \
     --quantization none int4 int4+head --batch 1 --routing uniform \
     --json "$OUT/step/step_quant_llada2_mini_h200.json"

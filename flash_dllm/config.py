@@ -283,9 +283,11 @@ class EngineConfig:
               "layer's input width (default: 128; for a checkpoint published in int4, its "
               "own group)", ge=1)
     quantize_lm_head: bool = knob(
-        False, "with --quantization: quantize the LM head too (read at every step: LLaDA-8B's "
-               "is 1.04 GB in bf16). The confidence every decode policy ranks by comes from its "
-               "logits; its accuracy cost is in docs/models.md (default: off)")
+        False, "with --quantization: quantize the LM head too. It is read at every step "
+               "(LLaDA-8B's: 1.04 GB in bf16), which pays where steps are few rows (batch 1); "
+               "from 512 rows a call, int8 / int4 dequantize it per call. The confidence every "
+               "decode policy ranks by comes from its logits: its accuracy cost is in "
+               "docs/models.md (default: off)")
     # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py,
     # cache/io/kv_offload.py)
     # keep finished requests' full pages as cached blocks and reuse them for prompts that start
@@ -405,6 +407,9 @@ class EngineConfig:
         if self.lazy_load_predictor != "mass" and b is None:
             raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
                              "lazy_load_budget (--lazy-load-budget) too")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs a quantization mode (--quantization "
+                             "fp8 / int8 / int4): the LM head is quantized by it")
         if self.kv_cache_dtype == "fp8":
             # NOTE: fp8 pages carry scales beside the codes: the tiers move both (as they are);
             # overflow streaming copies codes only so far: refused, not corrupted

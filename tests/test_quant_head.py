@@ -76,6 +76,7 @@ def test_engine_and_llm_take_the_knob():
     llm = LLM(quantization="int4", quantize_lm_head=True)
     assert isinstance(llm.engine.model.lm_head, QuantLinear)
     assert llm.engine.runner.weight_info["lm_head"] is True
+    assert llm.engine.stats_snapshot().quantization == "int4+head"     # /metrics' label
     assert llm.engine.stats_snapshot().weight_bytes < plain.engine.stats_snapshot().weight_bytes
     out = llm.generate([prompt], params)[0].text
     assert out == plain.generate([prompt], params)[0].text == "23-12=11. 23+11=34. #### 34"

@@ -217,7 +217,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                 model.fuse_projections()
             # ("int4+head": the LM head quantized too, EngineConfig.quantize_lm_head)
             quantize_model(model, mode.removesuffix(HEAD), group_size,
-                           lm_head=mode.endswith(HEAD))
+                           deterministic=deterministic, lm_head=mode.endswith(HEAD))
         set_routing(model, cfg, routing, shape)
         tdtype = next(model.parameters()).dtype
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

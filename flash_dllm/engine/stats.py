@@ -38,7 +38,9 @@ def engine_stats(engine) -> EngineStats:
             h2d_bytes=ov.stats["h2d_bytes"], d2h_bytes=ov.stats["d2h_bytes"],
             steps=ov.stats["steps"]),
         runtime=runtime_stats(runner), weight_bytes=runner.weight_bytes,
-        quantization=runner.quantization or "none")
+        # (--quantize-lm-head: "int4+head", as bench step names the mode)
+        quantization=(runner.quantization or "none")
+        + ("+head" if runner.weight_info.get("lm_head") else ""))
 
 
 def tier_stats(kv, offload) -> TierStats:

@@ -84,6 +84,7 @@ class LLM:
         if config.quantization is not None:         # as the engine's runner would
             report_weights(quantize_model(self._model, config.quantization,
                                           config.quantization_group_size,
+                                          deterministic=config.deterministic,
                                           lm_head=config.quantize_lm_head))
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)

@@ -72,8 +72,9 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
     runner = getattr(getattr(llm, "engine", None), "runner", None)
     info = getattr(runner, "weight_info", None)
     if info is not None and info.get("quantization") is not None:     # --quantization
-        report["quantization"] = {k: info[k] for k in ("quantization", "group_size",
-                                                       "weight_bytes", "unquantized_bytes")}
+        report["quantization"] = {k: info.get(k) for k in ("quantization", "group_size",
+                                                           "lm_head", "weight_bytes",
+                                                           "unquantized_bytes")}
     kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
     if kv is not None and getattr(kv, "prefix_reuse", False):
         st = kv.stats

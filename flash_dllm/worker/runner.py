@@ -57,9 +57,6 @@ class ModelRunner:
         # quantized as the GEMMs that run; the bytes are reported at start-up and in /metrics
         self.quantization = config.quantization
         self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
-        if config.quantize_lm_head and config.quantization is None:
-            raise ValueError("quantize_lm_head=True needs a quantization mode (--quantization "
-                             "fp8 / int8 / int4): the LM head is quantized by it")
         if config.quantization is not None:
             self.weight_info = quantize_model(model, config.quantization,
                                               config.quantization_group_size,

@@ -195,7 +195,7 @@ def warm_up(engine, level: str, filler_ids: list[int],
                 rep.steps += 1
             for rid in ids:
                 engine.abort(rid)
-            while engine.has_unfinished():            # aborted requests leave at the next step
+            while engine.has_unfinished():            # (aborted requests left at once)
                 engine.step()
             rep.cases += 1
             if log is not None:
