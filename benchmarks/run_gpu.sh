@@ -22,7 +22,7 @@
 #           quant    weight-only GEMM tile sweep (writes $OUT/kernel-configs), then bench step
 #                    of bf16 / fp8 / int4 with those tiles (batch 1; fp8 / int4 also with the
 #                    LM head quantized, MODE+head), bf16 / fp8 at batch 64; LLaDA2-mini int4
-#                    experts (and int4+head)                                           ~7 min
+#                    experts (and int4+head); the int4 words' study (JOIN = 3)          ~10 min
 #           skinny   few-row bf16 GEMM: GPU test, sweep vs cuBLAS (writes $OUT/kernel-configs),
 #                    SDAR-4B batch 1 without / with its tiles                          ~6 min
 #           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1 or 2): its GPU test,
@@ -125,6 +125,11 @@ group_quant() {
     python3 benchmarks/step/sweep_quant_gemm.py --codes fp8 int4 --rows 32 --buckets 32 1 8 64 \
     --keep 4 --budget-s 110 --write-config "$OUT/kernel-configs" \
     --out "$OUT/step/sweep_quant_gemm_h200.json"
+  # the int4 words (JOIN = 3, a layout study): their GPU test, then timed against the byte read
+  run int4_words_gpu_test 120 - python3 -m pytest -m gpu -q -s tests/gpu/test_quant_gpu.py \
+    -k int4_words
+  run study_int4_words_h200 180 "$OUT/step/study_int4_words_h200.json" \
+    python3 benchmarks/step/study_int4_words.py --out "$OUT/step/study_int4_words_h200.json"
   run step_quant_h200 330 "$OUT/step/step_quant_h200.json" \
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --quantization none fp8 fp8+head int4 int4+head --cache dual \

@@ -21,6 +21,13 @@ kernels take these paths on GPUs only (``quant_gemm._int_tile_dot``'s ``FAST``).
 are the same bit recipes in PyTorch: the CPU tests check them over all 256 byte values against
 the true decodings, and the GPU tests check the kernels against ``quant_gemm``'s reference.
 
+- int4 words (``interleave_int4``, the read ``JOIN = 3`` of ``quant_gemm``, a study so far):
+  the same bytes re-ordered so that each 128-column K tile is 16 int32 words, word ``w`` holding
+  columns ``w + 16 i`` at bits ``4 i``; ``int4_words`` decodes a tile of words into its columns
+  with shifts and masks and lets the compiler lay the values out as the MMA wants them (on sm_90
+  the packed tile reaches the wgmma registers with vector loads: no byte loads, no layout
+  shuffle; fewer instructions per weight than ``int4_pair_bf16``'s read, in the SASS).
+
 Also here: the packed layout's own functions (``quantize``, ``unpack``, ``dequantize``: the
 layout is described in ``quant_gemm``, which re-exports them) and ``dequantize_triton``, the whole
 weight decoded once into a dense copy (``quant_gemm.op`` from ``DEQUANT_MIN_ROWS`` rows), equal to
@@ -87,6 +94,53 @@ if HAS_TRITON:
         return tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [b],
                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
                                          pack=4)
+
+    # per 2 int32 words ($8, $9) of the interleaved layout: their low / high 16-bit halves
+    # paired (prmt), then per nibble position j one bf16x2 of (word $8's, word $9's) q values
+    _WORDS_ASM = tl.constexpr("""{
+    .reg .b32 x, y, t, one, off;
+    mov.b32 one, 0x3F803F80;
+    mov.b32 off, 0xC308C308;
+    prmt.b32 x, $8, $9, 0x5410;
+    prmt.b32 y, $8, $9, 0x7632;
+    and.b32 t, x, 0x000F000F; or.b32 t, t, 0x43004300; fma.rn.bf16x2 $0, t, one, off;
+    shr.b32 t, x, 4; and.b32 t, t, 0x000F000F;
+    or.b32 t, t, 0x43004300; fma.rn.bf16x2 $1, t, one, off;
+    shr.b32 t, x, 8; and.b32 t, t, 0x000F000F;
+    or.b32 t, t, 0x43004300; fma.rn.bf16x2 $2, t, one, off;
+    shr.b32 t, x, 12; and.b32 t, t, 0x000F000F;
+    or.b32 t, t, 0x43004300; fma.rn.bf16x2 $3, t, one, off;
+    and.b32 t, y, 0x000F000F; or.b32 t, t, 0x43004300; fma.rn.bf16x2 $4, t, one, off;
+    shr.b32 t, y, 4; and.b32 t, t, 0x000F000F;
+    or.b32 t, t, 0x43004300; fma.rn.bf16x2 $5, t, one, off;
+    shr.b32 t, y, 8; and.b32 t, t, 0x000F000F;
+    or.b32 t, t, 0x43004300; fma.rn.bf16x2 $6, t, one, off;
+    shr.b32 t, y, 12; and.b32 t, t, 0x000F000F;
+    or.b32 t, t, 0x43004300; fma.rn.bf16x2 $7, t, one, off;
+    }""")
+
+    @triton.jit
+    def _nib(w, i: tl.constexpr):
+        return (((w >> (4 * i)) & 0xF) - 8).to(tl.float32)
+
+    @triton.jit
+    def int4_words(w, x, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+        """``[BN, BLOCK_K / 8]`` int32 words of one interleaved K tile -> ``[BN, BLOCK_K]``
+        values ``q`` in column order (word ``w``'s nibble ``i`` is column ``w + BLOCK_K / 8 *
+        i``), in the dtype the dot takes with ``x``: bf16 by the bit recipe on a GPU, float32
+        in the interpreter (``UPCAST``), else x's."""
+        if not UPCAST and x.dtype == tl.bfloat16:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                _WORDS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=2)
+        else:
+            n0, n1, n2, n3 = _nib(w, 0), _nib(w, 1), _nib(w, 2), _nib(w, 3)
+            n4, n5, n6, n7 = _nib(w, 4), _nib(w, 5), _nib(w, 6), _nib(w, 7)
+        b = tl.join(tl.join(tl.join(n0, n1), tl.join(n2, n3)),
+                    tl.join(tl.join(n4, n5), tl.join(n6, n7)))
+        # [BN, W, i & 1, i >> 1 & 1, i >> 2] -> [BN, i, W]: column i * W + w
+        out = tl.reshape(tl.permute(b, (0, 4, 3, 2, 1)), (w.shape[0], BLOCK_K))
+        return out.to(tl.float32 if UPCAST else x.dtype)
 
     @triton.jit
     def e4m3_bf16(b):
@@ -167,6 +221,29 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
     return w.flatten(-2).to(dtype)
 
 
+WORD_TILE = 128           # K columns per tile of the interleaved int4 words
+
+
+def interleave_int4(qweight: torch.Tensor, tile: int = WORD_TILE) -> torch.Tensor:
+    """An int4 ``qweight [..., N, K / 2]`` (this layout) -> the same bytes in the word order
+    ``int4_words`` reads (``quant_gemm``'s ``JOIN = 3``): per ``tile`` columns, ``tile / 8``
+    little-endian int32 words, word ``w`` holding column ``w + tile / 8 * i`` at bits ``4 i``."""
+    K = qweight.shape[-1] * 2
+    check(K % tile == 0 and tile % 8 == 0,
+          f"interleave_int4: K = {K} must be a multiple of the tile {tile} (itself of 8)")
+    u = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)         # [..., N, K]
+    u = u.unflatten(-1, (K // tile, 8, tile // 8)).transpose(-1, -2)          # [.., t, w, i]
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).flatten(-3).contiguous()
+
+
+def deinterleave_int4(words: torch.Tensor, tile: int = WORD_TILE) -> torch.Tensor:
+    """``interleave_int4``'s inverse."""
+    K = words.shape[-1] * 2
+    u = torch.stack([words & 0xF, words >> 4], dim=-1).flatten(-2)            # [..., N, K]
+    u = u.unflatten(-1, (K // tile, tile // 8, 8)).transpose(-1, -2).flatten(-3)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+
+
 def _bf16(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16)
 
@@ -177,6 +254,23 @@ def int4_pair_reference(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = _bf16((b & 0xF) | 0x4300).float() - 136.0
     hi = _bf16(((b >> 4) & 0xF) | 0x4300).float() - 136.0
     return lo.to(torch.bfloat16), hi.to(torch.bfloat16)
+
+
+def int4_words_reference(a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+    """``_WORDS_ASM``'s recipe in PyTorch: two int32 word tensors -> for each nibble position
+    ``i`` (0..7), the pair of bf16 values its register holds (low half: word ``a``'s, high half:
+    word ``b``'s)."""
+    a, b = a.to(torch.int64) & 0xFFFFFFFF, b.to(torch.int64) & 0xFFFFFFFF
+    x = (a & 0xFFFF) | ((b & 0xFFFF) << 16)               # prmt 0x5410: the low halves
+    y = (a >> 16) | ((b >> 16) << 16)                      # prmt 0x7632: the high halves
+    out = []
+    for h in (x, y):
+        for j in range(4):
+            t = ((h >> (4 * j)) & 0x000F000F) | 0x43004300
+            lo = _bf16(t & 0xFFFF).float() - 136.0         # fma.rn.bf16x2 t * 1 + (-136)
+            hi = _bf16(t >> 16).float() - 136.0
+            out.append((lo.to(torch.bfloat16), hi.to(torch.bfloat16)))
+    return out
 
 
 def e4m3_reference(b: torch.Tensor) -> torch.Tensor:

@@ -131,11 +131,11 @@ if HAS_TRITON:
                       JOIN: tl.constexpr, FP8: tl.constexpr, SWAP: tl.constexpr):
         """[BM, BN] fp32 (``SWAP``: its transpose [BN, BM], from ``_mm``):
         x[:, k0:k0 + BK] @ q[:, k0:k0 + BK]^T with the integers as values
-        (exact in any float dtype: |q| <= 127). int4 reads its nibbles one of three ways (the
-        tile option ``JOIN``; ``INT4_READ`` has the H100's timings): 0, two half-width dots
-        against x's even / odd columns loaded strided (scalar loads, not pipelined); 1, the
-        nibbles joined into their columns (``tl.join`` + ``tl.reshape``) for one dot with x's
-        contiguous tile; 2, x's tile split into even / odd columns in registers, two dots."""
+        (exact in any float dtype: |q| <= 127). int4 reads its nibbles by ``JOIN``
+        (``INT4_READ`` has the H100's timings): 0, two half-width dots against x's even / odd
+        columns loaded strided (scalar loads, not pipelined); 1, the nibbles joined into their
+        columns for one dot with x's tile; 2, x split into even / odd columns, two dots; 3 (a
+        layout, never in tuned files): int32 words of ``quant_decode.interleave_int4``."""
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
@@ -150,6 +150,14 @@ if HAS_TRITON:
                 else:
                     w = w.to(x.dtype)
             part = _mm(x, w, PREC, SWAP)
+        elif JOIN == 3:   # int32 words, interleaved (quant_decode.interleave_int4)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)
+            jw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            wq = tl.load(q_rows.to(tl.pointer_type(tl.int32)) + jw[None, :],
+                         mask=w_ok[:, None], other=0)
+            part = _mm(x.to(tl.float32) if UPCAST else x,
+                       quant_decode.int4_words(wq, x, BLOCK_K, UPCAST), PREC, SWAP)
         elif JOIN == 2:
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(a_rows + ks[None, :], mask=a_ok[:, None], other=0.0)      # [BM, BK]
@@ -409,6 +417,10 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
               or {})}
     check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
           f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
+    check(cfg.get("JOIN") != 3 or (bits == 4 and cfg["BLOCK_K"] == quant_decode.WORD_TILE
+                                   and group % cfg["BLOCK_K"] == 0),
+          f"quant_gemm: JOIN=3 reads int4 words (quant_decode.interleave_int4): BLOCK_K must "
+          f"be {quant_decode.WORD_TILE} and divide the group, got {cfg} with group {group}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out

@@ -325,3 +325,27 @@ def test_engine_with_a_quantized_lm_head_answers(mode):
     out = llm.generate(["Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have "
                         "in all?"], SamplingParams(max_tokens=64))[0].text
     assert out.endswith("#### 34"), out
+
+
+@pytest.mark.parametrize("swap", [0, 1])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_int4_words_match_reference_and_time_against_bytes(M, N, K, swap):
+    """The interleaved int4 words (``JOIN = 3``: the bit recipe of ``quant_decode._WORDS_ASM``)
+    against the reference, and timed beside the byte read (``JOIN = 1``) at the same tiles."""
+    from flash_dllm.kernels import quant_decode
+    g = torch.Generator(device=DEV).manual_seed(N + K + swap)
+    w = torch.randn(N, K, device=DEV, generator=g) * 0.02
+    x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+    q, s = quant_gemm.quantize(w, 4, 128)
+    words = quant_decode.interleave_int4(q)
+    ref = quant_gemm.weight_only_reference(x, q, s, None, 4)
+    base = (quant_gemm.tuned_config(M, N, K, 128, 4, DEV, "int4")
+            or quant_gemm.default_config(M, N, K, 128))
+    cfg = {**base, "BLOCK_K": 128, "SWAP": swap}
+    for split in sorted({1, 4, cfg["SPLIT_K"]}):
+        c = {**cfg, "SPLIT_K": split, "JOIN": 3}
+        got = quant_gemm.weight_only_triton(x, words, s, None, 4, c)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    us3 = _time(lambda: quant_gemm.weight_only_triton(x, words, s, None, 4, {**cfg, "JOIN": 3}))
+    us1 = _time(lambda: quant_gemm.weight_only_triton(x, q, s, None, 4, {**cfg, "JOIN": 1}))
+    print(f"\nint4 M={M} N={N} K={K} SWAP={swap} {cfg}: words {us3:.1f} us, bytes {us1:.1f} us")

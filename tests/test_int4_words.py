@@ -1,0 +1,80 @@
+"""int4 words (``quant_decode.interleave_int4``, ``quant_gemm``'s read ``JOIN = 3``, issue 40): the
+layout is a permutation of the packed int4 bytes that round-trips, each word holds the columns
+its docstring says, the GPU's bit recipe decodes every nibble of every word to ``q``, and the
+weight-only kernel reading the words equals the reference on the canonical layout (the
+interpreter: split, transposed dots, bias, rows not a multiple of the tile). Not yet used by
+the engine: a study of the kernel's instruction count (findings/quantization.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_dllm.kernels import quant_decode, quant_gemm
+from flash_dllm.kernels._triton import HAS_TRITON
+
+
+def _codes(n, k, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return quant_gemm.quantize(w, 4, 128)
+
+
+def test_the_layout_round_trips_and_words_hold_their_columns():
+    q, _ = _codes(6, 384)
+    words = quant_decode.interleave_int4(q)
+    assert words.shape == q.shape and words.dtype == torch.uint8
+    assert torch.equal(quant_decode.deinterleave_int4(words), q)
+    u = (quant_gemm.unpack(q, 4) + 8).tolist()                      # codes, column order
+    b = words.tolist()
+    for n in range(6):
+        for t in range(3):                                           # K tiles of 128
+            for w in range(16):
+                word = int.from_bytes(bytes(b[n][(t * 16 + w) * 4:(t * 16 + w) * 4 + 4]),
+                                      "little")
+                got = [(word >> (4 * i)) & 0xF for i in range(8)]
+                assert got == [u[n][t * 128 + w + 16 * i] for i in range(8)]
+
+
+def test_the_layout_needs_whole_tiles():
+    q, _ = _codes(2, 128)
+    with pytest.raises(ValueError, match="multiple of the tile 128"):
+        quant_decode.interleave_int4(q[:, :32])
+
+
+def test_the_gpu_recipe_decodes_every_nibble_of_every_word():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-2**31, 2**31, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
+    b = torch.randint(-2**31, 2**31, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
+    a[:4] = torch.tensor([0, -1, 0x12345678, -0x76543211], dtype=torch.int32)
+    pairs = quant_decode.int4_words_reference(a, b)
+    for i, (lo, hi) in enumerate(pairs):
+        for word, got in ((a, lo), (b, hi)):
+            want = ((word.to(torch.int64) >> (4 * i)) & 0xF) - 8
+            assert torch.equal(got.float(), want.float()), i
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("M,N,K,split,swap,bias", [
+    (5, 40, 256, 1, 0, False), (5, 40, 256, 2, 1, True), (32, 64, 512, 4, 1, False),
+    (3, 96, 384, 1, 0, True)])
+def test_the_kernel_reading_words_equals_the_reference(M, N, K, split, swap, bias):
+    g = torch.Generator().manual_seed(M + N + K)
+    q, s = _codes(N, K, seed=K)
+    x = torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    want = quant_gemm.weight_only_reference(x, q, s, b, 4)
+    cfg = {"BLOCK_M": 16 if M <= 16 else 32, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": split,
+           "JOIN": 3, "SWAP": swap, "num_warps": 4, "num_stages": 1}
+    got = quant_gemm.weight_only_triton(x, quant_decode.interleave_int4(q), s, b, 4, cfg)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_words_are_a_layout_not_a_tile():
+    q, s = _codes(32, 256)
+    x = torch.randn(4, 256)
+    for cfg, group in (({"BLOCK_K": 64, "JOIN": 3}, 128), ({"BLOCK_K": 128, "JOIN": 3}, 64)):
+        qq, ss = quant_gemm.quantize(torch.randn(32, 256), 4, group)
+        with pytest.raises(ValueError, match="JOIN=3 reads int4 words"):
+            quant_gemm.weight_only_triton(x, qq, ss, None, 4, cfg)
+    # a tuned file never names it (the stored bytes decide the read, not the tiles)
+    with pytest.raises(ValueError, match="JOIN = 3 is not a valid tile"):
+        quant_gemm.check_tile({"JOIN": 3}, "tuned")
