@@ -134,6 +134,10 @@ group_quant() {
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --quantization none fp8 fp8+head int4 int4+head --cache dual \
     --batch 1 --json "$OUT/step/step_quant_h200.json"
+  run step_quant_words_h200 180 "$OUT/step/step_quant_words_h200.json" \
+    env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" FLASH_DLLM_INT4_WORDS=1 \
+    "${FD[@]}" bench step --quantization none int4 --cache dual --batch 1 \
+    --json "$OUT/step/step_quant_words_h200.json"
   run step_quant_b64_h200 240 "$OUT/step/step_quant_b64_h200.json" \
     "${FD[@]}" bench step --quantization none fp8 --cache dual --batch 64 \
     --json "$OUT/step/step_quant_b64_h200.json"

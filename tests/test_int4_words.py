@@ -78,3 +78,30 @@ def test_words_are_a_layout_not_a_tile():
     # a tuned file never names it (the stored bytes decide the read, not the tiles)
     with pytest.raises(ValueError, match="JOIN = 3 is not a valid tile"):
         quant_gemm.check_tile({"JOIN": 3}, "tuned")
+
+
+def test_an_int4_linear_stored_as_words_computes_as_bytes(monkeypatch):
+    """``FLASH_DLLM_INT4_WORDS=1``: a linear of whole tiles holds the interleaved codes and
+    computes (and dequantizes) as the byte layout does; narrow groups, other widths, int8 and
+    MoE experts keep bytes."""
+    from torch import nn
+
+    from flash_dllm.layers import quant
+
+    monkeypatch.setenv(quant.WORDS_ENV, "1")
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96, bias=True)
+    words = quant.QuantLinear(lin, quant.make_method("int4", 128))
+    plain = quant.QuantLinear(lin, quant.IntMethod(4, 128, words=False))
+    assert torch.equal(words.qweight, quant_decode.interleave_int4(plain.qweight))
+    assert torch.equal(words.dequantized(torch.float32), plain.dequantized(torch.float32))
+    x = torch.randn(3, 5, 256)
+    torch.testing.assert_close(words(x), plain(x), rtol=0, atol=0)
+    for mode, group, width in (("int4", 64, 256), ("int4", 32, 96), ("int8", 128, 256)):
+        w = nn.Linear(width, 32)
+        kept = quant.QuantLinear(w, quant.make_method(mode, group))
+        assert torch.equal(kept.qweight, quant_gemm.quantize(w.weight, int(mode[3:]), group)[0])
+    gate_up = torch.randn(2, 64, 256)
+    experts = quant.QuantExperts(gate_up, torch.randn(2, 256, 128),
+                                 quant.make_method("int4", 128))
+    assert torch.equal(experts.gate_up_qweight, quant_gemm.quantize(gate_up, 4, 128)[0])

@@ -30,6 +30,11 @@ an H100 LLaDA2-mini's int4 step is 0.98x bf16's at batch 1: benchmarks/findings/
 quantization.md). Under ``fp8`` the experts are weight-only too: their e4m3 codes (one scale
 per row) run in the same fused kernel.
 
+NOTE (int4 words, a study): with ``FLASH_DLLM_INT4_WORDS=1`` an int4 linear whose input width
+is whole 128-column tiles inside its scale groups stores its codes as ``quant_decode``'s
+interleaved words and runs ``quant_gemm``'s word read (fewer instructions a weight than the byte
+read: benchmarks/findings/quantization.md); off until a GPU measures it. MoE experts keep bytes.
+
 NOTE (checkpoints published in int4): a layer whose loader left it ``ckpt_codes`` (a
 compressed-tensors pack-quantized checkpoint: ``models/ckpt_quant``) takes those codes and
 scales as they are under ``int4`` with the checkpoint's group size, instead of quantizing its
@@ -38,13 +43,17 @@ absmax / 7). Any other mode or group quantizes the dequantized weight.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from flash_dllm.kernels import fp8_gemm, fused_moe_quant, quant_gemm
+from flash_dllm.kernels import fp8_gemm, fused_moe_quant, quant_decode, quant_gemm
+from flash_dllm.kernels._triton import batch_invariant_active, use_triton
 from flash_dllm.layers.moe import MoE
 
 QUANT_MODES = ("fp8", "int8", "int4")
+WORDS_ENV = "FLASH_DLLM_INT4_WORDS"      # "1": int4 linears as interleaved words (the NOTE)
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -89,9 +98,20 @@ class IntMethod:
     names = ("qweight", "scales")
     not_batch_invariant = None       # (deterministic: one tile for any rows, quant_gemm.op)
 
-    def __init__(self, bits: int, group_size: int) -> None:
+    def __init__(self, bits: int, group_size: int, words: bool | None = None) -> None:
         self.bits, self.group_size = bits, group_size
         self.name = f"int{bits}"
+        # int4 linears stored as interleaved words (see the module's NOTE): a study, opt-in
+        self.words = bits == 4 and (os.environ.get(WORDS_ENV) == "1" if words is None
+                                    else words)
+
+    def _words(self, w: torch.Tensor) -> bool:
+        """Whether this packed (or float) 2-D weight is (to be) stored as int4 words: whole
+        128-column tiles inside scale groups; a MoE layer's 3-D experts never (the fused MoE
+        reads bytes)."""
+        K = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
+        return (self.words and w.dim() == 2 and K % quant_decode.WORD_TILE == 0
+                and self.group_size % quant_decode.WORD_TILE == 0)
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
         if self.bits == 4 and in_features % 2:
@@ -107,13 +127,19 @@ class IntMethod:
         """(qweight, scales) of ``w``; a checkpoint's int4 ``carried`` (codes, scales, group)
         as they are when they fit this method."""
         if carried is not None and self.bits == 4 and carried[2] == self.group_size:
-            return carried[0].to(w.device), carried[1].to(w.device)
-        return quant_gemm.quantize(w, self.bits, self.group_size)
+            q, s = carried[0].to(w.device), carried[1].to(w.device)
+        else:
+            q, s = quant_gemm.quantize(w, self.bits, self.group_size)
+        return (quant_decode.interleave_int4(q) if self._words(w) else q), s
 
     def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
-        return quant_gemm.dequantize(*tensors, self.bits, dtype)
+        q, s = tensors
+        q = quant_decode.deinterleave_int4(q) if self._words(q) else q
+        return quant_gemm.dequantize(q, s, self.bits, dtype)
 
     def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
+        if self._words(layer.qweight):
+            return _words_op(x, layer.qweight, layer.scales, layer.bias)
         return quant_gemm.op(x, layer.qweight, layer.scales, layer.bias, self.bits)
 
     def apply_experts(self, layer: "QuantExperts", x, topk_ids, topk_weights) -> torch.Tensor:
@@ -121,6 +147,27 @@ class IntMethod:
         return fused_moe_quant.op(x, layer.gate_up_qweight, layer.gate_up_scales,
                                   layer.down_qweight, layer.down_scales, self.bits, topk_ids,
                                   topk_weights)
+
+
+def _words_op(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """``quant_gemm.op`` for int4 words: the word read (``JOIN = 3``) on CUDA at the rows the
+    skinny kernel takes (any rows when deterministic), the byte layout restored elsewhere (the
+    CPU's reference; from ``DEQUANT_MIN_ROWS`` rows the dequantized GEMM, after a per-call
+    de-interleave: slower, this is a study of the skinny case)."""
+    K, N = x.shape[-1], q.shape[0]
+    rows = x.numel() // K
+    deterministic = batch_invariant_active()
+    if not use_triton(x, q) or (rows >= quant_gemm.DEQUANT_MIN_ROWS and not deterministic):
+        return quant_gemm.op(x, quant_decode.deinterleave_int4(q), s, bias, 4)
+    x2, group, sms = x.reshape(-1, K).contiguous(), K // s.shape[1], quant_gemm._num_sms(x.device)
+    cfg = quant_gemm.default_config(32 if deterministic else rows, N, K, group, sms)
+    if deterministic:
+        cfg["SPLIT_K"] = 1
+    else:
+        cfg.update(quant_gemm.tuned_config(rows, N, K, group, 4, x.device, "int4") or {})
+    cfg.update(JOIN=3, BLOCK_K=quant_decode.WORD_TILE)
+    return quant_gemm.weight_only_triton(x2, q, s, bias, 4, cfg).view(*x.shape[:-1], N)
 
 
 def _largest_pow2_divisor(n: int, at_most: int) -> int:

@@ -349,3 +349,24 @@ def test_int4_words_match_reference_and_time_against_bytes(M, N, K, swap):
     us3 = _time(lambda: quant_gemm.weight_only_triton(x, words, s, None, 4, {**cfg, "JOIN": 3}))
     us1 = _time(lambda: quant_gemm.weight_only_triton(x, q, s, None, 4, {**cfg, "JOIN": 1}))
     print(f"\nint4 M={M} N={N} K={K} SWAP={swap} {cfg}: words {us3:.1f} us, bytes {us1:.1f} us")
+
+
+def test_engine_with_int4_words_answers(monkeypatch):
+    """``FLASH_DLLM_INT4_WORDS=1`` (the study's opt-in): the demo's int4 linears hold words, the
+    graphed engine's arithmetic answer holds."""
+    from flash_dllm import LLM, SamplingParams
+    from flash_dllm.kernels import quant_decode
+    from flash_dllm.layers import quant
+
+    monkeypatch.setenv(quant.WORDS_ENV, "1")
+    llm = LLM(device="cuda", quantization="int4")
+    lin = [m for m in llm.engine.model.modules() if isinstance(m, quant.QuantLinear)]
+    assert any(m.method._words(m.qweight) for m in lin)
+    m = next(m for m in lin if m.method._words(m.qweight))
+    x = torch.randn(32, m.in_features, device=DEV).to(torch.bfloat16)
+    ref = quant_gemm.weight_only_reference(x, quant_decode.deinterleave_int4(m.qweight),
+                                           m.scales, m.bias, 4)
+    torch.testing.assert_close(m(x).float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out = llm.generate(["Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have "
+                        "in all?"], SamplingParams(max_tokens=64))[0].text
+    assert out.endswith("#### 34"), out
