@@ -2,8 +2,8 @@
 layout is a permutation of the packed int4 bytes that round-trips, each word holds the columns
 its docstring says, the GPU's bit recipe decodes every nibble of every word to ``q``, and the
 weight-only kernel reading the words equals the reference on the canonical layout (the
-interpreter: split, transposed dots, bias, rows not a multiple of the tile). Not yet used by
-the engine: a study of the kernel's instruction count (findings/quantization.md)."""
+interpreter: split, transposed dots, bias, rows not a multiple of the tile). The engine stores
+int4 linears as words only when ``FLASH_DLLM_INT4_WORDS=1`` (a study: findings/quantization.md)."""
 from __future__ import annotations
 
 import pytest
@@ -93,7 +93,9 @@ def test_an_int4_linear_stored_as_words_computes_as_bytes(monkeypatch):
     lin = nn.Linear(256, 96, bias=True)
     words = quant.QuantLinear(lin, quant.make_method("int4", 128))
     plain = quant.QuantLinear(lin, quant.IntMethod(4, 128, words=False))
-    assert torch.equal(words.qweight, quant_decode.interleave_int4(plain.qweight))
+    # int32 words [N, K / 8]: the stored tensor says its layout
+    assert words.qweight.dtype == torch.int32 and words.qweight.shape == (96, 32)
+    assert torch.equal(words.qweight.view(torch.uint8), quant_decode.interleave_int4(plain.qweight))
     assert torch.equal(words.dequantized(torch.float32), plain.dequantized(torch.float32))
     x = torch.randn(3, 5, 256)
     torch.testing.assert_close(words(x), plain(x), rtol=0, atol=0)

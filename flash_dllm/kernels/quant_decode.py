@@ -239,6 +239,7 @@ def interleave_int4(qweight: torch.Tensor, tile: int = WORD_TILE) -> torch.Tenso
 def deinterleave_int4(words: torch.Tensor, tile: int = WORD_TILE) -> torch.Tensor:
     """``interleave_int4``'s inverse."""
     K = words.shape[-1] * 2
+    check(K % tile == 0, f"deinterleave_int4: K = {K} must be a multiple of the tile {tile}")
     u = torch.stack([words & 0xF, words >> 4], dim=-1).flatten(-2)            # [..., N, K]
     u = u.unflatten(-1, (K // tile, tile // 8, 8)).transpose(-1, -2).flatten(-3)
     return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()

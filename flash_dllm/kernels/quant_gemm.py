@@ -418,9 +418,9 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
           f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
     check(cfg.get("JOIN") != 3 or (bits == 4 and cfg["BLOCK_K"] == quant_decode.WORD_TILE
-                                   and group % cfg["BLOCK_K"] == 0),
-          f"quant_gemm: JOIN=3 reads int4 words (quant_decode.interleave_int4): BLOCK_K must "
-          f"be {quant_decode.WORD_TILE} and divide the group, got {cfg} with group {group}")
+                                   and group % 128 == 0 and qweight.data_ptr() % 4 == 0),
+          f"quant_gemm: JOIN=3 reads int4 words (quant_decode.interleave_int4): BLOCK_K must be "
+          f"{quant_decode.WORD_TILE} and divide the group, words 4-byte aligned; {cfg}, {group}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out

@@ -106,11 +106,10 @@ class IntMethod:
                                     else words)
 
     def _words(self, w: torch.Tensor) -> bool:
-        """Whether this packed (or float) 2-D weight is (to be) stored as int4 words: whole
-        128-column tiles inside scale groups; a MoE layer's 3-D experts never (the fused MoE
-        reads bytes)."""
-        K = w.shape[-1] * (2 if w.dtype == torch.uint8 else 1)
-        return (self.words and w.dim() == 2 and K % quant_decode.WORD_TILE == 0
+        """Whether this float 2-D weight is stored as int4 words (int32 ``[N, K / 8]``, so the
+        stored tensor says its layout): whole 128-column tiles inside scale groups; a MoE
+        layer's 3-D experts never (the fused MoE reads bytes)."""
+        return (self.words and w.dim() == 2 and w.shape[-1] % quant_decode.WORD_TILE == 0
                 and self.group_size % quant_decode.WORD_TILE == 0)
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
@@ -130,16 +129,17 @@ class IntMethod:
             q, s = carried[0].to(w.device), carried[1].to(w.device)
         else:
             q, s = quant_gemm.quantize(w, self.bits, self.group_size)
-        return (quant_decode.interleave_int4(q) if self._words(w) else q), s
+        return (quant_decode.interleave_int4(q).view(torch.int32) if self._words(w) else q), s
 
     def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
         q, s = tensors
-        q = quant_decode.deinterleave_int4(q) if self._words(q) else q
+        if q.dtype == torch.int32:                                     # int4 words
+            q = quant_decode.deinterleave_int4(q.view(torch.uint8))
         return quant_gemm.dequantize(q, s, self.bits, dtype)
 
     def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
-        if self._words(layer.qweight):
-            return _words_op(x, layer.qweight, layer.scales, layer.bias)
+        if layer.qweight.dtype == torch.int32:                         # int4 words
+            return _words_op(x, layer.qweight.view(torch.uint8), layer.scales, layer.bias)
         return quant_gemm.op(x, layer.qweight, layer.scales, layer.bias, self.bits)
 
     def apply_experts(self, layer: "QuantExperts", x, topk_ids, topk_weights) -> torch.Tensor:
@@ -154,7 +154,7 @@ def _words_op(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
     """``quant_gemm.op`` for int4 words: the word read (``JOIN = 3``) on CUDA at the rows the
     skinny kernel takes (any rows when deterministic), the byte layout restored elsewhere (the
     CPU's reference; from ``DEQUANT_MIN_ROWS`` rows the dequantized GEMM, after a per-call
-    de-interleave: slower, this is a study of the skinny case)."""
+    de-interleave: slower and a few weight-sized temporaries, this is a study of batch 1)."""
     K, N = x.shape[-1], q.shape[0]
     rows = x.numel() // K
     deterministic = batch_invariant_active()
