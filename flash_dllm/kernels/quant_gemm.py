@@ -34,9 +34,10 @@ of Hopper's wgmma, the few rows of x its narrow N side); on an H100 it won the i
 rows (gate/up 44.4 -> 39.1 us) and lost fp8's and the fused MoE's (findings/quantization.md).
 Tiles: a device's tuned file (``tuned_config``), else ``default_config`` (shape and SM count).
 
-NOTE (size): ~480 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
-packed experts), its three int4 reads and transposed dots, the tiles and the reference (the
-layout's ``quantize`` / ``unpack`` / ``dequantize`` live in ``quant_decode``, re-exported here).
+NOTE (size): ~420 lines for one op: the skinny kernel and its tile loop (also the fused MoE's on
+packed experts), its int4 reads and transposed dots, and the reference. The layout's
+``quantize`` / ``unpack`` / ``dequantize`` live in ``quant_decode``, the tiles (defaults, tuned
+files, their check) in ``quant_tiles``; both re-exported here.
 
 NOTE (batch invariance): the split and the tiles follow M (through ``default_config``), so a
 row's reduction order may change with the batch size; pass one ``config`` for bit-stable
@@ -44,13 +45,10 @@ answers across batch sizes.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.kernels import quant_decode, tuned_configs
+from flash_dllm.kernels import quant_decode
 from flash_dllm.kernels.quant_decode import dequantize_triton  # (op's many-row path)
 from flash_dllm.kernels.quant_decode import (  # noqa: F401  (the layout's own functions)
     INT_BITS,
@@ -58,6 +56,17 @@ from flash_dllm.kernels.quant_decode import (  # noqa: F401  (the layout's own f
     dequantize,
     quantize,
     unpack,
+)
+from flash_dllm.kernels.quant_tiles import (  # noqa: F401  (the tiles: quant_tiles)
+    FP8,
+    TILE_RULES,
+    _device_name,
+    _num_sms,
+    check_tile,
+    code_name,
+    default_config,
+    problem_key,
+    tuned_config,
 )
 from flash_dllm.kernels._triton import (
     FLOAT_DTYPES,
@@ -68,13 +77,11 @@ from flash_dllm.kernels._triton import (
     check_dtype,
     describe,
     interpreting,
-    next_pow2,
     pdl_args,
     use_triton,
 )
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
-FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
 # How int4 tiles read their nibbles when no tuned tile says (``_int_tile_dot``'s ``JOIN``): 1,
 # the nibbles joined into their columns: fastest on an H100 (``step/sweep_quant_gemm_int4_h100
 # .json``: LLaDA-8B's projections at 32 rows, read 1 35 / 20 / 56 / 46 us, 2 50 / 47 / 75 / 127).
@@ -305,88 +312,6 @@ def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
 
 
 # ------------------------------------------------------------------------------------ Triton
-def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> dict:
-    """Tiles for an ``[M, K] x [N, K]^T`` GEMM: BLOCK_M covers the rows (16-64), BLOCK_N 64 (32
-    when N is small), BLOCK_K 128 (32-128 for small K); SPLIT_K grows (powers of 2) until the grid holds ~2
-    waves of ``num_sms`` programs, keeping at least 4 BLOCK_K steps per slice."""
-    block_m = min(64, max(16, next_pow2(M)))
-    block_n = 64 if N >= 64 * num_sms // 2 else 32
-    block_k = min(128, max(32, next_pow2(K)))        # (int4: BLOCK_K / 2 >= 16 for tl.dot)
-    if group % 64 == 0:                              # a tile inside one group: the scale after
-        while group % block_k:                       # the dot (``wq_dot_acc``); narrower groups
-            block_k //= 2                            # keep wide tiles, dequantized before it
-    tiles = -(-N // block_n) * -(-M // block_m)
-    split = 1
-    while tiles * split < 2 * num_sms and K // (split * 2) >= 4 * block_k:
-        split *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 3}
-
-
-def code_name(qweight: torch.Tensor, bits: int) -> str:
-    """What the packed weights hold: ``"int8"``, ``"int4"`` or ``"fp8"`` (e4m3 codes, the 8-bit
-    path: ``fp8_gemm``'s weight-only rows)."""
-    return "fp8" if qweight.dtype == FP8 else f"int{bits}"
-
-
-def problem_key(bits: int, N: int, K: int, group: int, code: str | None = None) -> str:
-    """The tuned-config key of one GEMM (``kernels/tuned_configs``)."""
-    return f"{code or f'int{bits}'}_N{N}_K{K}_g{group}"
-
-
-def tuned_config(M: int, N: int, K: int, group: int, bits: int,
-                 device: torch.device, code: str | None = None) -> dict | None:
-    """The tiles a sweep measured for this GEMM on this device (``configs/quant_gemm/``), or
-    None: ``default_config`` then applies."""
-    if device.type != "cuda":
-        return None
-    return _tuned(_device_name(device), problem_key(bits, N, K, group, code), M,
-                  os.environ.get(tuned_configs.ENV))
-
-
-@functools.lru_cache(maxsize=4096)
-def _tuned(device_name: str, key: str, M: int, env_dir: str | None) -> dict | None:
-    """One lookup and check per (GEMM, row count, override folder): the eager path calls this
-    at every launch. ``env_dir`` keys the cache only (``tuned_configs`` reads the variable).
-    The dict is shared: callers copy it before changing it."""
-    cfg = tuned_configs.lookup("quant_gemm", device_name, key, M)
-    return None if cfg is None else check_tile(cfg, f"tuned quant_gemm tiles for {key}")
-
-
-TILE_RULES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "num_warps": 1,
-              "num_stages": 1, "JOIN": 0, "SWAP": 0}   # name -> smallest value (powers of 2
-_CHOICES = {"JOIN": (0, 1, 2), "SWAP": (0, 1)}         # but stages; these: one of a few)
-
-
-def check_tile(cfg: dict, where: str) -> dict:
-    """``cfg`` if every name is a tile of this kernel with a value it can launch, else a
-    ValueError naming ``where``, the name and the value (a bad tuned file must not fail inside a
-    Triton compile or a division)."""
-    for name, v in cfg.items():
-        lo = TILE_RULES.get(name)
-        if lo is None:
-            raise ValueError(f"{where}: unknown tile {name!r} (known: {sorted(TILE_RULES)})")
-        ok = isinstance(v, int) and v >= lo and (
-            name == "num_stages" or (name in _CHOICES and v in _CHOICES[name])
-            or (name not in _CHOICES and v & (v - 1) == 0))
-        if not ok:
-            raise ValueError(f"{where}: {name} = {v!r} is not a valid tile (a power of 2 >= "
-                             f"{lo}; num_stages >= 1; JOIN 0, 1 or 2; SWAP 0 or 1)")
-    return cfg
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None, bits: int, config: dict | None = None
                        ) -> torch.Tensor:
