@@ -107,3 +107,26 @@ def test_an_int4_linear_stored_as_words_computes_as_bytes(monkeypatch):
     experts = quant.QuantExperts(gate_up, torch.randn(2, 256, 128),
                                  quant.make_method("int4", 128))
     assert torch.equal(experts.gate_up_qweight, quant_gemm.quantize(gate_up, 4, 128)[0])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_op_dispatches_words_as_bytes_on_every_path(monkeypatch):
+    """``quant_gemm.op`` on int32 words (CUDA dispatch forced onto the interpreter): the skinny
+    word read, the dequantized GEMM from ``DEQUANT_MIN_ROWS`` rows and the deterministic tile
+    all give the byte layout's values."""
+    from flash_dllm.kernels._triton import batch_invariant_launches
+
+    monkeypatch.setattr(quant_gemm, "use_triton", lambda *t: True)
+    monkeypatch.setattr(quant_gemm, "DEQUANT_MIN_ROWS", 8)
+    q, s = _codes(48, 256, seed=7)
+    words = quant_decode.interleave_int4(q).view(torch.int32)
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(48, generator=g)
+    for rows in (3, 12):                           # skinny kernel / dequantized GEMM
+        x = torch.randn(rows, 256, generator=g)
+        torch.testing.assert_close(quant_gemm.op(x, words, s, bias, 4),
+                                   quant_gemm.weight_only_reference(x, q, s, bias, 4),
+                                   rtol=1e-4, atol=1e-4)
+        with batch_invariant_launches():
+            torch.testing.assert_close(quant_gemm.op(x, words, s, bias, 4),
+                                       quant_gemm.op(x, q, s, bias, 4), rtol=1e-4, atol=1e-4)

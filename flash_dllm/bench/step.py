@@ -193,7 +193,6 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     ``quantization``: the weight modes to time, one model each (``none``: the dtype's own; the
     default is ``["none"]``); each row says its mode, and its floor is from that mode's bytes."""
     modes = list(quantization or ["none"])
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     if tensor_parallel_size > 1 and tp is None:
         if modes != ["none"]:
             raise ValueError("bench step --quantization runs on one device (quantized weights "
@@ -212,12 +211,13 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
     for mode in modes:
         model = build_model(cfg_dict, device=dev, dtype=dtype, seed=0, tp=tp)
         cfg = model.cfg
+        quant = {}                           # quantize_model's report (its group included)
         if mode != "none":
             if dev.type == "cuda":           # the runner's order: fuse, then quantize the GEMMs
                 model.fuse_projections()
             # ("int4+head": the LM head quantized too, EngineConfig.quantize_lm_head)
-            quantize_model(model, mode.removesuffix(HEAD), group_size,
-                           deterministic=deterministic, lm_head=mode.endswith(HEAD))
+            quant = quantize_model(model, mode.removesuffix(HEAD), group_size,
+                                   deterministic=deterministic, lm_head=mode.endswith(HEAD))
         set_routing(model, cfg, routing, shape)
         tdtype = next(model.parameters()).dtype
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -234,7 +234,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                 "weight_bytes": weight_bytes, "copy_bandwidth_GBps": bw / 1e9,
                 "matmul_TFLOPs": rate / 1e12, "floor_ms": 1e3 * weight_bytes / bw}
         weights[mode] = {"weight_bytes": weight_bytes, "floor_ms": 1e3 * weight_bytes / bw,
-                         "group_size": group_size if mode.startswith("int") else None}
+                         "group_size": quant.get("group_size")}
         for cache, b in [(c, b) for c in caches for b in batches]:
             r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                            cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,

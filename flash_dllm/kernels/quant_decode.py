@@ -204,9 +204,10 @@ def quantize(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
 
 
 def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integers ``q`` [..., N, K] (int8) of a packed ``qweight``."""
+    """The integers ``q`` [..., N, K] (int8) of a packed ``qweight`` (int4 words included)."""
     if bits == 8:
         return qweight
+    qweight = words_to_bytes(qweight)
     lo = (qweight & 0xF).to(torch.int8) - 8
     hi = (qweight >> 4).to(torch.int8) - 8
     return torch.stack([lo, hi], dim=-1).flatten(-2)                   # [..., N, K]
@@ -243,6 +244,14 @@ def deinterleave_int4(words: torch.Tensor, tile: int = WORD_TILE) -> torch.Tenso
     u = torch.stack([words & 0xF, words >> 4], dim=-1).flatten(-2)            # [..., N, K]
     u = u.unflatten(-1, (K // tile, tile // 8, 8)).transpose(-1, -2).flatten(-3)
     return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+
+
+def words_to_bytes(qweight: torch.Tensor) -> torch.Tensor:
+    """An int4 ``qweight`` in this layout's bytes: int4 words (int32 ``[..., N, K / 8]``, as
+    ``interleave_int4(q).view(torch.int32)``) de-interleaved; bytes as they are."""
+    if qweight.dtype != torch.int32:
+        return qweight
+    return deinterleave_int4(qweight.view(torch.uint8))
 
 
 def _bf16(bits: torch.Tensor) -> torch.Tensor:

@@ -403,21 +403,27 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
        bias: torch.Tensor | None, bits: int) -> torch.Tensor:
     """``x [..., K] -> [..., N]``: Triton on CUDA (the weight-only kernel for skinny steps, a
     dequantized copy and the dtype's GEMM from ``DEQUANT_MIN_ROWS`` rows), the reference
-    elsewhere."""
+    elsewhere. An int32 ``qweight`` is int4 words (``quant_decode.interleave_int4``): the
+    kernel's word read; the dequantized copy and the reference take them as ``unpack`` does."""
+    words = qweight.dtype == torch.int32
     if not use_triton(x, qweight):
         return weight_only_reference(x, qweight, scales, bias, bits)
     lead, N = x.shape[:-1], qweight.shape[0]        # (N, not -1: a view of 0 rows needs it)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    K, group, sms = x2.shape[1], x2.shape[1] // scales.shape[1], _num_sms(x.device)
+    read = {"JOIN": 3, "BLOCK_K": quant_decode.WORD_TILE} if words else {}
+    q = qweight.view(torch.uint8) if words else qweight
     if batch_invariant_active():          # deterministic: one path and one tile for any rows
-        group = x2.shape[1] // scales.shape[1]
-        cfg = {**default_config(32, N, x2.shape[1], group, _num_sms(x.device)),
-               "SPLIT_K": 1}               # (no [split, M, N] partials for a long prefill)
-        return weight_only_triton(x2, qweight, scales, bias, bits, cfg).view(*lead, N)
+        cfg = {**default_config(32, N, K, group, sms), "SPLIT_K": 1, **read}
+        return weight_only_triton(x2, q, scales, bias, bits, cfg).view(*lead, N)
     if x2.shape[0] >= DEQUANT_MIN_ROWS:
-        w = dequantize_triton(qweight, scales, bits, x.dtype)
+        w = dequantize_triton(quant_decode.words_to_bytes(qweight), scales, bits, x.dtype)
         out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()
                                                     + bias.float()).to(x.dtype)
         return out.view(*lead, N)
-    return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, N)
+    cfg = None if not words else {
+        **default_config(x2.shape[0], N, K, group, sms),
+        **(tuned_config(x2.shape[0], N, K, group, bits, x.device, "int4") or {}), **read}
+    return weight_only_triton(x2, q, scales, bias, bits, cfg).view(*lead, N)

@@ -49,7 +49,6 @@ import torch
 from torch import nn
 
 from flash_dllm.kernels import fp8_gemm, fused_moe_quant, quant_decode, quant_gemm
-from flash_dllm.kernels._triton import batch_invariant_active, use_triton
 from flash_dllm.layers.moe import MoE
 
 QUANT_MODES = ("fp8", "int8", "int4")
@@ -132,14 +131,9 @@ class IntMethod:
         return (quant_decode.interleave_int4(q).view(torch.int32) if self._words(w) else q), s
 
     def dequantize(self, tensors, dtype: torch.dtype) -> torch.Tensor:
-        q, s = tensors
-        if q.dtype == torch.int32:                                     # int4 words
-            q = quant_decode.deinterleave_int4(q.view(torch.uint8))
-        return quant_gemm.dequantize(q, s, self.bits, dtype)
+        return quant_gemm.dequantize(*tensors, self.bits, dtype)      # (words: unpack reads)
 
     def apply(self, layer: "QuantLinear", x: torch.Tensor) -> torch.Tensor:
-        if layer.qweight.dtype == torch.int32:                         # int4 words
-            return _words_op(x, layer.qweight.view(torch.uint8), layer.scales, layer.bias)
         return quant_gemm.op(x, layer.qweight, layer.scales, layer.bias, self.bits)
 
     def apply_experts(self, layer: "QuantExperts", x, topk_ids, topk_weights) -> torch.Tensor:
@@ -147,27 +141,6 @@ class IntMethod:
         return fused_moe_quant.op(x, layer.gate_up_qweight, layer.gate_up_scales,
                                   layer.down_qweight, layer.down_scales, self.bits, topk_ids,
                                   topk_weights)
-
-
-def _words_op(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """``quant_gemm.op`` for int4 words: the word read (``JOIN = 3``) on CUDA at the rows the
-    skinny kernel takes (any rows when deterministic), the byte layout restored elsewhere (the
-    CPU's reference; from ``DEQUANT_MIN_ROWS`` rows the dequantized GEMM, after a per-call
-    de-interleave: slower and a few weight-sized temporaries, this is a study of batch 1)."""
-    K, N = x.shape[-1], q.shape[0]
-    rows = x.numel() // K
-    deterministic = batch_invariant_active()
-    if not use_triton(x, q) or (rows >= quant_gemm.DEQUANT_MIN_ROWS and not deterministic):
-        return quant_gemm.op(x, quant_decode.deinterleave_int4(q), s, bias, 4)
-    x2, group, sms = x.reshape(-1, K).contiguous(), K // s.shape[1], quant_gemm._num_sms(x.device)
-    cfg = quant_gemm.default_config(32 if deterministic else rows, N, K, group, sms)
-    if deterministic:
-        cfg["SPLIT_K"] = 1
-    else:
-        cfg.update(quant_gemm.tuned_config(rows, N, K, group, 4, x.device, "int4") or {})
-    cfg.update(JOIN=3, BLOCK_K=quant_decode.WORD_TILE)
-    return quant_gemm.weight_only_triton(x2, q, s, bias, 4, cfg).view(*x.shape[:-1], N)
 
 
 def _largest_pow2_divisor(n: int, at_most: int) -> int:
