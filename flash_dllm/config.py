@@ -283,7 +283,8 @@ class EngineConfig:
               "layer's input width (default: 128; for a checkpoint published in int4, its "
               "own group)", ge=1)
     quantize_lm_head: bool = knob(
-        False, "with --quantization: quantize the LM head too. It is read at every step "
+        False, "with --quantization (or a checkpoint published quantized): quantize the LM "
+               "head too, in that mode. It is read at every step "
                "(LLaDA-8B's: 1.04 GB in bf16), which pays where steps are few rows (batch 1); "
                "from 512 rows a call, int8 / int4 dequantize it per call. The confidence every "
                "decode policy ranks by comes from its logits: its accuracy cost is in "
@@ -407,9 +408,6 @@ class EngineConfig:
         if self.lazy_load_predictor != "mass" and b is None:
             raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
                              "lazy_load_budget (--lazy-load-budget) too")
-        if self.quantize_lm_head and self.quantization is None:
-            raise ValueError("quantize_lm_head=True needs a quantization mode (--quantization "
-                             "fp8 / int8 / int4): the LM head is quantized by it")
         if self.kv_cache_dtype == "fp8":
             # NOTE: fp8 pages carry scales beside the codes: the tiers move both (as they are);
             # overflow streaming copies codes only so far: refused, not corrupted

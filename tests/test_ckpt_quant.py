@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from conftest import write_tiny_checkpoint
 from flash_dllm import LLM, SamplingParams
+from flash_dllm.config import EngineConfig
 from flash_dllm.kernels import fp8_gemm
 from flash_dllm.layers.quant import QuantLinear, quantize_model
 from flash_dllm.models.loader import load_model
@@ -235,6 +236,9 @@ def test_published_int4_checkpoint_loads_with_its_codes(tmp_path):
     ref = LLM(plain)                        # the same values in float32, unquantized
     assert ref.engine.runner.weight_info["quantization"] is None
     _computes_as(llm, ref)
+    # --quantize-lm-head without --quantization: the checkpoint's mode quantizes the head too
+    head = LLM(folder, engine_config=EngineConfig(quantize_lm_head=True)).engine.runner
+    assert (head.weight_info["quantization"], head.weight_info["lm_head"]) == ("int4", True)
     # a group size the user gives wins, 128 (the default's value) included
     regrouped = LLM(folder, quantization_group_size=32).engine.runner.weight_info
     assert (regrouped["quantization"], regrouped["group_size"]) == ("int4", 32)

@@ -267,6 +267,15 @@ def quantize_model(model: nn.Module, mode: str,
             "layers": len(targets) + lm_head, "lm_head": lm_head}
 
 
+def check_lm_head(quantization: str | None, lm_head: bool) -> None:
+    """``quantize_lm_head`` needs a mode. Checked where the mode is final (the runner, LLM's
+    engine-less path): a checkpoint published quantized gives its own after the config is
+    built."""
+    if lm_head and quantization is None:
+        raise QuantError("quantize_lm_head=True needs a quantization mode (--quantization fp8 / "
+                         "int8 / int4): the LM head is quantized by it")
+
+
 def _head_linear(model: nn.Module) -> nn.Linear:
     """The model's LM head as an ``nn.Linear``: its own, or a tied model's embedding matrix
     (shared, not copied: the embedding keeps it)."""

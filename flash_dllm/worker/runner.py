@@ -31,7 +31,7 @@ from flash_dllm.cache.paged import (PagedKVLayout, allocate_kv_cache, allocate_k
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
 from flash_dllm.layers.batch_invariant import batch_invariant
-from flash_dllm.layers.quant import quantize_model, weight_bytes
+from flash_dllm.layers.quant import check_lm_head, quantize_model, weight_bytes
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request
 from flash_dllm.decoding.policies import DECODE_POLICIES
@@ -57,6 +57,7 @@ class ModelRunner:
         # quantized as the GEMMs that run; the bytes are reported at start-up and in /metrics
         self.quantization = config.quantization
         self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
+        check_lm_head(config.quantization, config.quantize_lm_head)
         if config.quantization is not None:
             self.weight_info = quantize_model(model, config.quantization,
                                               config.quantization_group_size,
