@@ -41,15 +41,18 @@ from flash_dllm.kernels._triton import HAS_TRITON, check, describe, use_triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                       # torch.finfo(torch.float8_e4m3fn).max
 MIN_CAPABILITY = (8, 9)
+_INV_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))   # (exact in float32)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, INV_MAX: tl.constexpr,
+                           BLOCK: tl.constexpr):
         """One row: its absmax (first sweep), then the e4m3 codes of ``x / scale`` (second
-        sweep, from L2): ``quantize_rows``'s arithmetic (IEEE division, round to nearest)."""
+        sweep, from L2): ``quantize_rows``'s arithmetic (the scale a product with the float32
+        ``1 / 448``, the codes an IEEE division, round to nearest)."""
         row = tl.program_id(0).to(tl.int64)
         x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -57,7 +60,7 @@ if HAS_TRITON:
             ks = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)   # (IEEE, as torch)
+        scale = tl.maximum(tl.max(amax, axis=0) * INV_MAX, 1e-12)   # (quantize_rows' product)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             ks = k0 + tl.arange(0, BLOCK)
@@ -88,7 +91,10 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic quantization: ``x [M, K]`` -> (e4m3 ``[M, K]``, float32 ``[M, 1]``)."""
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # [M, 1]
+    # NOTE: the scale is amax times float32(1 / 448), not amax / 448: torch divides by a scalar
+    # exactly on the CPU but multiplies by its reciprocal on CUDA; the product is one answer on
+    # every device, and the kernel's (quantize_rows_triton) bit for bit.
+    scale = (xf.abs().amax(-1, keepdim=True) * _INV_MAX).clamp_min(1e-12)  # [M, 1]
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -102,8 +108,8 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(M, K, dtype=FP8, device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M and K:
-        _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=1024,
-                                 num_warps=4)
+        _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), INV_MAX=_INV_MAX,
+                                 BLOCK=1024, num_warps=4)
     return q, s
 
 
