@@ -125,7 +125,7 @@ group_quant() {
     python3 benchmarks/step/sweep_quant_gemm.py --codes fp8 int4 --rows 32 --buckets 32 1 8 64 \
     --keep 4 --budget-s 110 --write-config "$OUT/kernel-configs" \
     --out "$OUT/step/sweep_quant_gemm_h200.json"
-  # the int4 words (JOIN = 3, a layout study): their GPU test, then timed against the byte read
+  # the int4 words (JOIN = 3, int4's GPU layout): their GPU test, then timed against the byte read
   run int4_words_gpu_test 120 - python3 -m pytest -m gpu -q -s tests/gpu/test_quant_gpu.py \
     -k int4_words
   run study_int4_words_h200 180 "$OUT/step/study_int4_words_h200.json" \
@@ -134,12 +134,13 @@ group_quant() {
     env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" \
     "${FD[@]}" bench step --quantization none fp8 fp8+head int4 int4+head --cache dual \
     --batch 1 --json "$OUT/step/step_quant_h200.json"
-  run step_quant_words_h200 180 "$OUT/step/step_quant_words_h200.json" \
-    env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" FLASH_DLLM_INT4_WORDS=1 \
+  # the byte layout in the same call (FLASH_DLLM_INT4_WORDS=0): the words' gain in the step
+  run step_quant_bytes_h200 180 "$OUT/step/step_quant_bytes_h200.json" \
+    env FLASH_DLLM_KERNEL_CONFIGS="$OUT/kernel-configs" FLASH_DLLM_INT4_WORDS=0 \
     "${FD[@]}" bench step --quantization none int4 --cache dual --batch 1 \
-    --json "$OUT/step/step_quant_words_h200.json"
+    --json "$OUT/step/step_quant_bytes_h200.json"
   run step_quant_b64_h200 240 "$OUT/step/step_quant_b64_h200.json" \
-    "${FD[@]}" bench step --quantization none fp8 --cache dual --batch 64 \
+    "${FD[@]}" bench step --quantization none fp8 int4 --cache dual --batch 64 \
     --json "$OUT/step/step_quant_b64_h200.json"
   run step_quant_llada2_mini_h200 180 "$OUT/step/step_quant_llada2_mini_h200.json" \
     "${FD[@]}" bench step --model-shape llada2-mini --cache block \

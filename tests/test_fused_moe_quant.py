@@ -104,3 +104,33 @@ def test_bad_shapes_name_the_operand():
         fq.op(x, gq[:, :, :16], gs, dq, ds, 4, ids, w)
     with pytest.raises(ValueError, match="bits must be one of"):
         fq.op(x, gq, gs, dq, ds, 3, ids, w)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("parts", ["both", "gate_up", "down"])
+def test_int4_words_experts_equal_bytes(parts):
+    """Experts whose codes are int4 words (``quant_decode.interleave_int4``; one part or both,
+    each read by its own launch): the kernel equals the reference on the byte layout, and the
+    reference reads words as bytes."""
+    from flash_dllm.kernels import quant_decode
+    x, gq, gs, dq, ds, ids, w = _problem(9, 4, 2, 256, 128, torch.float32, 4, 128, seed=3)
+    ids[0, 0] = -1
+    words = {n: quant_decode.interleave_int4(q).view(torch.int32) for n, q in
+             (("gate_up", gq), ("down", dq))}
+    gw = words["gate_up"] if parts in ("both", "gate_up") else gq
+    dw = words["down"] if parts in ("both", "down") else dq
+    ref = fq.fused_moe_quant_reference(x, gq, gs, dq, ds, 4, ids, w)
+    assert torch.equal(fq.fused_moe_quant_reference(x, gw, gs, dw, ds, 4, ids, w), ref)
+    got = fq.fused_moe_quant_triton(x, gw, gs, dw, ds, 4, ids, w,
+                                    config={**SMALL, "GU_K": 64, "DN_K": 64})
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_int4_words_experts_need_whole_tiles_in_their_groups():
+    from flash_dllm.kernels import quant_decode
+    x, gq, gs, dq, ds, ids, w = _problem(3, 4, 2, 256, 128, torch.float32, 4, 64, seed=0)
+    words = quant_decode.interleave_int4(gq).view(torch.int32)
+    with pytest.raises(ValueError, match="gu_q is int4 words"):
+        fq.op(x, words, gs, dq, ds, 4, ids, w)
+    with pytest.raises(ValueError, match="int4's layout, not int8"):
+        fq.op(x, words, gs, dq, ds, 8, ids, w)

@@ -2,8 +2,9 @@
 layout is a permutation of the packed int4 bytes that round-trips, each word holds the columns
 its docstring says, the GPU's bit recipe decodes every nibble of every word to ``q``, and the
 weight-only kernel reading the words equals the reference on the canonical layout (the
-interpreter: split, transposed dots, bias, rows not a multiple of the tile). The engine stores
-int4 linears as words only when ``FLASH_DLLM_INT4_WORDS=1`` (a study: findings/quantization.md)."""
+interpreter: split, transposed dots, bias, rows not a multiple of the tile), as does the
+dequantize kernel reading them. The engine stores int4 linears as words on a GPU; the CPU keeps
+bytes; ``FLASH_DLLM_INT4_WORDS`` = 0 / 1 forces either (findings/quantization.md)."""
 from __future__ import annotations
 
 import pytest
@@ -81,9 +82,9 @@ def test_words_are_a_layout_not_a_tile():
 
 
 def test_an_int4_linear_stored_as_words_computes_as_bytes(monkeypatch):
-    """``FLASH_DLLM_INT4_WORDS=1``: a linear of whole tiles holds the interleaved codes and
-    computes (and dequantizes) as the byte layout does; narrow groups, other widths, int8 and
-    MoE experts keep bytes."""
+    """Words (forced here: ``FLASH_DLLM_INT4_WORDS=1``): a linear of whole tiles holds the codes and
+    computes (and dequantizes) as the byte layout does; narrow groups, other widths and int8
+    keep bytes; MoE experts hold words unless ``EXPERT_WORDS`` is off."""
     from torch import nn
 
     from flash_dllm.layers import quant
@@ -103,10 +104,18 @@ def test_an_int4_linear_stored_as_words_computes_as_bytes(monkeypatch):
         w = nn.Linear(width, 32)
         kept = quant.QuantLinear(w, quant.make_method(mode, group))
         assert torch.equal(kept.qweight, quant_gemm.quantize(w.weight, int(mode[3:]), group)[0])
-    gate_up = torch.randn(2, 64, 256)
-    experts = quant.QuantExperts(gate_up, torch.randn(2, 256, 128),
-                                 quant.make_method("int4", 128))
-    assert torch.equal(experts.gate_up_qweight, quant_gemm.quantize(gate_up, 4, 128)[0])
+    gate_up, down = torch.randn(2, 256, 256), torch.randn(2, 256, 128)   # [E, 2I, d], [E, d, I]
+    experts = quant.QuantExperts(gate_up, down, quant.make_method("int4", 128))
+    for part, w in (("gate_up", gate_up), ("down", down)):
+        assert torch.equal(getattr(experts, f"{part}_qweight").view(torch.uint8),
+                           quant_decode.interleave_int4(quant_gemm.quantize(w, 4, 128)[0]))
+    x, ids = torch.randn(5, 256), torch.tensor([[0, 1], [1, 0], [0, 0], [1, 1], [0, 1]])
+    mix = torch.rand(5, 2)
+    plain = quant.QuantExperts(gate_up, down, quant.IntMethod(4, 128, words=False))
+    torch.testing.assert_close(experts(x, ids, mix), plain(x, ids, mix), rtol=0, atol=0)
+    monkeypatch.setattr(quant, "EXPERT_WORDS", False)
+    experts = quant.QuantExperts(gate_up, down, quant.make_method("int4", 128))
+    assert experts.gate_up_qweight.dtype == experts.down_qweight.dtype == torch.uint8
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -130,3 +139,42 @@ def test_op_dispatches_words_as_bytes_on_every_path(monkeypatch):
         with batch_invariant_launches():
             torch.testing.assert_close(quant_gemm.op(x, words, s, bias, 4),
                                        quant_gemm.op(x, q, s, bias, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_words_are_the_gpu_layout_and_the_variable_forces_either(monkeypatch):
+    """Unforced, an int4 weight on a GPU is stored as words and one on the CPU as bytes (its
+    reference would de-interleave every call); ``FLASH_DLLM_INT4_WORDS`` 0 / 1 forces either;
+    int8 never. (A stand-in says "cuda": the decision reads only the weight's device and shape.)"""
+    from types import SimpleNamespace
+
+    from flash_dllm.layers import quant
+
+    def weight(kind):
+        return SimpleNamespace(device=torch.device(kind), shape=(64, 256), dim=lambda: 2)
+
+    monkeypatch.delenv(quant.WORDS_ENV, raising=False)
+    assert quant.IntMethod(4, 128)._words(weight("cuda"))
+    assert not quant.IntMethod(4, 128)._words(weight("cpu"))
+    assert not quant.IntMethod(4, 64)._words(weight("cuda"))          # a group inside a tile
+    assert not quant.IntMethod(8, 128)._words(weight("cuda"))
+    monkeypatch.setenv(quant.WORDS_ENV, "0")
+    assert not quant.IntMethod(4, 128)._words(weight("cuda"))
+    monkeypatch.setenv(quant.WORDS_ENV, "1")
+    assert quant.IntMethod(4, 128)._words(weight("cpu"))
+    assert not quant.IntMethod(8, 128)._words(weight("cpu"))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("N, K, group", [(40, 256, 128), (33, 512, 256), (8, 384, 128)])
+def test_the_dequantize_kernel_reads_words(N, K, group):
+    """``dequantize_triton`` on int32 words (the many-row path's copy): the reference's values
+    in float32, and the byte kernel's bits in bf16 (the interpreter)."""
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    q, s = quant_gemm.quantize(w, 4, group)
+    words = quant_decode.interleave_int4(q).view(torch.int32)
+    assert torch.equal(quant_decode.dequantize_triton(words, s, 4, torch.float32),
+                       quant_decode.dequantize(q, s, 4, torch.float32))
+    assert torch.equal(quant_decode.dequantize_triton(words, s, 4, torch.bfloat16),
+                       quant_decode.dequantize_triton(q, s, 4, torch.bfloat16))
+    with pytest.raises(ValueError, match="int4's layout"):
+        quant_decode.dequantize_triton(words, s, 8, torch.float32)

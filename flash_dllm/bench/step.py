@@ -234,7 +234,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                 "weight_bytes": weight_bytes, "copy_bandwidth_GBps": bw / 1e9,
                 "matmul_TFLOPs": rate / 1e12, "floor_ms": 1e3 * weight_bytes / bw}
         weights[mode] = {"weight_bytes": weight_bytes, "floor_ms": 1e3 * weight_bytes / bw,
-                         "group_size": quant.get("group_size")}
+                         "group_size": quant.get("group_size"),
+                         "int4_words_layers": quant.get("int4_words")}
         for cache, b in [(c, b) for c in caches for b in batches]:
             r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                            cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,

@@ -18,13 +18,15 @@ to the dtype's rounding.
 
 Bytes: an int4 expert is 0.5 + 2 / group bytes per weight (0.27x bf16's at group 128), which is
 the whole cost of a batch-1 MoE step (``fused_moe``'s floors table); int4 takes each byte once,
-its nibbles read as ``quant_gemm.INT4_READ`` says.
+its nibbles read as ``quant_gemm.INT4_READ`` says. A part whose codes are int32 words
+(``quant_decode.interleave_int4``: int32 ``[E, N, K / 8]``, 128-column K tiles inside its scale
+groups) is read by the word read instead (``JOIN = 3``, K tiles of 128), each part on its own.
 """
 from __future__ import annotations
 
 import torch
 
-from flash_dllm.kernels import fused_moe, quant_gemm
+from flash_dllm.kernels import fused_moe, quant_decode, quant_gemm
 from flash_dllm.kernels._triton import HAS_TRITON, check, check_device, pdl_args, use_triton
 
 INTERPRET = fused_moe.INTERPRET
@@ -93,10 +95,10 @@ def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, i
     size from ``quantize``; e4m3 codes have one scale per row: each part its whole input)."""
     check(bits in quant_gemm.INT_BITS, f"fused_moe_quant: bits must be one of "
                                        f"{quant_gemm.INT_BITS}, got {bits}")
-    d, per = x.shape[1], 1 if bits == 8 else 2
+    d, per = x.shape[1], _per(gu_q, bits)
     check(gu_q.dim() == 3 and gu_q.shape[2] * per == d and gu_q.shape[1] % 2 == 0,
           f"fused_moe_quant: gu_q must be [E, 2I, {d // per}], got {tuple(gu_q.shape)}")
-    E, I = gu_q.shape[0], gu_q.shape[1] // 2
+    E, I, per = gu_q.shape[0], gu_q.shape[1] // 2, _per(dn_q, bits)
     check(tuple(dn_q.shape) == (E, d, I // per),
           f"fused_moe_quant: dn_q must be [{E}, {d}, {I // per}], got {tuple(dn_q.shape)}")
     check(gu_s.shape[:2] == gu_q.shape[:2] and d % gu_s.shape[2] == 0,
@@ -107,9 +109,29 @@ def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, i
           f"fused_moe_quant: dn_s must be [{E}, {d}, I / group] with I = {I}, got "
           f"{tuple(dn_s.shape)}")
     dn_group = I // dn_s.shape[2]            # each part's group from its own scales
-    check(gu_q.dtype == dn_q.dtype, f"fused_moe_quant: gu_q and dn_q hold one code, got "
-                                    f"{gu_q.dtype} and {dn_q.dtype}")
+    check(gu_q.dtype == dn_q.dtype or bits == 4, f"fused_moe_quant: gu_q and dn_q hold one "
+                                                 f"code, got {gu_q.dtype} and {dn_q.dtype}")
+    for part, q, g in (("gu_q", gu_q, group), ("dn_q", dn_q, dn_group)):
+        check(q.dtype != torch.int32 or g % quant_decode.WORD_TILE == 0,
+              f"fused_moe_quant: {part} is int4 words, whose K tiles of "
+              f"{quant_decode.WORD_TILE} must lie inside its scale groups; group {g}")
     return d, E, I, group, dn_group
+
+
+def _per(q: torch.Tensor, bits: int) -> int:
+    """Weights a stored element holds: int8 / e4m3 1, int4 bytes 2, int4 words 8."""
+    check(q.dtype != torch.int32 or bits == 4,
+          f"fused_moe_quant: int32 words are int4's layout, not int{bits}")
+    return 8 if q.dtype == torch.int32 else 1 if bits == 8 else 2
+
+
+def _read(q: torch.Tensor, bits: int, k_tile: int) -> tuple[torch.Tensor, int, int]:
+    """(the codes as the kernel takes them, its ``JOIN``, its K tile) of one part."""
+    if q.dtype == torch.int32:                                 # words: the word read
+        return q.view(torch.uint8), 3, quant_decode.WORD_TILE
+    if q.dtype == quant_gemm.FP8:                              # (e4m3 codes travel as bytes)
+        return q.view(torch.uint8), 0, k_tile
+    return q, quant_gemm.INT4_READ if bits == 4 else 0, k_tile
 
 
 def fused_moe_quant_reference(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weights):
@@ -142,10 +164,9 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
     h = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)
     prec = fused_moe.FP32_PRECISION if x.dtype == torch.float32 else "tf32"
     fp8 = gu_q.dtype == quant_gemm.FP8
-    if fp8:                                   # (e4m3 codes travel as their bytes)
-        gu_q, dn_q = gu_q.view(torch.uint8), dn_q.view(torch.uint8)
-    launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec,
-              "JOIN": quant_gemm.INT4_READ if bits == 4 else 0, "FP8": fp8,
+    (gu_q, gu_join, gu_k), (dn_q, dn_join, dn_k) = (_read(gu_q, bits, cfg["GU_K"]),
+                                                    _read(dn_q, bits, cfg["DN_K"]))
+    launch = {"BITS": bits, "BLOCK_M": bm, "UPCAST": INTERPRET, "PREC": prec, "FP8": fp8,
               "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     pdl = pdl_args(x)
     launch.update(pdl)
@@ -153,12 +174,12 @@ def fused_moe_quant_triton(x, gu_q, gu_s, dn_q, dn_s, bits, topk_ids, topk_weigh
     _gate_up_wq_kernel[(blocks * n_gu,)](
         x, gu_q, gu_s, h, sorted_ids, block_expert, total, P, k, d, I, group, x.stride(0),
         gu_q.stride(0), gu_q.stride(1), gu_s.stride(0), gu_s.stride(1), h.stride(0), n_gu,
-        BLOCK_N=cfg["GU_N"], BLOCK_K=cfg["GU_K"], **launch)
+        BLOCK_N=cfg["GU_N"], BLOCK_K=gu_k, JOIN=gu_join, **launch)
     buf = torch.empty((P, d), dtype=torch.float32, device=x.device)
     _down_wq_kernel[(blocks * n_dn,)](
         h, dn_q, dn_s, buf, tw, sorted_ids, block_expert, total, P, d, I, dn_group, h.stride(0),
         dn_q.stride(0), dn_q.stride(1), dn_s.stride(0), dn_s.stride(1), buf.stride(0), n_dn,
-        BLOCK_N=cfg["DN_N"], BLOCK_K=cfg["DN_K"], **launch)
+        BLOCK_N=cfg["DN_N"], BLOCK_K=dn_k, JOIN=dn_join, **launch)
     block = min(1024, max(16, triton.next_power_of_2(d)))
     fused_moe._sum_kernel[(T, -(-d // block))](buf, ids, out, k, E, d, BLOCK=block, num_warps=4,
                                                **pdl)

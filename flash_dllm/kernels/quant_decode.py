@@ -151,26 +151,34 @@ if HAS_TRITON:
     @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-        """W [N, K] in w's dtype = q * scale, in fp32 and rounded once (as ``dequantize``)."""
+                        BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+        """W [N, K] in w's dtype = q * scale, in fp32 and rounded once (as ``dequantize``).
+        ``WORDS``: q_ptr is int4 words (``interleave_int4``, ``BLOCK_K`` = ``WORD_TILE``)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rows < N
         q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qn
         s_row = s_ptr + rows[:, None].to(tl.int64) * stride_sn
         w_row = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = n_ok[:, None] & (ks < K)[None, :]
         if BITS == 8:
-            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-            m = n_ok[:, None] & (ks < K)[None, :]
             q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)
             sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
             tl.store(w_row + ks[None, :], (q * sc).to(w_ptr.dtype.element_ty), mask=m)
+        elif WORDS:  # the tile's words [BN, W]; nibble i of word w is column i * W + w
+            wj = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+            wd = tl.load(q_row + wj[None, :], mask=n_ok[:, None] & (8 * wj < K)[None, :],
+                         other=0)
+            sh = 4 * tl.arange(0, 8)
+            q = tl.reshape(((wd[:, None, :] >> sh[None, :, None]) & 0xF) - 8, (BLOCK_N, BLOCK_K))
+            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
+            tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
+                     mask=m)
         else:        # each byte's nibbles joined back into their columns: contiguous stores
             jb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             b = tl.load(q_row + jb[None, :], mask=n_ok[:, None] & (2 * jb < K)[None, :],
                         other=0).to(tl.int32)
             q = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8), (BLOCK_N, BLOCK_K))
-            ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-            m = n_ok[:, None] & (ks < K)[None, :]
             sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
             tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
                      mask=m)
@@ -292,17 +300,21 @@ def e4m3_reference(b: torch.Tensor) -> torch.Tensor:
 
 def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once)."""
+    """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once); an
+    int32 ``qweight`` is int4 words (``interleave_int4``), read as they are."""
     check(HAS_TRITON, "quant_decode: triton is not importable")
     check(qweight.dim() == 2 and qweight.is_contiguous() and scales.dim() == 2
           and scales.stride(1) == 1, f"quant_gemm.dequantize_triton: a contiguous 2-D qweight "
           f"and scales, got {describe(qweight)} and {describe(scales)}")
     check_device("quant_decode", INTERPRET, qweight, scales)
-    N, K = qweight.shape[0], qweight.shape[1] * (8 // bits)
+    words = qweight.dtype == torch.int32
+    check(not words or bits == 4, f"quant_decode: int32 words are int4's layout, not int{bits}")
+    N, K = qweight.shape[0], qweight.shape[1] * (32 if words else 8) // bits
     w = torch.empty(N, K, dtype=dtype, device=qweight.device)
     if N and K:
-        bn, bk = 32, 128
+        bn, bk = 32, WORD_TILE                    # (the words' tile: one K tile a program)
         _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
             qweight, scales, w, N, K, qweight.stride(0), scales.stride(0), w.stride(0),
-            GROUP=K // scales.shape[1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+            GROUP=K // scales.shape[1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk, WORDS=words,
+            num_warps=4)
     return w

@@ -419,7 +419,7 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         cfg = {**default_config(32, N, K, group, sms), "SPLIT_K": 1, **read}
         return weight_only_triton(x2, q, scales, bias, bits, cfg).view(*lead, N)
     if x2.shape[0] >= DEQUANT_MIN_ROWS:
-        w = dequantize_triton(quant_decode.words_to_bytes(qweight), scales, bits, x.dtype)
+        w = dequantize_triton(qweight, scales, bits, x.dtype)       # (words read as words)
         out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()
                                                     + bias.float()).to(x.dtype)
         return out.view(*lead, N)

@@ -26,14 +26,18 @@ batch-1 step streams; off by default: what it costs in accuracy is in docs/model
 
 NOTE (MoE experts): int8 / int4 experts run in ``kernels/fused_moe_quant`` (the fused MoE with
 each expert tile dequantized in registers: an int4 expert streams a quarter of bf16's bytes; on
-an H100 LLaDA2-mini's int4 step is 0.98x bf16's at batch 1: benchmarks/findings/
+an H100 LLaDA2-mini's int4 step is 0.60x bf16's at batch 1: benchmarks/findings/
 quantization.md). Under ``fp8`` the experts are weight-only too: their e4m3 codes (one scale
 per row) run in the same fused kernel.
 
-NOTE (int4 words, a study): with ``FLASH_DLLM_INT4_WORDS=1`` an int4 linear whose input width
-is whole 128-column tiles inside its scale groups stores its codes as ``quant_decode``'s
-interleaved words and runs ``quant_gemm``'s word read (fewer instructions a weight than the byte
-read: benchmarks/findings/quantization.md); off until a GPU measures it. MoE experts keep bytes.
+NOTE (int4 words): on a GPU an int4 weight whose input width is whole 128-column tiles inside
+its scale groups stores its codes as ``quant_decode``'s interleaved words (int32), read by
+``quant_gemm``'s word read, its dequantize kernel and the fused MoE: fewer instructions a weight
+than the byte read. On an H100 LLaDA-8B's int4 GEMMs take 2.75 ms of a batch-1 step instead of
+3.45, and LLaDA2-mini's words experts take its step 5.76 -> 5.41 ms (benchmarks/findings/
+quantization.md). The CPU keeps bytes (its reference would de-interleave every call).
+``FLASH_DLLM_INT4_WORDS`` = 0 / 1 forces either layout on any device (A/B timing, tests);
+``EXPERT_WORDS`` False keeps MoE experts in bytes (the A/B).
 
 NOTE (checkpoints published in int4): a layer whose loader left it ``ckpt_codes`` (a
 compressed-tensors pack-quantized checkpoint: ``models/ckpt_quant``) takes those codes and
@@ -52,7 +56,8 @@ from flash_dllm.kernels import fp8_gemm, fused_moe_quant, quant_decode, quant_ge
 from flash_dllm.layers.moe import MoE
 
 QUANT_MODES = ("fp8", "int8", "int4")
-WORDS_ENV = "FLASH_DLLM_INT4_WORDS"      # "1": int4 linears as interleaved words (the NOTE)
+WORDS_ENV = "FLASH_DLLM_INT4_WORDS"      # "0" / "1": int4 linears' layout forced (the NOTE)
+EXPERT_WORDS = True                      # MoE experts as int4 words too (the NOTE)
 DEFAULT_GROUP_SIZE = 128
 
 
@@ -100,15 +105,17 @@ class IntMethod:
     def __init__(self, bits: int, group_size: int, words: bool | None = None) -> None:
         self.bits, self.group_size = bits, group_size
         self.name = f"int{bits}"
-        # int4 linears stored as interleaved words (see the module's NOTE): a study, opt-in
-        self.words = bits == 4 and (os.environ.get(WORDS_ENV) == "1" if words is None
-                                    else words)
+        # int4 linears stored as interleaved words (the module's NOTE); None: on a GPU
+        forced = {"0": False, "1": True}.get(os.environ.get(WORDS_ENV, ""))
+        self.words = bits == 4 and (words if words is not None else forced)
 
     def _words(self, w: torch.Tensor) -> bool:
-        """Whether this float 2-D weight is stored as int4 words (int32 ``[N, K / 8]``, so the
-        stored tensor says its layout): whole 128-column tiles inside scale groups; a MoE
-        layer's 3-D experts never (the fused MoE reads bytes)."""
-        return (self.words and w.dim() == 2 and w.shape[-1] % quant_decode.WORD_TILE == 0
+        """Whether this float weight is stored as int4 words (int32 ``[..., N, K / 8]``, so the
+        stored tensor says its layout): on a GPU (or as forced), whole 128-column tiles inside
+        scale groups; a MoE layer's 3-D experts as ``EXPERT_WORDS`` says."""
+        wanted = w.device.type == "cuda" if self.words is None else self.words
+        return (wanted and (w.dim() == 2 or (w.dim() == 3 and EXPERT_WORDS))
+                and w.shape[-1] % quant_decode.WORD_TILE == 0
                 and self.group_size % quant_decode.WORD_TILE == 0)
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
@@ -223,7 +230,8 @@ def quantize_model(model: nn.Module, mode: str,
     intact; ``deterministic``: the engine must be batch-invariant (a mode that is not on this
     device is refused); ``lm_head``: the LM head too (see the module's NOTE). Returns
     ``{"quantization", "group_size", "weight_bytes", "unquantized_bytes", "layers",
-    "lm_head"}``."""
+    "lm_head", "int4_words"}`` (int4_words: how many layers, experts included, hold int4
+    words: the NOTE)."""
     if getattr(model, "tp", None) is not None:
         raise QuantError(f"quantization={mode!r} with tensor parallelism is not supported yet "
                          "(the shards would need their own group boundaries): use one device")
@@ -264,7 +272,10 @@ def quantize_model(model: nn.Module, mode: str,
         torch.cuda.empty_cache()
     return {"quantization": mode, "group_size": getattr(method, "group_size", None),
             "weight_bytes": weight_bytes(model), "unquantized_bytes": before,
-            "layers": len(targets) + lm_head, "lm_head": lm_head}
+            "layers": len(targets) + lm_head, "lm_head": lm_head,
+            "int4_words": sum(isinstance(m, (QuantLinear, QuantExperts)) and any(
+                p.dtype == torch.int32 for p in m.parameters(recurse=False))
+                for m in model.modules())}
 
 
 def check_lm_head(quantization: str | None, lm_head: bool) -> None:

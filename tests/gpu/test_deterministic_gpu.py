@@ -81,3 +81,12 @@ def test_engine_requests_joining_a_batch_answer_as_alone():
 def test_fp8_weights_with_deterministic_are_refused_on_a_gpu():
     with pytest.raises(ValueError, match="not batch-invariant on a GPU yet"):
         LLM(device="cuda", deterministic=True, quantization="fp8")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_weight_only_quantized_engine_answers_as_alone(mode):
+    """int8 / int4 weights (int4 as words, the GPU's layout) under ``deterministic``: one tile
+    for any rows (``quant_gemm.op``), so requests joining a batch answer as alone."""
+    det = batch_probe(LLM(device="cuda", deterministic=True, quantization=mode), n=12,
+                      max_tokens=32)
+    assert det["differ"] == 0, det

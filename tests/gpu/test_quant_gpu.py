@@ -117,24 +117,30 @@ def test_split_counters_rearm_across_graph_replays():
     assert all(int(b.abs().sum()) == 0 for b in quant_gemm._COUNTERS[x.device])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_many_rows_dequantize_once_then_the_bf16_gemm(bits):
+@pytest.mark.parametrize("bits, words", [(8, False), (4, False), (4, True)])
+def test_many_rows_dequantize_once_then_the_bf16_gemm(bits, words):
     """``op`` from ``DEQUANT_MIN_ROWS`` rows: the dequantize kernel equals ``dequantize``
-    bitwise, and the GEMM the reference to bf16's rounding."""
+    bitwise (int4 words, the GPU's layout, too), and the GEMM the reference to bf16's
+    rounding."""
+    from flash_dllm.kernels import quant_decode
     g = torch.Generator(device=DEV).manual_seed(bits)
     w = torch.randn(3 * 4096, 4096, device=DEV, generator=g) * 0.02
     q, s = quant_gemm.quantize(w, bits, 128)
+    ref_w = quant_gemm.dequantize(q, s, bits, torch.bfloat16)
+    if words:
+        q = quant_decode.interleave_int4(q).view(torch.int32)
     torch.testing.assert_close(quant_gemm.dequantize_triton(q, s, bits, torch.bfloat16),
-                               quant_gemm.dequantize(q, s, bits, torch.bfloat16), rtol=0, atol=0)
+                               ref_w, rtol=0, atol=0)
     x = torch.randn(2048, 4096, device=DEV, generator=g).to(torch.bfloat16)
     ref = quant_gemm.weight_only_reference(x, q, s, None, bits)
     torch.testing.assert_close(quant_gemm.op(x, q, s, None, bits).float(), ref.float(),
                                rtol=2e-2, atol=2e-2)
     us = _time(lambda: quant_gemm.op(x, q, s, None, bits), reps=20)
-    us_kernel = _time(lambda: quant_gemm.weight_only_triton(x, q, s, None, bits), reps=20)
+    kq, read = (q.view(torch.uint8), {"JOIN": 3, "BLOCK_K": 128}) if words else (q, None)
+    us_kernel = _time(lambda: quant_gemm.weight_only_triton(x, kq, s, None, bits, read), reps=20)
     us_bf16 = _time(lambda: x @ w.to(torch.bfloat16).t(), reps=20)
-    print(f"\nint{bits} M=2048 N=12288 K=4096: dequantize + GEMM {us:.1f} us, weight-only kernel "
-          f"{us_kernel:.1f} us, bf16 (incl. a cast) {us_bf16:.1f} us")
+    print(f"\nint{bits}{' words' * words} M=2048 N=12288 K=4096: dequantize + GEMM {us:.1f} us, "
+          f"weight-only kernel {us_kernel:.1f} us, bf16 (incl. a cast) {us_bf16:.1f} us")
 
 
 def test_paged_attention_on_fp8_pages_in_bf16():
@@ -213,12 +219,15 @@ def test_engine_answers_as_unquantized_with_graphs(mode):
     assert got == want if mode != "int4" else got[0].endswith("#### 34"), (got, want)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "words"])
 @pytest.mark.parametrize("T", [32, 512])
 def test_fused_moe_on_packed_experts_matches_reference(bits, T):
-    """The fused MoE on int8 / int4 experts (``kernels/fused_moe_quant``) at a LLaDA2-mini-like
-    layer (d 2048, I 512, 64 experts, top 8), bf16, against its reference."""
+    """The fused MoE on int8 / int4 experts (``kernels/fused_moe_quant``; int4 as bytes and as
+    words, the GPU's layout) at a LLaDA2-mini-like layer (d 2048, I 512, 64 experts, top 8),
+    bf16, against its reference; words timed beside bytes (``-s``)."""
     from flash_dllm.kernels import fused_moe_quant as fq
+    from flash_dllm.kernels import quant_decode
+    words, bits = bits == "words", 4 if bits == "words" else bits
     g = torch.Generator(device=DEV).manual_seed(T + bits)
     E, d, I, k = 64, 2048, 512, 8
     x = torch.randn(T, d, device=DEV, generator=g).to(torch.bfloat16)
@@ -229,7 +238,14 @@ def test_fused_moe_on_packed_experts_matches_reference(bits, T):
     ids = torch.rand(T, E, device=DEV, generator=g).topk(k, dim=1).indices
     w = torch.rand(ids.shape, device=DEV, generator=g) + 0.1
     ref = fq.fused_moe_quant_reference(x, gq, gs, dq, ds, bits, ids, w)
-    got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, bits, ids, w)
+    if words:
+        gw, dw = (quant_decode.interleave_int4(q).view(torch.int32) for q in (gq, dq))
+        got = fq.fused_moe_quant_triton(x, gw, gs, dw, ds, bits, ids, w)
+        us_w = _time(lambda: fq.fused_moe_quant_triton(x, gw, gs, dw, ds, bits, ids, w))
+        us_b = _time(lambda: fq.fused_moe_quant_triton(x, gq, gs, dq, ds, bits, ids, w))
+        print(f"\nfused MoE int4 T={T}: words {us_w:.1f} us, bytes {us_b:.1f} us (eager)")
+    else:
+        got = fq.fused_moe_quant_triton(x, gq, gs, dq, ds, bits, ids, w)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2,
                                atol=2e-2 * ref.float().abs().max().item())
 
@@ -352,13 +368,13 @@ def test_int4_words_match_reference_and_time_against_bytes(M, N, K, swap):
 
 
 def test_engine_with_int4_words_answers(monkeypatch):
-    """``FLASH_DLLM_INT4_WORDS=1`` (the study's opt-in): the demo's int4 linears hold words, the
+    """On a GPU int4 linears hold words by default (``FLASH_DLLM_INT4_WORDS=0``: bytes): the
     graphed engine's arithmetic answer holds."""
     from flash_dllm import LLM, SamplingParams
     from flash_dllm.kernels import quant_decode
     from flash_dllm.layers import quant
 
-    monkeypatch.setenv(quant.WORDS_ENV, "1")
+    monkeypatch.delenv(quant.WORDS_ENV, raising=False)
     llm = LLM(device="cuda", quantization="int4")
     lin = [m for m in llm.engine.model.modules() if isinstance(m, quant.QuantLinear)]
     m = next(m for m in lin if m.qweight.dtype == torch.int32)          # words
