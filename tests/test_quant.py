@@ -62,10 +62,12 @@ def test_weight_only_kernel_half_precision(dtype, group):
 @needs_interpreter
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantize_kernel_equals_the_reference(bits, dtype):
+@pytest.mark.parametrize("group", [128, 32])
+def test_dequantize_kernel_equals_the_reference(bits, dtype, group):
     """Bitwise in fp32; bf16 within one unit in the last place (the interpreter's fp32 -> bf16
-    cast is not round-to-nearest as the GPU's is)."""
-    q, s = quant_gemm.quantize(_rand(40, 384, seed=7, scale=0.05), bits, 128)
+    cast is not round-to-nearest as the GPU's is). Group 128: one scale a row of a tile; 32:
+    the scales gathered per column."""
+    q, s = quant_gemm.quantize(_rand(40, 384, seed=7, scale=0.05), bits, group)
     tol = 0 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(quant_gemm.dequantize_triton(q, s, bits, dtype),
                                quant_gemm.dequantize(q, s, bits, dtype), rtol=tol, atol=0)

@@ -151,9 +151,10 @@ if HAS_TRITON:
     @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+                        BLOCK_K: tl.constexpr, WORDS: tl.constexpr, ROW_SCALE: tl.constexpr):
         """W [N, K] in w's dtype = q * scale, in fp32 and rounded once (as ``dequantize``).
-        ``WORDS``: q_ptr is int4 words (``interleave_int4``, ``BLOCK_K`` = ``WORD_TILE``)."""
+        ``WORDS``: q_ptr is int4 words (``interleave_int4``, ``BLOCK_K`` = ``WORD_TILE``);
+        ``ROW_SCALE``: the tile lies inside one scale group (one scale a row, not a gather)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rows < N
         q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qn
@@ -162,26 +163,25 @@ if HAS_TRITON:
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = n_ok[:, None] & (ks < K)[None, :]
         if BITS == 8:
-            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)
-            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
-            tl.store(w_row + ks[None, :], (q * sc).to(w_ptr.dtype.element_ty), mask=m)
+            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.int32)
         elif WORDS:  # the tile's words [BN, W]; nibble i of word w is column i * W + w
             wj = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
             wd = tl.load(q_row + wj[None, :], mask=n_ok[:, None] & (8 * wj < K)[None, :],
                          other=0)
             sh = 4 * tl.arange(0, 8)
             q = tl.reshape(((wd[:, None, :] >> sh[None, :, None]) & 0xF) - 8, (BLOCK_N, BLOCK_K))
-            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
-            tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
-                     mask=m)
         else:        # each byte's nibbles joined back into their columns: contiguous stores
             jb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             b = tl.load(q_row + jb[None, :], mask=n_ok[:, None] & (2 * jb < K)[None, :],
                         other=0).to(tl.int32)
             q = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8), (BLOCK_N, BLOCK_K))
-            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0).to(tl.float32)
-            tl.store(w_row + ks[None, :], (q.to(tl.float32) * sc).to(w_ptr.dtype.element_ty),
-                     mask=m)
+        if ROW_SCALE:
+            sc = tl.load(s_row + tl.program_id(1) * BLOCK_K // GROUP, mask=n_ok[:, None],
+                         other=0.0)                                           # [BN, 1]
+        else:
+            sc = tl.load(s_row + ks[None, :] // GROUP, mask=m, other=0.0)     # [BN, BK]
+        tl.store(w_row + ks[None, :],
+                 (q.to(tl.float32) * sc.to(tl.float32)).to(w_ptr.dtype.element_ty), mask=m)
 
 
 # The packed layout (``quant_gemm``'s docstring): what the quantizer writes, every kernel reads.
@@ -299,7 +299,7 @@ def e4m3_reference(b: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
     """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once); an
     int32 ``qweight`` is int4 words (``interleave_int4``), read as they are."""
     check(HAS_TRITON, "quant_decode: triton is not importable")
@@ -312,9 +312,9 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
     N, K = qweight.shape[0], qweight.shape[1] * (32 if words else 8) // bits
     w = torch.empty(N, K, dtype=dtype, device=qweight.device)
     if N and K:
-        bn, bk = 32, WORD_TILE                    # (the words' tile: one K tile a program)
-        _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        bk, group = WORD_TILE, K // scales.shape[1]   # (the words' tile: one K tile a program)
+        _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, bk))](
             qweight, scales, w, N, K, qweight.stride(0), scales.stride(0), w.stride(0),
-            GROUP=K // scales.shape[1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk, WORDS=words,
-            num_warps=4)
+            GROUP=group, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, WORDS=words,
+            ROW_SCALE=group % bk == 0, num_warps=num_warps)
     return w
