@@ -44,7 +44,7 @@ QUANT_ACCURACY = ("Measured on the CPU against unquantized: demo model, exact sa
                   "int8 88.5%% (+1), int4 85.5%% (-2), fp8 86.5%% (-1). "
                   "Step time on an H100 (LLaDA-8B shape, dual cache, against bf16's): batch 1 "
                   "fp8 0.74x, int4 0.65x (0.62x with --quantize-lm-head; int8 0.82x with older "
-                  "tiles); batch 64 fp8 1.31x the throughput, int4 0.81x (slower than bf16: "
+                  "tiles); batch 64 fp8 1.31x the throughput, int4 0.92x (slower than bf16: "
                   "from 512 rows a GEMM dequantizes a copy) (benchmarks/README.md)")
 
 
