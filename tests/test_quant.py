@@ -154,13 +154,15 @@ def test_fp8_round_trip_and_emulation():
 
 
 @needs_interpreter
-def test_quantize_rows_kernel_scales_equal_the_reference():
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_quantize_rows_kernel_scales_equal_the_reference(one_pass):
     """The fused per-token quantization's scales (a row's absmax / 448, a zero row's floor)
-    equal ``quantize_rows``' bitwise. Its codes are compared on the GPU only
-    (tests/gpu/test_quant_gpu.py): the interpreter's fp32 -> e4m3 cast is wrong."""
-    x = _rand(6, 1000, seed=9, scale=3.0).to(torch.bfloat16)
+    equal ``quantize_rows``' bitwise, the row read once or twice (2500 values: three blocks of
+    the two-pass sweep). Its codes are compared on the GPU only (tests/gpu/test_quant_gpu.py):
+    the interpreter's fp32 -> e4m3 cast is wrong."""
+    x = _rand(6, 2500, seed=9, scale=3.0).to(torch.bfloat16)
     x[1] = 0
-    _, s = fp8_gemm.quantize_rows_triton(x)
+    _, s = fp8_gemm.quantize_rows_triton(x, one_pass=one_pass)
     assert torch.equal(s, fp8_gemm.quantize_rows(x)[1])
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_dllm.kernels import quant_gemm
-from flash_dllm.kernels._triton import HAS_TRITON, check, describe, use_triton
+from flash_dllm.kernels._triton import HAS_TRITON, check, describe, next_pow2, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                       # torch.finfo(torch.float8_e4m3fn).max
@@ -49,12 +49,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, INV_MAX: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         """One row: its absmax (first sweep), then the e4m3 codes of ``x / scale`` (second
         sweep, from L2): ``quantize_rows``'s arithmetic (the scale a product with the float32
-        ``1 / 448``, the codes an IEEE division, round to nearest)."""
+        ``1 / 448``, the codes an IEEE division, round to nearest). ``ONE_PASS`` (the row fits
+        ``BLOCK``): the row is read once and kept in registers."""
         row = tl.program_id(0).to(tl.int64)
         x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+        if ONE_PASS:
+            ks = tl.arange(0, BLOCK)
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_MAX, 1e-12)
+            tl.store(s_ptr + row, scale)
+            y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+            tl.store(q_row + ks, y.to(tl.float8e4nv), mask=ks < K)
+            return
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             ks = k0 + tl.arange(0, BLOCK)
@@ -98,9 +107,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows`` in one kernel (one read of x for the scale, one from L2 for the codes;
-    the PyTorch chain makes six passes over an fp32 copy: ~100 us per GEMM at 2048 x 4096)."""
+# rows up to this many values are read once and kept in registers: on an H100 (2048 rows, in
+# graphs) 7.7 us against 9.7 for two passes at 4096 values; at 12288, 48-66 us against 45
+# (benchmarks/results/step/sweep_quant_rows_h100.log)
+ONE_PASS_MAX = 4096
+
+
+def quantize_rows_triton(x: torch.Tensor, one_pass: bool | None = None,
+                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` in one kernel: a row up to ``ONE_PASS_MAX`` values read once, a longer
+    one twice (the scale, then the codes from L2); the PyTorch chain makes six passes over an
+    fp32 copy (~100 us per GEMM at 2048 x 4096). ``one_pass`` / ``num_warps``: forced (the
+    sweep, tests)."""
     check(x.dim() == 2 and x.stride(1) == 1,
           f"fp8_gemm.quantize_rows_triton: x must be [M, K] with contiguous rows, got "
           f"{describe(x)} strides {x.stride()}")
@@ -108,8 +126,12 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(M, K, dtype=FP8, device=x.device)
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M and K:
+        block = next_pow2(K)
+        one_pass = block <= ONE_PASS_MAX if one_pass is None else one_pass
+        block = max(block, 1024) if one_pass else 1024
+        warps = num_warps or (max(4, min(16, block // 1024)) if one_pass else 4)
         _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), INV_MAX=_INV_MAX,
-                                 BLOCK=1024, num_warps=4)
+                                 BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return q, s
 
 

@@ -75,21 +75,26 @@ def test_every_code_decodes_exactly(code, split):
     torch.testing.assert_close(got.t(), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("K", [4096, 12288, 20000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_quantize_rows_kernel_equals_the_pytorch_chain(dtype):
+def test_quantize_rows_kernel_equals_the_pytorch_chain(dtype, K):
     """W8A8's per-token activation quantization in one kernel equals ``quantize_rows``
-    bitwise (scales and codes; a zero row too), and costs a fraction of it."""
+    bitwise (scales and codes; a zero row too), the row read once (up to ``ONE_PASS_MAX``) or
+    twice (forced, and a row longer than it), and costs a fraction of the chain."""
     g = torch.Generator(device=DEV).manual_seed(3)
-    x = (torch.randn(2048, 4096, device=DEV, generator=g)
+    x = (torch.randn(2048, K, device=DEV, generator=g)
          * torch.rand(2048, 1, device=DEV, generator=g) * 8).to(dtype)
     x[5] = 0
-    q, s = fp8_gemm.quantize_rows_triton(x)
     qr, sr = fp8_gemm.quantize_rows(x)
-    assert torch.equal(s, sr)
-    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
-    us, us_ref = (_time(lambda: fp8_gemm.quantize_rows_triton(x)),
-                  _time(lambda: fp8_gemm.quantize_rows(x)))
-    print(f"\nquantize_rows 2048 x 4096 {dtype}: kernel {us:.1f} us, PyTorch chain {us_ref:.1f} us")
+    for one_pass in (None, False):
+        q, s = fp8_gemm.quantize_rows_triton(x, one_pass=one_pass)
+        assert torch.equal(s, sr)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    us, us2, us_ref = (_time(lambda: fp8_gemm.quantize_rows_triton(x)),
+                       _time(lambda: fp8_gemm.quantize_rows_triton(x, one_pass=False)),
+                       _time(lambda: fp8_gemm.quantize_rows(x)))
+    print(f"\nquantize_rows 2048 x {K} {dtype}: kernel {us:.1f} us (two passes {us2:.1f}), "
+          f"PyTorch chain {us_ref:.1f} us")
 
 
 def test_split_counters_rearm_across_graph_replays():
