@@ -204,6 +204,59 @@ def test_rope_cache_qk_norm_reference_is_norm_then_rotary():
             assert torch.equal(kc.view(-1, Hkv, D)[:T], rot(kn(k), positions))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype,fp32_math", [(torch.float32, True), (torch.bfloat16, True),
+                                             (torch.bfloat16, False)])
+@pytest.mark.parametrize("rotary_dim", [8, 4, 2])       # of 16: LLaDA2's half, a quarter, one pair
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_cache_partial_rotary_matches_reference(dtype, fp32_math, rotary_dim, qk_norm):
+    """Partial rotary (LLaDA2: the first ``rotary_dim`` values of a head rotate, the rest pass):
+    the kernel against the reference, which is the model's own ``Rotary(rotary_dim=)`` after the
+    per-head norms (independently: the layers' modules)."""
+    from flash_dllm.layers.norm import RMSNorm
+    from flash_dllm.layers.rotary import Rotary
+    T, H, Hkv, D, S, P = 7, 4, 2, 16, 4, 5
+    qkv = _rand(T, (H + 2 * Hkv) * D, dtype=dtype, seed=50)
+    q, k, v = rope_cache.split_qkv(qkv, H, Hkv, D)
+    positions = torch.randperm(40, generator=_gen(51))[:T]
+    slots = torch.randperm(P * S, generator=_gen(52))[:T]
+    slots[2] = -1
+    rot = Rotary(D, 10000.0, apply_in_fp32=fp32_math, rotary_dim=rotary_dim)
+    inv = rot._freqs(torch.device("cpu"))
+    qn, kn = RMSNorm(D, 1e-6).to(dtype), RMSNorm(D, 1e-6).to(dtype)
+    with torch.no_grad():
+        qn.weight.copy_(1 + 0.1 * _rand(D, seed=53))
+        kn.weight.copy_(1 - 0.1 * _rand(D, seed=54))
+    norms = (qn.weight.detach(), kn.weight.detach(), 1e-6) if qk_norm else None
+    init = _rand(P, S, Hkv, D, dtype=dtype, seed=55)
+    kc, vc, kr, vr = init.clone(), init.clone() + 1, init.clone(), init.clone() + 1
+    q_out = rope_cache.rope_cache_triton(q, k, v, positions, kc, vc, slots, inv, fp32_math,
+                                         norms, rotary_dim)
+    q_ref = rope_cache.rope_cache_reference(q, k, v, positions, kr, vr, slots, inv, fp32_math,
+                                            norms, rotary_dim)
+    with torch.no_grad():
+        want = rot(qn(q) if qk_norm else q, positions)
+    assert torch.equal(q_ref, want)
+    assert torch.equal(q_ref[..., rotary_dim:], (qn(q) if qk_norm else q)[..., rotary_dim:])
+    if qk_norm and not fp32_math:              # (the interpreter's bf16 truncation: see above)
+        for got, ref in ((q_out, q_ref), (kc, kr)):
+            torch.testing.assert_close(got.float(), ref.float(), rtol=0.07, atol=0.07)
+    else:
+        _close(q_out, q_ref, dtype, "rotated q (partial)")
+        _close(kc, kr, dtype, "k cache (partial)")
+    assert torch.equal(vc, vr)
+
+
+def test_rope_cache_takes_whole_heads_or_up_to_half():
+    assert rope_cache.takes_rotary(128, 128) and rope_cache.takes_rotary(64, 128)
+    assert not rope_cache.takes_rotary(96, 128) and not rope_cache.takes_rotary(5, 128)
+    q = torch.zeros(2, 2, 8)
+    kc = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="rotary_dim must be head_dim \\(8\\) or even"):
+        rope_cache.rope_cache_triton(q, q, q, torch.arange(2), kc, kc.clone(), torch.arange(2),
+                                     rope_cache.inv_freq(6, 1e4), True, None, 6)
+
+
 def test_rope_cache_rejects_a_bad_norm_weight():
     q = torch.zeros(2, 2, 8)
     kc = torch.zeros(1, 4, 2, 8)

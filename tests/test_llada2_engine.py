@@ -92,3 +92,34 @@ def test_generate_and_chat_through_llm(folder):
         assert out.finish_reason in ("stop", "length") and len(out.token_ids) <= 32
         chat = llm.chat([{"role": "user", "content": "hi"}], params)[0]
         assert chat.finished
+
+
+@pytest.mark.skipif(not __import__("flash_dllm.kernels.rope_cache", fromlist=["x"]).INTERPRET,
+                    reason="needs triton under TRITON_INTERPRET=1")
+def test_partial_rotary_in_the_rope_kernel_answers_as_pytorch(folder, monkeypatch):
+    """The block cache with LLaDA2's q/k norms and half-head rotary inside the RoPE + page write
+    kernel (``rope_cache``'s ``rotary_dim``; the interpreter, forced on CPU tensors: one short
+    request) answers token for token as the PyTorch rotary path (``takes_rotary`` refusing
+    partial heads)."""
+    from flash_dllm.kernels import rope_cache
+
+    def run():
+        llm = LLM(str(folder), dtype="float32")
+        params = SamplingParams(max_tokens=32, block_length=BL, decode="llada2", cache="block",
+                                threshold=0.3, early_stop=False, steps=4)
+        req = llm.engine.add_request(PROMPTS[2], params)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return req.canvas.tolist()
+
+    want = run()
+    calls = []
+    real = rope_cache.rope_cache_triton
+    monkeypatch.setattr(rope_cache, "use_triton", lambda *t: True)
+    monkeypatch.setattr(rope_cache, "rope_cache_triton",
+                        lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    assert run() == want
+    assert calls and all(r is not None for r in calls)          # partial: rotary_dim passed
+    monkeypatch.setattr(rope_cache, "takes_rotary", lambda r, d: r == d)
+    calls.clear()
+    assert run() == want and not calls                            # the PyTorch rotary path

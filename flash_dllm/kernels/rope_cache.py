@@ -7,7 +7,8 @@ padding rows of a CUDA-graph bucket), the kernel
 
 - RMS-normalises q and k per head first when given their norms (``qk_norm``: Qwen3 / SDAR,
   LLaDA-MoE; ``kernels/rmsnorm``'s arithmetic),
-- rotates q and k (rotate-half RoPE, ``angle = position * inv_freq`` in fp32),
+- rotates q and k (rotate-half RoPE, ``angle = position * inv_freq`` in fp32; ``rotary_dim``: only
+  the first values of each head, up to half of it, the rest passed through: LLaDA2),
 - stores rotated k and raw v straight into their page slots of ``k_cache``/``v_cache``
   (``[num_pages, page_size, Hkv, D]``, see ``flash_dllm.cache.paged``): no intermediate K/V tensor,
 - returns rotated q ``[T, H, D]`` (contiguous, ready for the attention kernel).
@@ -52,10 +53,13 @@ if HAS_TRITON:
     @triton.jit
     def rotated(src, stride_src_h, n_heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr, FP32_MATH: tl.constexpr,
-                w_ptr=None, eps=0.0, NORM: tl.constexpr = False):
+                w_ptr=None, eps=0.0, NORM: tl.constexpr = False, ROT: tl.constexpr = 0):
         """A row's heads as their two ``[BLOCK_H, BLOCK_HALF]`` halves in the activation dtype,
         RMS-normed per head first (``NORM``: weight ``w_ptr [D]``, ``rmsnorm``'s arithmetic),
-        rotated (``ROTATE``) or as read; masked lanes are 0. Also ``rope_cache_fp8``'s."""
+        rotated (``ROTATE``) or as read; masked lanes are 0. Also ``rope_cache_fp8``'s.
+        ``ROT`` > 0 (partial rotary, ``2 ROT <= HALF``): only the first ``2 ROT`` values of a
+        head rotate, column i with its partner ``i +- ROT`` (read again, normed alike) and the
+        angle of ``angles``' column i; the rest pass through."""
         offs_h = tl.arange(0, BLOCK_H)
         offs_i = tl.arange(0, BLOCK_HALF)
         mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
@@ -73,7 +77,28 @@ if HAS_TRITON:
                          other=0.0).to(tl.float32)[None, :]
             x1 = (w1 * (a1 * r).to(dt).to(tl.float32)).to(dt)
             x2 = (w2 * (a2 * r).to(dt).to(tl.float32)).to(dt)
-        if ROTATE:
+        if ROTATE and ROT > 0:
+            dt = x1.dtype
+            part = tl.where(offs_i < ROT, offs_i + ROT, offs_i - ROT)          # the partner
+            rot_mask = mask & (offs_i[None, :] < 2 * ROT)
+            p = tl.load(src + offs_h[:, None] * stride_src_h + part[None, :], mask=rot_mask,
+                        other=0.0)
+            if NORM:
+                wp = tl.load(w_ptr + part, mask=offs_i < 2 * ROT, other=0.0)
+                p = (wp.to(tl.float32)[None, :] * (p.to(tl.float32) * r).to(dt).to(tl.float32)
+                     ).to(dt)
+            pf = p.to(tl.float32)                # (negated in fp32: exact, as in any dtype)
+            pf = tl.where(offs_i[None, :] < ROT, -pf, pf)      # rotate-half's (-x2, x1)
+            if FP32_MATH:
+                y = (x1.to(tl.float32) * c[None, :] + pf * s[None, :]).to(dt)
+            else:
+                cr = c.to(dt).to(tl.float32)[None, :]
+                sr = s.to(dt).to(tl.float32)[None, :]
+                y = ((x1.to(tl.float32) * cr).to(dt).to(tl.float32)
+                     + (pf * sr).to(dt).to(tl.float32)).to(dt)
+            y1 = tl.where(offs_i[None, :] < 2 * ROT, y, x1)
+            y2 = x2
+        elif ROTATE:
             dt = x1.dtype
             if FP32_MATH:
                 a1 = x1.to(tl.float32)
@@ -97,9 +122,9 @@ if HAS_TRITON:
     def _rotate_store(src, dst, stride_src_h, stride_dst_h, n_heads, c, s,
                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                       ROTATE: tl.constexpr, FP32_MATH: tl.constexpr, w_ptr=None, eps=0.0,
-                      NORM: tl.constexpr = False):
+                      NORM: tl.constexpr = False, ROT: tl.constexpr = 0):
         y1, y2 = rotated(src, stride_src_h, n_heads, c, s, HALF, BLOCK_H, BLOCK_HALF, ROTATE,
-                         FP32_MATH, w_ptr, eps, NORM)
+                         FP32_MATH, w_ptr, eps, NORM, ROT)
         offs_h = tl.arange(0, BLOCK_H)
         offs_i = tl.arange(0, BLOCK_HALF)
         mask = (offs_h[:, None] < n_heads) & (offs_i[None, :] < HALF)
@@ -108,10 +133,16 @@ if HAS_TRITON:
         tl.store(dst_1 + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def angles(pos_ptr, inv_freq_ptr, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        """cos / sin ``[BLOCK_HALF]`` of row ``t``'s angles ``position * inv_freq`` (fp32)."""
+    def angles(pos_ptr, inv_freq_ptr, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               ROT: tl.constexpr = 0):
+        """cos / sin ``[BLOCK_HALF]`` of row ``t``'s angles ``position * inv_freq`` (fp32);
+        ``ROT`` > 0 (partial rotary, ``inv_freq [ROT]``): column i's is ``inv_freq[i % ROT]``
+        for the ``2 ROT`` rotating columns."""
         offs_i = tl.arange(0, BLOCK_HALF)
-        inv = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
+        if ROT > 0:
+            inv = tl.load(inv_freq_ptr + offs_i % ROT, mask=offs_i < 2 * ROT, other=0.0)
+        else:
+            inv = tl.load(inv_freq_ptr + offs_i, mask=offs_i < HALF, other=0.0)
         ang = tl.load(pos_ptr + t).to(tl.float32) * inv                      # [D/2]
         return tl.cos(ang), tl.sin(ang)
 
@@ -123,17 +154,18 @@ if HAS_TRITON:
                            kn_ptr, eps, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_HKV: tl.constexpr, FP32_MATH: tl.constexpr,
-                           NORM: tl.constexpr, Q_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                           NORM: tl.constexpr, Q_SPLIT: tl.constexpr, PDL: tl.constexpr,
+                           ROT: tl.constexpr = 0):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)                  # < Q_SPLIT: a share of q's heads; else k and v
-        c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF)
+        c, s = angles(pos_ptr, inv_freq_ptr, t, HALF, BLOCK_HALF, ROT)
         if j < Q_SPLIT:
             h0 = j * (BLOCK_H // Q_SPLIT)
             _rotate_store(q_ptr + t * stride_qt + h0 * stride_qh,
                           qo_ptr + t * stride_qot + h0 * stride_qoh, stride_qh, stride_qoh,
                           H - h0, c, s, HALF, BLOCK_H // Q_SPLIT, BLOCK_HALF, True, FP32_MATH,
-                          qn_ptr, eps, NORM)
+                          qn_ptr, eps, NORM, ROT)
             return
         slot = tl.load(slot_ptr + t).to(tl.int64)
         valid = slot >= 0
@@ -143,7 +175,7 @@ if HAS_TRITON:
         off = slot % PAGE_SIZE
         _rotate_store(k_ptr + t * stride_kt, kc_ptr + page * stride_kcp + off * stride_kcs,
                       stride_kh, stride_kch, n_kv, c, s, HALF, BLOCK_HKV, BLOCK_HALF, True,
-                      FP32_MATH, kn_ptr, eps, NORM)
+                      FP32_MATH, kn_ptr, eps, NORM, ROT)
         _rotate_store(v_ptr + t * stride_vt, vc_ptr + page * stride_vcp + off * stride_vcs,
                       stride_vh, stride_vch, n_kv, c, s, HALF, BLOCK_HKV, BLOCK_HALF, False,
                       FP32_MATH, kn_ptr, eps, False)
@@ -184,18 +216,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_in_fp32: 
 def rope_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, inv_freq: torch.Tensor,
-                         apply_in_fp32: bool = True, qk_norm: QKNorm | None = None
-                         ) -> torch.Tensor:
+                         apply_in_fp32: bool = True, qk_norm: QKNorm | None = None,
+                         rotary_dim: int | None = None) -> torch.Tensor:
     """PyTorch reference: same contract as ``rope_cache_triton`` (writes the caches in place)."""
     if qk_norm is not None:                    # per head, ``layers.norm.RMSNorm``'s arithmetic
         from flash_dllm.kernels.rmsnorm import rmsnorm_reference
         q = rmsnorm_reference(q, qk_norm[0], qk_norm[2])[0]
         k = rmsnorm_reference(k, qk_norm[1], qk_norm[2])[0]
-    freqs = positions.float()[:, None] * inv_freq.float()       # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, D]
+    R = q.shape[-1] if rotary_dim is None else rotary_dim
+    freqs = positions.float()[:, None] * inv_freq.float()       # [T, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]          # [T, 1, R]
     cos, sin = emb.cos(), emb.sin()
-    q_rot = _rope(q, cos, sin, apply_in_fp32)
-    k_rot = _rope(k, cos, sin, apply_in_fp32)
+    q_rot = torch.cat([_rope(q[..., :R], cos, sin, apply_in_fp32), q[..., R:]], dim=-1)
+    k_rot = torch.cat([_rope(k[..., :R], cos, sin, apply_in_fp32), k[..., R:]], dim=-1)
     page_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -207,10 +240,12 @@ def rope_cache_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       inv_freq: torch.Tensor, apply_in_fp32: bool = True,
-                      qk_norm: QKNorm | None = None) -> torch.Tensor:
+                      qk_norm: QKNorm | None = None, rotary_dim: int | None = None
+                      ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D], positions/slot_mapping [T] int, k/v_cache
-    [num_pages, page_size, Hkv, D], inv_freq [D/2] fp32 -> rotated q [T, H, D] (caches written).
-    ``qk_norm`` (q weight [D], k weight [D], eps): q and k RMS-normed per head first."""
+    [num_pages, page_size, Hkv, D], inv_freq [R/2] fp32 -> rotated q [T, H, D] (caches written).
+    ``qk_norm`` (q weight [D], k weight [D], eps): q and k RMS-normed per head first;
+    ``rotary_dim`` R (None: D): only the first R values of a head rotate (``takes_rotary``)."""
     check(HAS_TRITON, "rope_cache_triton: triton is not importable")
     check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
           f"rope_cache: q/k/v must be [T, heads, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -221,6 +256,9 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
           f"rope_cache: k and v must both be [{T}, Hkv, {D}], got {tuple(k.shape)} and "
           f"{tuple(v.shape)}")
     check(D % 2 == 0, f"rope_cache: head_dim must be even, got {D}")
+    R = D if rotary_dim is None else rotary_dim
+    check(takes_rotary(R, D), f"rope_cache: rotary_dim must be head_dim ({D}) or even and at "
+                              f"most head_dim / 2, got {R}")
     check(k_cache.dim() == 4 and k_cache.shape[2:] == (Hkv, D) and v_cache.shape == k_cache.shape,
           f"rope_cache: caches must be [num_pages, page_size, {Hkv}, {D}], got "
           f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -238,9 +276,9 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
           f"and {tuple(slot_mapping.shape)}")
     check_dtype("rope_cache: positions", positions, INT_DTYPES)
     check_dtype("rope_cache: slot_mapping", slot_mapping, INT_DTYPES)
-    check(inv_freq.shape == (D // 2,) and inv_freq.dtype == torch.float32
+    check(inv_freq.shape == (R // 2,) and inv_freq.dtype == torch.float32
           and inv_freq.is_contiguous(),
-          f"rope_cache: inv_freq must be contiguous fp32 [{D // 2}], got {inv_freq.dtype} "
+          f"rope_cache: inv_freq must be contiguous fp32 [{R // 2}], got {inv_freq.dtype} "
           f"{tuple(inv_freq.shape)}")
     check_device("rope_cache", INTERPRET, q, k, v, positions, k_cache, v_cache, slot_mapping,
                  inv_freq)
@@ -262,8 +300,15 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         float(qk_norm[2]) if qk_norm else 0.0,
         PAGE_SIZE=k_cache.shape[1], HALF=D // 2, BLOCK_HALF=next_pow2(D // 2),
         BLOCK_H=next_pow2(H), BLOCK_HKV=next_pow2(Hkv), FP32_MATH=bool(apply_in_fp32),
-        NORM=qk_norm is not None, Q_SPLIT=q_split, num_warps=4, **pdl_args(q))
+        NORM=qk_norm is not None, Q_SPLIT=q_split, ROT=0 if R == D else R // 2, num_warps=4,
+        **pdl_args(q))
     return q_out
+
+
+def takes_rotary(rotary_dim: int, head_dim: int) -> bool:
+    """Whether the kernel rotates ``rotary_dim`` of ``head_dim`` values: all of them, or an even
+    number up to half of them (each pair then lies in the head's first half; LLaDA2's 0.5)."""
+    return rotary_dim == head_dim or (rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim // 2)
 
 
 def q_programs(T: int, H: int, target: int = 64) -> int:
@@ -277,12 +322,13 @@ def q_programs(T: int, H: int, target: int = 64) -> int:
 
 def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-       inv_freq: torch.Tensor, apply_in_fp32: bool = True, qk_norm: QKNorm | None = None
-       ) -> torch.Tensor:
+       inv_freq: torch.Tensor, apply_in_fp32: bool = True, qk_norm: QKNorm | None = None,
+       rotary_dim: int | None = None) -> torch.Tensor:
     """Rotated q [T, H, D]; k (rotated) and v land in their cache slots. Triton on CUDA.
-    ``qk_norm``: q and k RMS-normed per head before the rotation (SDAR, LLaDA-MoE)."""
+    ``qk_norm``: q and k RMS-normed per head before the rotation (SDAR, LLaDA-MoE, LLaDA2);
+    ``rotary_dim``: only the first ``rotary_dim`` values of a head rotate (LLaDA2)."""
     if use_triton(q, k, v, k_cache):
         return rope_cache_triton(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq,
-                                 apply_in_fp32, qk_norm)
+                                 apply_in_fp32, qk_norm, rotary_dim)
     return rope_cache_reference(q, k, v, positions, k_cache, v_cache, slot_mapping, inv_freq,
-                                apply_in_fp32, qk_norm)
+                                apply_in_fp32, qk_norm, rotary_dim)

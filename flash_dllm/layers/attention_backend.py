@@ -153,15 +153,19 @@ class PagedAttentionMetadata:
         # NOTE: an fp8 pool rotates and writes with the quantising kernel
         # (``kernels/rope_cache_fp8``) after the projection; with verification or probe rows
         # (eager steps) it takes the unfused path, as does a module that rotates part of each
-        # head (LLaDA2). q/k-normed heads that rotate whole (SDAR, LLaDA-MoE) are normed,
-        # rotated and written by the RoPE + page write kernel (its ``qk_norm``; normed in
-        # ``project`` when special rows read k); only the kernels that project too skip them.
-        if attn.rotary.rotary_dim < attn.head_dim or (self.kv_scales is not None
-                                                      and self.special):
+        # head (LLaDA2) on an fp8 pool or more than half of it. q/k-normed heads (SDAR,
+        # LLaDA-MoE, LLaDA2) are normed, rotated (whole, or LLaDA2's first half) and written by
+        # the RoPE + page write kernel (its ``qk_norm``; normed in ``project`` when special
+        # rows read k); only the kernels that project too skip them.
+        partial = attn.rotary.rotary_dim < attn.head_dim
+        if (partial and (self.kv_scales is not None or not rope_cache_op.takes_rotary(
+                attn.rotary.rotary_dim, attn.head_dim))) or (self.kv_scales is not None
+                                                             and self.special):
             return self.attend_normed(layer, attn, x, positions)
         if self.kv_scales is not None:
             return self.attend_fp8(layer, attn, x, positions)
-        if qkv is not None and x.dim() == 2 and not self.special and attn.q_norm is None:
+        if qkv is not None and x.dim() == 2 and not self.special and attn.q_norm is None \
+                and not partial:
             # (the fused kernel reads a plain weight: a quantized projection runs its own GEMM)
             # (deterministic: not for a few rows only, so a row's projection follows no batch)
             if qkv_rope_cache_op.ENABLED and hasattr(qkv, "weight") \
@@ -212,8 +216,11 @@ class PagedAttentionMetadata:
         """From projected q [T, H, D], k/v [T, Hkv, D] (un-rotated; ``qk_norm``: not normed
         yet, the kernel norms them; never with special rows, which read k as given)."""
         kc, vc = self.layer_kv(layer)             # [pages, page_size, Hkv, D]
-        qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots, self.inv_freq,
-                              rotary.apply_in_fp32, qk_norm)       # rotated q; k/v now in pages
+        whole = rotary.rotary_dim == kc.shape[-1]     # (partial: the module's own frequencies)
+        qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots,
+                              self.inv_freq if whole else rotary._freqs(q.device),
+                              rotary.apply_in_fp32, qk_norm,
+                              None if whole else rotary.rotary_dim)  # rotated q; k/v in pages
         out = self._attend_rotated(layer, qr)
         for seg in self.special:
             self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
@@ -332,11 +339,12 @@ class VerifyBatchMetadata(PagedAttentionMetadata):
         q, k, v = attn.project(x[Tc:])                    # [B*R, H, D], [B*R, Hkv, D]
         kc, vc = self.layer_kv(layer)
         pos = positions[Tc:]
-        if self.kv_scales is None:
+        rot = attn.rotary
+        if self.kv_scales is None and rot.rotary_dim == attn.head_dim:
             qr = rope_cache_op.op(q, k, v, pos, kc, vc, self.no_slots, self.inv_freq,
-                                  attn.rotary.apply_in_fp32)            # rotated q, no write
-        else:                          # (the RoPE kernels take caches of q's dtype only)
-            qr = attn.rotary(q, pos)
+                                  rot.apply_in_fp32)                    # rotated q, no write
+        else:        # (the RoPE kernels take caches of q's dtype only; partial: the module's)
+            qr = rot(q, pos)
         Hkv, D = k.shape[1], k.shape[2]
         k, v, pos = k.view(B, R, Hkv, D), v.view(B, R, Hkv, D), pos.view(B, R)
         kd = attn.rotary(k[:, :M - 1].reshape(-1, Hkv, D), pos[:, :M - 1].reshape(-1))

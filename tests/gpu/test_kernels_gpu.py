@@ -115,6 +115,42 @@ def test_rope_cache_qk_norm_equals_norm_then_rope(fp32_rope, T):
     assert torch.equal(vc, vc2)
 
 
+@pytest.mark.parametrize("T", [4, 32, 300])
+@pytest.mark.parametrize("fp32_rope", [False, True])
+def test_rope_cache_partial_rotary_equals_the_module(fp32_rope, T):
+    """LLaDA2-mini's heads (16 on 4 kv heads, D 128, the first 64 values rotating, q/k normed):
+    the RoPE + page write kernel with ``rotary_dim`` against the model's own path (``rmsnorm``
+    per head, then ``Rotary(rotary_dim=64)`` in PyTorch, then the page write): in fp32 math
+    equal but for the mean square's summation order (rarely one bf16 ulp); in the activation
+    dtype's math (LLaDA2's) also the kernel's cos / sin against torch's, rounded to bf16 before
+    the products (as ``test_rope_cache``'s tolerance)."""
+    from flash_dllm.layers.rotary import Rotary
+    H, Hkv, D, S, R = 16, 4, 128, 16, 64
+    P = paged.pages_needed(T, S) + 2
+    q, k, v = rope_cache.split_qkv(_randn(T, (H + 2 * Hkv) * D, seed=60), H, Hkv, D)
+    wq, wk = (1 + 0.1 * _randn(D, seed=61)), (1 - 0.1 * _randn(D, seed=62))
+    positions = torch.randperm(4096, generator=_gen(63), device=DEV)[:T]
+    slots = torch.randperm(P * S, generator=_gen(64), device=DEV)[:T]
+    rot = Rotary(D, 600000.0, fp32_rope, rotary_dim=R)
+    kc, vc = _randn(P, S, Hkv, D, seed=65), _randn(P, S, Hkv, D, seed=66)
+    kc2, vc2 = kc.clone(), vc.clone()
+    fused = OPS["rope_cache"](q, k, v, positions, kc, vc, slots, rot._freqs(DEV), fp32_rope,
+                              (wq, wk, 1e-6), R)
+    qn, kn = OPS["rmsnorm"](q, wq, 1e-6)[0], OPS["rmsnorm"](k, wk, 1e-6)[0]
+    plain = rot(qn, positions)
+    kc2.view(-1, Hkv, D)[slots.long()] = rot(kn, positions)
+    vc2.view(-1, Hkv, D)[slots.long()] = v
+    for got, want in ((fused, plain), (kc, kc2)):
+        differ = (got != want).float().mean().item()
+        print(f"\nfp32_rope={fp32_rope} T={T}: rel {_rel(got, want):.2e}, max "
+              f"{(got.float() - want.float()).abs().max().item():.3e}, differing {differ:.4f}")
+        assert _rel(got, want) < 1e-2
+        torch.testing.assert_close(got, want, rtol=3.2e-2, atol=3.2e-2)
+        assert differ < 0.01 or not fp32_rope
+    assert (fused[..., R:] != qn[..., R:]).float().mean().item() < 0.01   # passed through
+    assert torch.equal(vc, vc2)
+
+
 # ---- paged attention ---------------------------------------------------------------------------
 def _problem(model, q_lens, k_lens, S=16, seed=30):
     cfg = MODELS[model]
