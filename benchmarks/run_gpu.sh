@@ -146,6 +146,12 @@ group_quant() {
     "${FD[@]}" bench step --model-shape llada2-mini --cache block \
     --quantization none int4 int4+head --batch 1 --routing uniform \
     --json "$OUT/step/step_quant_llada2_mini_h200.json"
+  # the many-row path's dequantize kernel and fp8's per-token quantization, by variant
+  run sweep_dequant_h200 90 "$OUT/step/sweep_dequant_h200.json" python3 benchmarks/step/sweep_dequant.py \
+    "$OUT/step/sweep_dequant_h200.json"
+  run sweep_quant_rows_h200 60 "$OUT/step/sweep_quant_rows_h200.json" \
+    python3 benchmarks/step/sweep_quant_rows.py \
+    "$OUT/step/sweep_quant_rows_h200.json"
 }
 
 group_kvfp8() {
@@ -219,6 +225,9 @@ group_pdl() {
 group_llada2() {
   # issue 39: the trained LLaDA2 proxy under CUDA graphs, then its accuracy (exact / threshold)
   run llada2_gpu_test 240 - python3 -m pytest -m gpu -q tests/gpu/test_engine_gpu.py -k block_causal_moe
+  # the half-head rotary in the RoPE kernel against the PyTorch rotary path, answers on the proxy
+  run llada2_rope_gpu_test 120 - python3 -m pytest -m gpu -q -s tests/gpu/test_engine_gpu.py \
+    -k partial_rotary
   for S in chain code-long; do
     run llada2_exact_$S 120 "$OUT/accuracy/eval_exact_llada2_${S}_h200.json" \
       "${FD[@]}" eval --model proxy-llada2 --suite $S --n 200 --device cuda --dtype float32 \
