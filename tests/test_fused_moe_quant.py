@@ -134,3 +134,5 @@ def test_int4_words_experts_need_whole_tiles_in_their_groups():
         fq.op(x, words, gs, dq, ds, 4, ids, w)
     with pytest.raises(ValueError, match="int4's layout, not int8"):
         fq.op(x, words, gs, dq, ds, 8, ids, w)
+    with pytest.raises(ValueError, match="hold one code"):       # signed bytes are not nibbles
+        fq.op(x, gq, gs, dq.view(torch.int8), ds, 4, ids, w)

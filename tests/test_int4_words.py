@@ -150,7 +150,8 @@ def test_words_are_the_gpu_layout_and_the_variable_forces_either(monkeypatch):
     from flash_dllm.layers import quant
 
     def weight(kind):
-        return SimpleNamespace(device=torch.device(kind), shape=(64, 256), dim=lambda: 2)
+        return SimpleNamespace(device=torch.device(kind), is_cuda=kind == "cuda",
+                               shape=(64, 256), dim=lambda: 2)
 
     monkeypatch.delenv(quant.WORDS_ENV, raising=False)
     assert quant.IntMethod(4, 128)._words(weight("cuda"))
@@ -162,6 +163,13 @@ def test_words_are_the_gpu_layout_and_the_variable_forces_either(monkeypatch):
     monkeypatch.setenv(quant.WORDS_ENV, "1")
     assert quant.IntMethod(4, 128)._words(weight("cpu"))
     assert not quant.IntMethod(8, 128)._words(weight("cpu"))
+    monkeypatch.setenv(quant.WORDS_ENV, "true")
+    with pytest.raises(ValueError, match="FLASH_DLLM_INT4_WORDS must be 0 .* or 1 .*'true'"):
+        quant.IntMethod(4, 128)
+    monkeypatch.delenv(quant.WORDS_ENV)
+    from flash_dllm.kernels import _triton
+    monkeypatch.setattr(_triton, "DISABLE", True)             # no Triton: bytes on a GPU too
+    assert not quant.IntMethod(4, 128)._words(weight("cuda"))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -178,3 +186,6 @@ def test_the_dequantize_kernel_reads_words(N, K, group):
                        quant_decode.dequantize_triton(q, s, 4, torch.bfloat16))
     with pytest.raises(ValueError, match="int4's layout"):
         quant_decode.dequantize_triton(words, s, 8, torch.float32)
+    with pytest.raises(ValueError, match="integer codes"):       # e4m3 codes are not integers
+        quant_decode.dequantize_triton(torch.zeros(N, K, dtype=torch.float8_e4m3fn),
+                                       torch.ones(N, 1), 8, torch.float32)

@@ -156,7 +156,7 @@ def test_fp8_round_trip_and_emulation():
 @needs_interpreter
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_quantize_rows_kernel_scales_equal_the_reference(one_pass):
-    """The fused per-token quantization's scales (a row's absmax / 448, a zero row's floor)
+    """The fused per-token quantization's scales (a row's absmax * fp32(1/448), a zero row's floor)
     equal ``quantize_rows``' bitwise, the row read once or twice (2500 values: three blocks of
     the two-pass sweep). Its codes are compared on the GPU only (tests/gpu/test_quant_gpu.py):
     the interpreter's fp32 -> e4m3 cast is wrong."""

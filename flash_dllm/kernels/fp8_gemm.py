@@ -2,9 +2,9 @@
 ``out = (q(x) * sx) @ (q(W) * sw)^T + bias``.
 
 Layout: ``qweight`` float8_e4m3fn ``[N, K]``, ``wscale`` float32 ``[N]`` (``W[n] ~ q(W)[n] *
-wscale[n]``, ``wscale = absmax(W[n]) / 448``). At each call every row of ``x`` is quantized the
-same way with its own scale (``absmax(x[m]) / 448``): no calibration, an outlier token costs only
-its own row's resolution.
+wscale[n]``, ``wscale = absmax(W[n]) / 448``). At each call every row of ``x`` is quantized
+with its own scale (``absmax(x[m]) * fp32(1 / 448)``, one product on every device): no
+calibration, an outlier token costs only its own row's resolution.
 
 Two products, chosen by the rows of the call (the same rule on every device, so the CPU's
 emulation measures what the GPU runs):
@@ -41,7 +41,7 @@ from flash_dllm.kernels._triton import HAS_TRITON, check, describe, next_pow2, u
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                       # torch.finfo(torch.float8_e4m3fn).max
 MIN_CAPABILITY = (8, 9)
-_INV_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))   # (exact in float32)
+_INV_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))   # 1/448 rounded to fp32
 
 if HAS_TRITON:
     import triton

@@ -109,8 +109,10 @@ def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, i
           f"fused_moe_quant: dn_s must be [{E}, {d}, I / group] with I = {I}, got "
           f"{tuple(dn_s.shape)}")
     dn_group = I // dn_s.shape[2]            # each part's group from its own scales
-    check(gu_q.dtype == dn_q.dtype or bits == 4, f"fused_moe_quant: gu_q and dn_q hold one "
-                                                 f"code, got {gu_q.dtype} and {dn_q.dtype}")
+    layouts = {torch.uint8, torch.int32}        # int4: bytes or words, either part its own
+    check(gu_q.dtype == dn_q.dtype or (bits == 4 and {gu_q.dtype, dn_q.dtype} <= layouts),
+          f"fused_moe_quant: gu_q and dn_q hold one code (int4: uint8 bytes or int32 words "
+          f"each), got {gu_q.dtype} and {dn_q.dtype}")
     for part, q, g in (("gu_q", gu_q, group), ("dn_q", dn_q, dn_group)):
         check(q.dtype != torch.int32 or g % quant_decode.WORD_TILE == 0,
               f"fused_moe_quant: {part} is int4 words, whose K tiles of "

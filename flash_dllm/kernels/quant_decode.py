@@ -163,7 +163,7 @@ if HAS_TRITON:
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         m = n_ok[:, None] & (ks < K)[None, :]
         if BITS == 8:
-            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.int32)
+            q = tl.load(q_row + ks[None, :], mask=m, other=0).to(tl.float32)   # (int8: exact)
         elif WORDS:  # the tile's words [BN, W]; nibble i of word w is column i * W + w
             wj = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
             wd = tl.load(q_row + wj[None, :], mask=n_ok[:, None] & (8 * wj < K)[None, :],
@@ -309,6 +309,9 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
     check_device("quant_decode", INTERPRET, qweight, scales)
     words = qweight.dtype == torch.int32
     check(not words or bits == 4, f"quant_decode: int32 words are int4's layout, not int{bits}")
+    check(qweight.dtype in (torch.int8, torch.uint8, torch.int32),
+          f"quant_decode.dequantize_triton: integer codes (int8, uint8 or int32 words), got "
+          f"{qweight.dtype}")
     N, K = qweight.shape[0], qweight.shape[1] * (32 if words else 8) // bits
     w = torch.empty(N, K, dtype=dtype, device=qweight.device)
     if N and K:

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from flash_dllm.kernels import fp8_gemm, fused_moe_quant, quant_decode, quant_gemm
+from flash_dllm.kernels._triton import use_triton
 from flash_dllm.layers.moe import MoE
 
 QUANT_MODES = ("fp8", "int8", "int4")
@@ -105,15 +106,19 @@ class IntMethod:
     def __init__(self, bits: int, group_size: int, words: bool | None = None) -> None:
         self.bits, self.group_size = bits, group_size
         self.name = f"int{bits}"
-        # int4 linears stored as interleaved words (the module's NOTE); None: on a GPU
-        forced = {"0": False, "1": True}.get(os.environ.get(WORDS_ENV, ""))
+        # int4 linears stored as interleaved words (the module's NOTE); None: where Triton runs
+        env = os.environ.get(WORDS_ENV, "")
+        if env not in ("", "0", "1"):
+            raise QuantError(f"{WORDS_ENV} must be 0 (int4 bytes) or 1 (int4 words), or unset "
+                             f"(words on a GPU), got {env!r}")
+        forced = {"0": False, "1": True}.get(env)
         self.words = bits == 4 and (words if words is not None else forced)
 
     def _words(self, w: torch.Tensor) -> bool:
         """Whether this float weight is stored as int4 words (int32 ``[..., N, K / 8]``, so the
-        stored tensor says its layout): on a GPU (or as forced), whole 128-column tiles inside
-        scale groups; a MoE layer's 3-D experts as ``EXPERT_WORDS`` says."""
-        wanted = w.device.type == "cuda" if self.words is None else self.words
+        stored tensor says its layout): where Triton runs (or as forced), whole 128-column
+        tiles inside scale groups; a MoE layer's 3-D experts as ``EXPERT_WORDS`` says."""
+        wanted = use_triton(w) if self.words is None else self.words
         return (wanted and (w.dim() == 2 or (w.dim() == 3 and EXPERT_WORDS))
                 and w.shape[-1] % quant_decode.WORD_TILE == 0
                 and self.group_size % quant_decode.WORD_TILE == 0)
