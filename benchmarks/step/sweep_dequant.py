@@ -14,6 +14,7 @@ import triton
 
 from flash_dllm.kernels import quant_decode as qd
 from flash_dllm.kernels import quant_gemm
+from sweep_quant_gemm import graph_time  # (the same timing: benchmarks/step)
 
 dev = torch.device("cuda")
 res = []
@@ -34,22 +35,11 @@ for name, N, K, bits, words in CASES:
                     BLOCK_N=bn, BLOCK_K=128, WORDS=words, ROW_SCALE=row, num_warps=nw)
                 f(); torch.cuda.synchronize()
                 assert torch.equal(out, ref), (name, bn, nw, row)
-                g = torch.cuda.CUDAGraph()
-                st = torch.cuda.Stream(); st.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(st): f()
-                torch.cuda.current_stream().wait_stream(st)
-                with torch.cuda.graph(g):
-                    for _ in range(10): f()
-                g.replay(); torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(10): g.replay()
-                b.record(); b.synchronize()
-                us = a.elapsed_time(b) / 100 * 1e3
+                us = graph_time(f, 10)
                 gbs = (N * K * 2 + q.numel() * q.element_size()) / us / 1e3
                 res.append({"case": name, "BLOCK_N": bn, "num_warps": nw, "ROW_SCALE": row,
                             "us": us, "GBps": gbs})
                 print(f"{name:20s} bn {bn} warps {nw} row_scale {int(row)}: {us:7.1f} us "
                       f"({gbs:5.0f} GB/s)", flush=True)
 json.dump({"device_name": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": res,
-           "timing": "mean of 100 launches in CUDA graphs"}, open(sys.argv[1], "w"), indent=1)
+           "timing": "mean per launch inside CUDA graphs"}, open(sys.argv[1], "w"), indent=1)

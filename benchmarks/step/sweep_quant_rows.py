@@ -11,29 +11,9 @@ import sys
 import torch
 
 from flash_dllm.kernels import fp8_gemm
+from sweep_quant_gemm import graph_time  # (the same timing: benchmarks/step)
 
 dev = torch.device("cuda")
-
-
-def graphed_us(f, reps=20) -> float:
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        f()
-    torch.cuda.current_stream().wait_stream(st)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (5 * reps) * 1e3
 
 
 res = []
@@ -43,8 +23,8 @@ for K in (4096, 12288):
     for one_pass, warps in ((False, 4), (True, 4), (True, 8), (True, 16)):
         q, s = fp8_gemm.quantize_rows_triton(x, one_pass=one_pass, num_warps=warps)
         assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
-        us = graphed_us(lambda: fp8_gemm.quantize_rows_triton(x, one_pass=one_pass,
-                                                              num_warps=warps))
+        us = graph_time(lambda: fp8_gemm.quantize_rows_triton(x, one_pass=one_pass,
+                                                              num_warps=warps), 20)
         gbs = x.numel() * 3 / us / 1e3
         res.append({"rows": 2048, "K": K, "one_pass": one_pass, "num_warps": warps, "us": us,
                     "GBps": gbs})
