@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from flash_dllm.cache.modes import CACHE_MODES
+from flash_dllm.cache.paged import KV_POOL_DTYPES
 from flash_dllm.decoding.registry import DECODE_POLICIES
 from flash_dllm.knobs import check_knobs, knob, knob_of
 
@@ -30,7 +31,7 @@ MAX_SEED = 2**64 - 1
 # at ~13 requests (issue 21). 0.8 as lm-eval's adapter: the rest holds activations (a 64 x 256
 # canvas of an 8B model in one forward) and CUDA graphs.
 AUTO_GPU_MEMORY_UTILIZATION = 0.8
-KV_CACHE_DTYPES = ("auto", "fp8")        # EngineConfig.kv_cache_dtype
+KV_CACHE_DTYPES = tuple(KV_POOL_DTYPES)  # EngineConfig.kv_cache_dtype (cache/paged.py's traits)
 _GIB_LIMIT = 1 << 20                     # host tiers: sizes below 1 PiB (an int() of bytes)
 # --quantization (``flash_dllm.layers.quant.QUANT_MODES``, checked equal in tests/test_quant.py;
 # not imported from there: the config stays free of torch)
@@ -406,18 +407,21 @@ class EngineConfig:
         if self.lazy_load_sentinel is not None and b is None:
             raise ValueError("lazy_load_sentinel watches lazy loading: set lazy_load_budget "
                              "(--lazy-load-budget) too")
-        if self.lazy_load_predictor != "mass" and b is None:
+        if self.lazy_load_predictor != knob_of(EngineConfig, "lazy_load_predictor").default \
+                and b is None:
             raise ValueError("lazy_load_predictor chooses what lazy loading loads: set "
                              "lazy_load_budget (--lazy-load-budget) too")
-        if self.kv_cache_dtype == "fp8":
+        if KV_POOL_DTYPES[self.kv_cache_dtype].quantized:
             # NOTE: fp8 pages carry scales beside the codes: the tiers move both (as they are);
             # overflow streaming copies codes only so far: refused, not corrupted
             if self.kv_overflow_gb:
-                raise ValueError("kv_cache_dtype='fp8' does not support kv_overflow_gb yet (the "
-                                 "streamed pages would lose their scales): use "
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} does not support "
+                                 "kv_overflow_gb yet (the streamed pages would lose their "
+                                 "scales): use "
                                  "kv_cache_dtype='auto' with it")
             if self.kv_offload_dtype == "int8":
-                raise ValueError("kv_cache_dtype='fp8' pages leave the GPU as they are (fp8 "
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} pages leave the GPU "
+                                 "as they are (fp8 "
                                  "codes and scales): kv_offload_dtype must be bf16 or fp8 "
                                  "with it, got 'int8'")
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:

@@ -17,6 +17,7 @@ import time
 import torch
 
 from flash_dllm.cache.modes import CACHE_MODES
+from flash_dllm.cache.paged import kv_pool_dtype
 from flash_dllm.config import EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.bench.moe_floor import moe_floor, set_routing, touched_experts
@@ -242,7 +243,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
                            kv_cache_dtype, deterministic)
             _finish_row(r, model, cfg, cache, b, prompt, gen, block, bw, rate * world, routing,
                         flash_budget, weight_bytes,
-                        torch.float8_e4m3fn if kv_cache_dtype == "fp8" else tdtype)
+                        kv_pool_dtype(kv_cache_dtype, tdtype))
             r["quantization"] = mode
             rows.append(r)
             progress(row_line(r))

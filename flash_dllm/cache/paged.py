@@ -126,13 +126,29 @@ def allocate_kv_scales(layout: PagedKVLayout, device: torch.device | str = "cpu"
     return torch.zeros(layout.scales_shape, dtype=torch.float32, device=device)
 
 
+@dataclass(frozen=True)
+class KVPoolDtype:
+    """What an ``EngineConfig.kv_cache_dtype`` makes of the pool: its element type (None: the
+    model's) and whether its pages are codes with per-page, per-head scales beside them (which
+    the tiers carry, and overflow streaming and KV transfers do not yet)."""
+    element: torch.dtype | None
+    quantized: bool
+
+
+KV_POOL_DTYPES = {"auto": KVPoolDtype(None, False),
+                  "fp8": KVPoolDtype(torch.float8_e4m3fn, True)}
+
+
+def kv_pool(kv_cache_dtype: str) -> KVPoolDtype:
+    if kv_cache_dtype not in KV_POOL_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_POOL_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
+    return KV_POOL_DTYPES[kv_cache_dtype]
+
+
 def kv_pool_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool's element type for ``EngineConfig.kv_cache_dtype``."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype == "fp8":
-        return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype must be one of auto, fp8, got {kv_cache_dtype!r}")
+    return kv_pool(kv_cache_dtype).element or model_dtype
 
 
 def pages_needed(length: int, page_size: int) -> int:

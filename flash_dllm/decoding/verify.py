@@ -86,6 +86,11 @@ def draft_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 LOG_PROB_FLOOR = -1e4      # below any log(gamma) a request can ask for (gamma > e^-10000)
 
 
+# verify_rule -> whether drafts pass by the running product of the view's probabilities
+# (``accept_prefix``'s ``cumprod``) rather than each on its own (config.VERIFY_RULES, tested)
+CUMULATIVE_RULES = {"agree": False, "cumprod": True}
+
+
 def accept_prefix(draft_tok: torch.Tensor, view_tok: torch.Tensor, view_prob: torch.Tensor,
                   group_ids: torch.Tensor, num_groups: int, gamma: torch.Tensor,
                   cumprod: torch.Tensor) -> torch.Tensor:

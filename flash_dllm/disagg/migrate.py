@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from flash_dllm.cache.checksum import device_checksum, xxh3_64
+from flash_dllm.cache.paged import kv_pool
 from flash_dllm.config import SamplingParams
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.core.request import Request
@@ -84,7 +85,7 @@ class CorruptSegment(MigrationError):
 def refuse_fp8_kv(config) -> None:
     """Disaggregation moves page codes without fp8 pages' scales (``kernels/kv_quant.py``):
     refused with ``kv_cache_dtype="fp8"`` until transfers carry them."""
-    if getattr(config, "kv_cache_dtype", "auto") != "auto":
+    if kv_pool(getattr(config, "kv_cache_dtype", "auto")).quantized:
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported with "
                          "prefill/decode disaggregation yet (KV transfers do not carry fp8 "
                          "scales): use kv_cache_dtype='auto'")

@@ -197,9 +197,9 @@ def _load(spec: WorkerSpec, dev: torch.device) -> Engine:
 
 
 def _warm_up(engine: Engine, level: str) -> None:
-    if level == "none":
+    from flash_dllm.worker.warmup import filler, level_of, warm_up
+    if not level_of(level).runs:
         return
-    from flash_dllm.worker.warmup import filler, warm_up
 
     warm_up(engine, level, filler(engine.cfg, range(5, 200)), lambda line: None)
 

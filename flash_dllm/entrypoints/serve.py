@@ -280,10 +280,10 @@ def attach_warmup(aeng, tokenizer, level: str | None, default=None) -> str:
     """Give the async engine its warm-up (``worker/warmup.py``); ``level`` None: the device's
     default; ``default``: the ``SamplingParams`` a request without knobs gets. Returns the
     level."""
-    from flash_dllm.worker.warmup import default_level, filler, warm_up
+    from flash_dllm.worker.warmup import default_level, filler, level_of, warm_up
 
     level = level or default_level(aeng.engine.runner.device)
-    if level == "none":
+    if not level_of(level).runs:
         return level
     filler_ids = filler(aeng.engine.cfg, tokenizer.encode(WARMUP_TEXT))
 

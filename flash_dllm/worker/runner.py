@@ -27,7 +27,7 @@ import torch
 from flash_dllm.cache.io.kv_offload import KVOffloader
 from flash_dllm.cache.io.kv_overflow import OverflowKV, OverflowMemoryError, OverflowMetadata
 from flash_dllm.cache.paged import (PagedKVLayout, allocate_kv_cache, allocate_kv_scales,
-                                    kv_pool_dtype)
+                                    kv_pool, kv_pool_dtype)
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
 from flash_dllm.layers.batch_invariant import batch_invariant
@@ -186,7 +186,8 @@ class ModelRunner:
         desc = (f"{c.num_layers}/{c.hidden_size}/{c.num_heads}/{c.num_kv_heads}/{c.head_dim}/"
                 f"{c.vocab_size}/{c.rope_theta}/{self.dtype}/page{self.page_size}/"
                 f"layer-major-v1/{config.kv_offload_dtype}{tp}")
-        if config.kv_cache_dtype != "auto":          # (absent for auto: earlier keys stay)
+        if kv_pool(config.kv_cache_dtype).element is not None:   # (absent for the model's
+            # own dtype: earlier keys stay)
             desc += f"/kv-{config.kv_cache_dtype}"
         if c.attention.block_causal or c.qk_norm or c.rotary_dim not in (None, c.head_dim):
             # (what else a page's K/V depend on; absent for LLaDA / Dream, whose keys stay)

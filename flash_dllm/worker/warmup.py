@@ -44,14 +44,39 @@ from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.worker.compile_watch import KERNEL_COMPILES, graph_counts
 from flash_dllm.worker.graphs import MIN_ROWS, PaddedShape
 
-WARMUP_LEVELS = ("full", "minimal", "none")
-STEPS_PER_CASE = 6          # dual: a refresh, then decode steps (captured at their 2nd sighting)
+@dataclass(frozen=True)
+class WarmupLevel:
+    """What a warm-up level runs: its request cases' prompt lengths (none: no warm-up at all,
+    the server is ready at once), every power-of-2 batch up to ``max_num_seqs`` or only 1 and
+    it, and the fast decode policies' cases beside the default request."""
+    prompt_lengths: tuple[int, ...]
+    every_batch: bool
+    fast_cases: bool
+
+    @property
+    def runs(self) -> bool:
+        return bool(self.prompt_lengths)
+
+
 # NOTE: 24 and 25 make canvases of even and odd length (88 and 89 with 64 tokens): the split-KV
 # path's buffer strides (tokens x heads) then fall in both of Triton's divisibility classes.
 # In serve_warmup_h200.json (warm-up with 24 and 200 only) the first real request still compiled
 # one paged-attention and one merge variant; an odd token count is the suspected missing class
 # (not yet checked on the GPU).
-PROMPT_LENGTHS = {"full": (24, 25, 200), "minimal": (24, 25)}
+LEVELS = {"full": WarmupLevel((24, 25, 200), every_batch=True, fast_cases=True),
+          "minimal": WarmupLevel((24, 25), every_batch=False, fast_cases=False),
+          "none": WarmupLevel((), every_batch=False, fast_cases=False)}
+WARMUP_LEVELS = tuple(LEVELS)
+
+
+def level_of(name: str) -> WarmupLevel:
+    """The level ``name``, or a ValueError naming the choices."""
+    if name not in LEVELS:
+        raise ValueError(f"warmup must be one of {WARMUP_LEVELS}, got {name!r}")
+    return LEVELS[name]
+
+
+STEPS_PER_CASE = 6          # dual: a refresh, then decode steps (captured at their 2nd sighting)
 
 
 @dataclass
@@ -71,7 +96,7 @@ def default_level(device) -> str:
 
 
 def batch_sizes(level: str, max_num_seqs: int) -> list[int]:
-    if level == "minimal":
+    if not level_of(level).every_batch:
         return sorted({1, max_num_seqs})
     sizes, b = set(), 1
     while b < max_num_seqs:
@@ -96,7 +121,8 @@ def graph_grid(engine, level: str) -> list[PaddedShape]:
     capture in step: the request cases still warm it)."""
     runner = engine.runner
     fg = getattr(runner, "forward_graphs", None)
-    if level == "none" or fg is None or fg.scratch_page is None or runner.tp is not None:
+    if not level_of(level).runs or fg is None or fg.scratch_page is None \
+            or runner.tp is not None:
         return []
     heavy = runner.graph_cache.heavy_tokens
     max_k = seqlen_bound(min(engine.cfg.max_position, 256))
@@ -120,7 +146,7 @@ def cases(level: str, cfg=None, default: SamplingParams | None = None) -> list[S
     (``cache.modes.fast_default``)."""
     default = SamplingParams() if default is None else default
     out = [default]
-    if level != "minimal":
+    if level_of(level).fast_cases:
         # each at its default knobs (Flash-Verify's fused-step graphs are keyed by the batch's
         # padded draft count: max_verify, the block length by default)
         block_causal = cfg is not None and cfg.attention.block_causal
@@ -147,10 +173,9 @@ def warm_up(engine, level: str, filler_ids: list[int],
     """Run the warm-up of ``level`` on ``engine`` (which must have no requests); returns what it
     did. ``filler_ids``: prompt token ids to repeat (text of the checkpoint's own tokenizer);
     ``default``: what a request that sends no knobs gets (the server's sampling defaults)."""
-    if level not in WARMUP_LEVELS:
-        raise ValueError(f"warmup must be one of {WARMUP_LEVELS}, got {level!r}")
+    spec = level_of(level)
     rep = WarmupReport(level)
-    if level == "none":
+    if not spec.runs:
         return rep
     if engine.has_unfinished():
         raise RuntimeError("warm_up needs an idle engine")
@@ -172,7 +197,7 @@ def warm_up(engine, level: str, filler_ids: list[int],
     # a long prompt is cut to what the model's length leaves (a small model still warms both)
     room = engine.cfg.max_position
     plan = [(p, n, b) for p in cases(level, engine.cfg, default)
-            for n in sorted({min(n, room - p.max_tokens) for n in PROMPT_LENGTHS[level]})
+            for n in sorted({min(n, room - p.max_tokens) for n in spec.prompt_lengths})
             for b in batch_sizes(level, engine.config.max_num_seqs)]
     try:
         for i, (params, n_prompt, batch) in enumerate(plan, 1):

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flash_dllm.cache.io.lazy_load import LAZY_PREDICTORS, LazyPlan, plan_lazy, sentinel_overlap
+from flash_dllm.cache.io.lazy_load import (KEY_SUMMARIES, LAZY_PREDICTORS, LazyPlan, plan_lazy,
+                                          sentinel_overlap)
 from flash_dllm.cache.io.overflow_placement import OVERFLOW_PLACEMENTS, ResidentSet
 from flash_dllm.cache.io.overflow_stage import OverflowMetadata, _StepCopies
 from flash_dllm.cache.modes import CACHE_MODES
@@ -104,7 +105,7 @@ class OverflowKV:
         # stage: as large as it for LLaDA-8B at pages of 16, 2 GiB at 64K tokens) instead of
         # failing a long request's first measuring step for want of memory
         self.summary = (torch.empty(L, 2, max_pages, H, D, dtype=dtype, device=device)
-                        if lazy_budget is not None and lazy_predictor == "quest" else None)
+                        if lazy_budget is not None and KEY_SUMMARIES[lazy_predictor] else None)
         self.page_layer_bytes = ps * H * D * self.stage.element_size() * 2        # K + V, one layer
         self.host_bytes = host_bytes
         self._host: torch.Tensor | None = None          # flat pinned bytes
@@ -113,6 +114,7 @@ class OverflowKV:
         self.lazy_budget = lazy_budget
         self.lazy_sentinel = lazy_sentinel
         self.lazy_predictor = lazy_predictor
+        self.key_summaries = KEY_SUMMARIES[lazy_predictor]     # (quest) else the mass (mass)
         self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "skipped_pages": 0,
                       "measuring_steps": 0, "sentinel_checks": 0, "sentinel_triggers": 0,
                       # lazy steps: pages of largest score attended (summed over steps; per
@@ -243,7 +245,7 @@ class OverflowKV:
             out.mass_layer = self.num_layers - 1   # every page here: where the block attends
             out.mass_pages = n
             self.stats["measuring_steps"] += 1
-            if self.lazy_predictor == "quest":
+            if self.key_summaries:
                 state.summary = state.score = state.layers = None
                 out.quest, out.quest_measure = state, True
                 ps = self.page_shape[0]
@@ -318,7 +320,7 @@ class OverflowKV:
         table) is the sentinel's. Returns (checked, triggered)."""
         if lazy is None:
             state.page_mass = mass[state.order]
-            if self.lazy_predictor == "mass":
+            if not self.key_summaries:
                 self._evidence(state, mass)
             return False, False
         j = sentinel_overlap(state.page_mass, lazy.keep, lazy.watched, mass)

@@ -104,7 +104,9 @@ def runs(mask: np.ndarray) -> list[tuple[int, int]]:
 # which pages a lazy step loads: ``mass`` (the attention each page got at the block's measuring
 # step, for every lazy step of the block) or ``quest`` (re-chosen after every lazy step from an
 # upper bound of the attention its queries can give each page, from per-page key summaries)
-LAZY_PREDICTORS = ("mass", "quest")
+# (the value: whether it keeps per-page key summaries instead of the measuring step's mass)
+KEY_SUMMARIES = {"mass": False, "quest": True}
+LAZY_PREDICTORS = tuple(KEY_SUMMARIES)          # (config.py's lazy_load_predictor choices, tested)
 
 
 def key_summary(keys: torch.Tensor, tail: tuple[int, int] | None = None,

@@ -26,12 +26,25 @@ loads are adjacent (fewer, larger copies).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from flash_dllm.cache.access_graph import AccessGraph
 
-OVERFLOW_PLACEMENTS = ("lru", "ema", "kag")
+@dataclass(frozen=True)
+class Placement:
+    """A ``kv_placement`` policy's traits: whether it ever moves pages by the attention evidence
+    (``lru`` keeps its last pages) and whether it keeps the KV access graph (``kag``'s PageRank;
+    else the moving average of the mass)."""
+    moves: bool
+    graph: bool
+
+
+PLACEMENTS = {"lru": Placement(moves=False, graph=False),
+              "ema": Placement(moves=True, graph=False),
+              "kag": Placement(moves=True, graph=True)}
+OVERFLOW_PLACEMENTS = tuple(PLACEMENTS)          # (config.py's kv_placement choices, tested)
 
 
 class ResidentSet:
@@ -43,9 +56,10 @@ class ResidentSet:
         if policy not in OVERFLOW_PLACEMENTS:
             raise ValueError(f"kv_placement must be one of {OVERFLOW_PLACEMENTS}, got {policy!r}")
         self.policy, self.n = policy, num_pages
+        self.traits = PLACEMENTS[policy]
         self.ema = np.zeros(num_pages)
         self.graph = (AccessGraph(capacity=num_pages, top_k=top_k, decay=self.DECAY)
-                      if policy == "kag" else None)
+                      if self.traits.graph else None)
         self.observed = 0
         self.seconds = 0.0                   # evidence and choice, host time
         self.stability = 1.0                 # kag: share of the top pages kept between updates
@@ -53,7 +67,7 @@ class ResidentSet:
     @property
     def active(self) -> bool:
         """Whether this policy ever moves pages (``lru`` never does)."""
-        return self.policy != "lru"
+        return self.traits.moves
 
     def observe(self, mass: np.ndarray) -> None:
         """A measuring step's attention mass per logical page [n]."""

@@ -32,8 +32,9 @@ from flash_dllm.decoding.policies import verify_fused
 from flash_dllm.decoding.policies.base import DecodePolicy
 from flash_dllm.decoding.policies.rules import group_ids
 from flash_dllm.decoding.sampling import RowGroup, propose
-from flash_dllm.decoding.verify import (VerifyBlock, accept_prefix, build_verify_block,
-                                        draft_probability, order_candidates, select_after_verify)
+from flash_dllm.decoding.verify import (CUMULATIVE_RULES, VerifyBlock, accept_prefix,
+                                        build_verify_block, draft_probability, order_candidates,
+                                        select_after_verify)
 from flash_dllm.layers.attention_backend import VerifyRows
 from flash_dllm.transfer import h2d
 
@@ -135,7 +136,7 @@ class VerifyPolicy(DecodePolicy):
         view_tok, _ = propose(vlog, vgroups, forbid=ctx.mask_id)
         view_prob = draft_probability(vlog, ctok)
         gamma = h2d([batch[i].params.gamma for i in members], torch.float64, dev)
-        cumprod = h2d([batch[i].params.verify_rule == "cumprod" for i in members], torch.bool,
+        cumprod = h2d([CUMULATIVE_RULES[batch[i].params.verify_rule] for i in members], torch.bool,
                       dev)
         acc = accept_prefix(ctok, view_tok, view_prob, cgid, G, gamma, cumprod)
         ctx.keep[cslot[acc]] = True
@@ -188,7 +189,7 @@ class VerifyPolicy(DecodePolicy):
         host[sl["arow"]] = arena_rows
         host[sl["gamma"]] = np.array([r.params.gamma for r in batch],
                                      dtype=np.float64).view(np.int64)
-        host[sl["cumprod"]] = [r.params.verify_rule == "cumprod" for r in batch]
+        host[sl["cumprod"]] = [CUMULATIVE_RULES[r.params.verify_rule] for r in batch]
         host[sl["max_verify"]] = [r.params.max_verify for r in batch]
 
     def fused_body(self, runner, inp, lay):
