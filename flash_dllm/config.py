@@ -36,6 +36,7 @@ _GIB_LIMIT = 1 << 20                     # host tiers: sizes below 1 PiB (an int
 # --quantization (``flash_dllm.layers.quant.QUANT_MODES``, checked equal in tests/test_quant.py;
 # not imported from there: the config stays free of torch)
 QUANT_MODES = ("fp8", "int8", "int4")
+LM_HEAD_SUFFIX = "+head"   # a mode name's suffix where the LM head is quantized too (stats, bench)
 # what each mode cost in accuracy, from the committed reports (benchmarks/README.md, "Quantized
 # weights"); filled in from benchmarks/results/accuracy/quant_*_cpu.json and
 # precision_fallback_chain_*_b1_cpu.json

@@ -18,7 +18,7 @@ import torch
 
 from flash_dllm.cache.modes import CACHE_MODES
 from flash_dllm.cache.paged import kv_pool_dtype
-from flash_dllm.config import EngineConfig, SamplingParams
+from flash_dllm.config import LM_HEAD_SUFFIX, EngineConfig, SamplingParams
 from flash_dllm.engine.engine import Engine
 from flash_dllm.bench.moe_floor import moe_floor, set_routing, touched_experts
 from flash_dllm.bench.shapes import shape_config
@@ -26,7 +26,7 @@ from flash_dllm.layers.quant import DEFAULT_GROUP_SIZE, quantize_model
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.loader import build_model
 
-HEAD = "+head"          # a --quantization mode's suffix: the LM head quantized too
+HEAD = LM_HEAD_SUFFIX   # a --quantization mode's suffix: the LM head quantized too
 
 
 class _Timer:

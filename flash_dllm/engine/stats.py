@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from flash_dllm.core.stats import (EngineStats, HistogramStats, OverflowStats, RuntimeStats,
                                    TierStats, frozen_map)
+from flash_dllm.config import LM_HEAD_SUFFIX
 from flash_dllm.worker.compile_watch import KERNEL_COMPILES, graph_counts
 
 # ``Engine.stats`` entries with a field of their own; the rest are ``EngineStats.counters``
@@ -40,7 +41,7 @@ def engine_stats(engine) -> EngineStats:
         runtime=runtime_stats(runner), weight_bytes=runner.weight_bytes,
         # (--quantize-lm-head: "int4+head", as bench step names the mode)
         quantization=(runner.quantization or "none")
-        + ("+head" if runner.weight_info.get("lm_head") else ""))
+        + (LM_HEAD_SUFFIX if runner.weight_info.get("lm_head") else ""))
 
 
 def tier_stats(kv, offload) -> TierStats:

@@ -7,7 +7,7 @@ import json
 
 from flash_dllm.bench import write_report
 from flash_dllm.cache.modes import CACHE_MODES
-from flash_dllm.config import QUANT_MODES
+from flash_dllm.config import LM_HEAD_SUFFIX, QUANT_MODES
 from flash_dllm.entrypoints.args import EngineArgs, require_matplotlib
 from flash_dllm.entrypoints.bench_client import (add_request_knobs, check_server, request_knobs,
                                                  run_against)
@@ -128,7 +128,7 @@ def add_parser(sub) -> None:
                         "GEMMs and kernel launches on a GPU, padded rows on the CPU): what "
                         "they cost per step")
     t.add_argument("--quantization", nargs="+", default=["none"],
-                   choices=["none", *QUANT_MODES, *(m + "+head" for m in QUANT_MODES)],
+                   choices=["none", *QUANT_MODES, *(m + LM_HEAD_SUFFIX for m in QUANT_MODES)],
                    help="weight modes to time, one model each, rows side by side (e.g. none "
                         "fp8 int8 int4; MODE+head: the LM head quantized too, "
                         "--quantize-lm-head); each row's weight-read floor is from its mode's "

@@ -113,8 +113,8 @@ def _shapes(x, gu_q, gu_s, dn_q, dn_s, bits: int) -> tuple[int, int, int, int, i
     check(gu_q.dtype == dn_q.dtype or (bits == 4 and {gu_q.dtype, dn_q.dtype} <= layouts),
           f"fused_moe_quant: gu_q and dn_q hold one code (int4: uint8 bytes or int32 words "
           f"each), got {gu_q.dtype} and {dn_q.dtype}")
-    for part, q, g in (("gu_q", gu_q, group), ("dn_q", dn_q, dn_group)):
-        check(q.dtype != torch.int32 or g % quant_decode.WORD_TILE == 0,
+    for part, q, k, g in (("gu_q", gu_q, d, group), ("dn_q", dn_q, I, dn_group)):
+        check(q.dtype != torch.int32 or quant_decode.takes_words(k, g),
               f"fused_moe_quant: {part} is int4 words, whose K tiles of "
               f"{quant_decode.WORD_TILE} must lie inside its scale groups; group {g}")
     return d, E, I, group, dn_group
@@ -130,7 +130,7 @@ def _per(q: torch.Tensor, bits: int) -> int:
 def _read(q: torch.Tensor, bits: int, k_tile: int) -> tuple[torch.Tensor, int, int]:
     """(the codes as the kernel takes them, its ``JOIN``, its K tile) of one part."""
     if q.dtype == torch.int32:                                 # words: the word read
-        return q.view(torch.uint8), 3, quant_decode.WORD_TILE
+        return q.view(torch.uint8), quant_gemm.WORD_READ["JOIN"], quant_gemm.WORD_READ["BLOCK_K"]
     if q.dtype == quant_gemm.FP8:                              # (e4m3 codes travel as bytes)
         return q.view(torch.uint8), 0, k_tile
     return q, quant_gemm.INT4_READ if bits == 4 else 0, k_tile

@@ -245,6 +245,12 @@ def interleave_int4(qweight: torch.Tensor, tile: int = WORD_TILE) -> torch.Tenso
     return (u[..., 0::2] | (u[..., 1::2] << 4)).flatten(-3).contiguous()
 
 
+def takes_words(K: int, group: int) -> bool:
+    """Whether int4 codes of ``K`` inputs in scale groups of ``group`` can be words: whole
+    ``WORD_TILE`` tiles, each inside one group (the word read scales a tile once)."""
+    return K % WORD_TILE == 0 and group % WORD_TILE == 0
+
+
 def deinterleave_int4(words: torch.Tensor, tile: int = WORD_TILE) -> torch.Tensor:
     """``interleave_int4``'s inverse."""
     K = words.shape[-1] * 2
@@ -299,7 +305,7 @@ def e4m3_reference(b: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
-                      dtype: torch.dtype, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+                      dtype: torch.dtype) -> torch.Tensor:
     """``dequantize`` in one kernel: ``[N, K]`` in ``dtype`` (read packed, write once); an
     int32 ``qweight`` is int4 words (``interleave_int4``), read as they are."""
     check(HAS_TRITON, "quant_decode: triton is not importable")
@@ -315,9 +321,11 @@ def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
     N, K = qweight.shape[0], qweight.shape[1] * (32 if words else 8) // bits
     w = torch.empty(N, K, dtype=dtype, device=qweight.device)
     if N and K:
-        bk, group = WORD_TILE, K // scales.shape[1]   # (the words' tile: one K tile a program)
-        _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, bk))](
+        # (the words' tile: one K tile a program; BLOCK_N 32 and 4 warps: within 5 % of the
+        # H100 sweep's best, benchmarks/step/sweep_dequant.py)
+        bn, bk, group = 32, WORD_TILE, K // scales.shape[1]
+        _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
             qweight, scales, w, N, K, qweight.stride(0), scales.stride(0), w.stride(0),
-            GROUP=group, BITS=bits, BLOCK_N=block_n, BLOCK_K=bk, WORDS=words,
-            ROW_SCALE=group % bk == 0, num_warps=num_warps)
+            GROUP=group, BITS=bits, BLOCK_N=bn, BLOCK_K=bk, WORDS=words,
+            ROW_SCALE=group % bk == 0, num_warps=4)
     return w

@@ -86,6 +86,8 @@ INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 # the nibbles joined into their columns: fastest on an H100 (``step/sweep_quant_gemm_int4_h100
 # .json``: LLaDA-8B's projections at 32 rows, read 1 35 / 20 / 56 / 46 us, 2 50 / 47 / 75 / 127).
 INT4_READ = 1
+# the tiles int4 words are read with (``_int_tile_dot``'s JOIN 3: one 128-column word tile)
+WORD_READ = {"JOIN": 3, "BLOCK_K": quant_decode.WORD_TILE}
 
 if HAS_TRITON:
     import triton
@@ -315,7 +317,9 @@ def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
 def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None, bits: int, config: dict | None = None
                        ) -> torch.Tensor:
-    """x [M, K] (rows contiguous) -> [M, N] in x's dtype, as ``weight_only_reference``."""
+    """x [M, K] (rows contiguous) -> [M, N] in x's dtype, as ``weight_only_reference``. An int32
+    ``qweight`` is int4 words (``quant_decode.interleave_int4``): read by the word read (``JOIN``
+    3, K tiles of ``WORD_TILE``) whatever the tiles say otherwise."""
     check(HAS_TRITON, "quant_gemm: triton is not importable")
     check(bits in INT_BITS, f"quant_gemm: bits must be one of {INT_BITS}, got {bits}")
     check(x.dim() == 2 and x.stride(1) == 1,
@@ -324,7 +328,10 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     check_dtype("quant_gemm: x", x, FLOAT_DTYPES)
     M, K = x.shape
     N = qweight.shape[0]
-    want = (torch.int8, FP8) if bits == 8 else (torch.uint8,)
+    words = qweight.dtype == torch.int32 and bits == 4
+    if words:                                  # (the kernel takes the words' bytes)
+        qweight = qweight.view(torch.uint8)
+    want = (torch.int8, FP8) if bits == 8 else (torch.uint8, torch.int32)
     check(qweight.dtype in want and qweight.dim() == 2 and qweight.is_contiguous()
           and qweight.shape[1] * (8 // bits) == K,
           f"quant_gemm: a {bits}-bit qweight must be a contiguous {' or '.join(map(str, want))} "
@@ -339,11 +346,12 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     # (a partial config, e.g. a hand-edited tuned file, fills its gaps from the defaults)
     cfg = {**default_config(M, N, K, group, _num_sms(x.device)),
            **(config or tuned_config(M, N, K, group, bits, x.device, code_name(qweight, bits))
-              or {})}
+              or {}), **(WORD_READ if words else {})}
     check(cfg["BLOCK_K"] >= 32 and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0,
           f"quant_gemm: BLOCK_K must be a power of 2 >= 32, got {cfg['BLOCK_K']}")
     check(cfg.get("JOIN") != 3 or (bits == 4 and cfg["BLOCK_K"] == quant_decode.WORD_TILE
-                                   and group % 128 == 0 and qweight.data_ptr() % 4 == 0),
+                                   and quant_decode.takes_words(K, group)
+                                   and qweight.data_ptr() % 4 == 0),
           f"quant_gemm: JOIN=3 reads int4 words (quant_decode.interleave_int4): BLOCK_K must be "
           f"{quant_decode.WORD_TILE} and divide the group, words 4-byte aligned; {cfg}, {group}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -405,25 +413,19 @@ def op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     dequantized copy and the dtype's GEMM from ``DEQUANT_MIN_ROWS`` rows), the reference
     elsewhere. An int32 ``qweight`` is int4 words (``quant_decode.interleave_int4``): the
     kernel's word read; the dequantized copy and the reference take them as ``unpack`` does."""
-    words = qweight.dtype == torch.int32
     if not use_triton(x, qweight):
         return weight_only_reference(x, qweight, scales, bias, bits)
     lead, N = x.shape[:-1], qweight.shape[0]        # (N, not -1: a view of 0 rows needs it)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    K, group, sms = x2.shape[1], x2.shape[1] // scales.shape[1], _num_sms(x.device)
-    read = {"JOIN": 3, "BLOCK_K": quant_decode.WORD_TILE} if words else {}
-    q = qweight.view(torch.uint8) if words else qweight
+    K, group = x2.shape[1], x2.shape[1] // scales.shape[1]
     if batch_invariant_active():          # deterministic: one path and one tile for any rows
-        cfg = {**default_config(32, N, K, group, sms), "SPLIT_K": 1, **read}
-        return weight_only_triton(x2, q, scales, bias, bits, cfg).view(*lead, N)
+        cfg = {**default_config(32, N, K, group, _num_sms(x.device)), "SPLIT_K": 1}
+        return weight_only_triton(x2, qweight, scales, bias, bits, cfg).view(*lead, N)
     if x2.shape[0] >= DEQUANT_MIN_ROWS:
         w = dequantize_triton(qweight, scales, bits, x.dtype)       # (words read as words)
         out = F.linear(x2, w) if bias is None else (F.linear(x2, w).float()
                                                     + bias.float()).to(x.dtype)
         return out.view(*lead, N)
-    cfg = None if not words else {
-        **default_config(x2.shape[0], N, K, group, sms),
-        **(tuned_config(x2.shape[0], N, K, group, bits, x.device, "int4") or {}), **read}
-    return weight_only_triton(x2, q, scales, bias, bits, cfg).view(*lead, N)
+    return weight_only_triton(x2, qweight, scales, bias, bits).view(*lead, N)

@@ -120,8 +120,7 @@ class IntMethod:
         tiles inside scale groups; a MoE layer's 3-D experts as ``EXPERT_WORDS`` says."""
         wanted = use_triton(w) if self.words is None else self.words
         return (wanted and (w.dim() == 2 or (w.dim() == 3 and EXPERT_WORDS))
-                and w.shape[-1] % quant_decode.WORD_TILE == 0
-                and self.group_size % quant_decode.WORD_TILE == 0)
+                and quant_decode.takes_words(w.shape[-1], self.group_size))
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
         if self.bits == 4 and in_features % 2:

@@ -141,8 +141,7 @@ def test_many_rows_dequantize_once_then_the_bf16_gemm(bits, words):
     torch.testing.assert_close(quant_gemm.op(x, q, s, None, bits).float(), ref.float(),
                                rtol=2e-2, atol=2e-2)
     us = _time(lambda: quant_gemm.op(x, q, s, None, bits), reps=20)
-    kq, read = (q.view(torch.uint8), {"JOIN": 3, "BLOCK_K": 128}) if words else (q, None)
-    us_kernel = _time(lambda: quant_gemm.weight_only_triton(x, kq, s, None, bits, read), reps=20)
+    us_kernel = _time(lambda: quant_gemm.weight_only_triton(x, q, s, None, bits), reps=20)
     us_bf16 = _time(lambda: x @ w.to(torch.bfloat16).t(), reps=20)
     print(f"\nint{bits}{' words' * words} M=2048 N=12288 K=4096: dequantize + GEMM {us:.1f} us, "
           f"weight-only kernel {us_kernel:.1f} us, bf16 (incl. a cast) {us_bf16:.1f} us")
