@@ -19,12 +19,13 @@ def _logits(N, V, seed, dtype=torch.float32):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("V,block", [(100, 32), (257, 64), (64, 64)])
-def test_kernel_matches_reference(dtype, V, block):
+@pytest.mark.parametrize("V,block,chunk", [(100, 32, 8192), (257, 64, 64), (64, 64, 64),
+                                           (300, 32, 64)])          # 1, 5, 1 and 5 chunks
+def test_kernel_matches_reference(dtype, V, block, chunk):
     x = _logits(9, V, seed=V, dtype=dtype)
     exclude = V // 3
     x[2, exclude] = 50.0                      # the excluded id is the max: never proposed ...
-    tok, conf = ac.argmax_confidence_triton(x, exclude, block=block)
+    tok, conf = ac.argmax_confidence_triton(x, exclude, block=block, chunk=chunk)
     rtok, rconf = ac.argmax_confidence_reference(x, exclude)
     assert torch.equal(tok, rtok)
     assert (tok != exclude).all()
@@ -33,16 +34,27 @@ def test_kernel_matches_reference(dtype, V, block):
 
 
 @needs_interpreter
-def test_ties_go_to_the_lowest_index_across_chunks():
+@pytest.mark.parametrize("chunk", [32, 64, 8192])       # programs of 1 or 2 blocks, or one
+def test_ties_go_to_the_lowest_index_across_chunks(chunk):
     x = torch.zeros(3, 96)
-    x[0, [5, 70]] = 2.0           # tie in two different chunks of 32
-    x[1, [40, 41]] = 2.0          # tie inside one chunk
+    x[0, [5, 70]] = 2.0           # tie in two different blocks of 32
+    x[1, [40, 41]] = 2.0          # tie inside one block
     x[2, :] = 1.0                 # all equal, id 0 excluded -> 1
-    tok, conf = ac.argmax_confidence_triton(x, exclude=0, block=32)
+    tok, conf = ac.argmax_confidence_triton(x, exclude=0, block=32, chunk=chunk)
     assert tok.tolist() == [5, 40, 1]
     rtok, rconf = ac.argmax_confidence_reference(x, exclude=0)
     assert torch.equal(tok, rtok)
     torch.testing.assert_close(conf, rconf)
+
+
+@needs_interpreter
+def test_a_row_is_bitwise_the_same_in_any_batch():
+    """The chunking follows V, not the rows: one row alone, or among 12, gives the same bits."""
+    x = _logits(12, 300, seed=8, dtype=torch.bfloat16)
+    tok, conf = ac.argmax_confidence_triton(x, 7, block=32, chunk=64)
+    for r in (0, 5, 11):
+        t1, c1 = ac.argmax_confidence_triton(x[r:r + 1], 7, block=32, chunk=64)
+        assert torch.equal(t1, tok[r:r + 1]) and torch.equal(c1, conf[r:r + 1])
 
 
 @needs_interpreter
@@ -70,6 +82,8 @@ def test_bad_inputs_name_the_problem():
         ac.argmax_confidence_triton(torch.zeros(2, 8), exclude=8)
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         ac.argmax_confidence_triton(torch.zeros(8))
+    with pytest.raises(ValueError, match="chunk"):
+        ac.argmax_confidence_triton(torch.zeros(2, 8), block=64, chunk=96)
 
 
 def test_greedy_rows_do_not_depend_on_sampled_neighbours():

@@ -279,7 +279,7 @@ def test_kernels_capture_in_cuda_graph():
 
 
 # ---- argmax_confidence / silu_mul ---------------------------------------------------------------
-@pytest.mark.parametrize("N", [1, 32, 2048])
+@pytest.mark.parametrize("N", [1, 4, 32, 2048])
 @pytest.mark.parametrize("model", ["llada", "dream"])
 def test_argmax_confidence(N, model):
     from flash_dllm.kernels import argmax_confidence as ac
@@ -294,6 +294,8 @@ def test_argmax_confidence(N, model):
     if N > 1:
         assert tok[1].item() == 7
     torch.testing.assert_close(conf, rconf, rtol=1e-4, atol=1e-6)
+    t1, c1 = ac.argmax_confidence_triton(logits[N - 1:], cfg["mask"])   # a row alone: same bits
+    assert torch.equal(t1, tok[N - 1:]) and torch.equal(c1, conf[N - 1:])
 
 
 @pytest.mark.parametrize("T", [1, 32, 2048])
