@@ -34,7 +34,7 @@ AUTO_GPU_MEMORY_UTILIZATION = 0.8
 KV_CACHE_DTYPES = tuple(KV_POOL_DTYPES)  # EngineConfig.kv_cache_dtype (cache/paged.py's traits)
 _GIB_LIMIT = 1 << 20                     # host tiers: sizes below 1 PiB (an int() of bytes)
 # --quantization (``flash_dllm.layers.quant.QUANT_MODES``, checked equal in tests/test_quant.py;
-# not imported from there: the config stays free of torch)
+# not imported from there: layers/quant imports the kernels, heavier than the config needs)
 QUANT_MODES = ("fp8", "int8", "int4")
 LM_HEAD_SUFFIX = "+head"   # a mode name's suffix where the LM head is quantized too (stats, bench)
 # what each mode cost in accuracy, from the committed reports (benchmarks/README.md, "Quantized

@@ -66,11 +66,13 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   residual: torch.Tensor | None = None, num_warps: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, d], weight [d], residual [T, d] or None -> (normed [T, d], new_residual [T, d]).
 
     Rows may be strided (views into a larger buffer); the last dim must be contiguous. ``normed``
-    has dtype ``promote(weight, x)`` as the reference's ``weight * h`` has.
+    has dtype ``promote(weight, x)`` as the reference's ``weight * h`` has. ``num_warps``: the
+    launch's (None: by the row width; sweeps).
     """
     check(HAS_TRITON, "rmsnorm_triton: triton is not importable")
     check(x.dim() == 2, f"rmsnorm: x must be [T, d], got shape {tuple(x.shape)}")
@@ -99,7 +101,8 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rmsnorm_kernel[(T,)](
         x, r, weight, out, res_out, d, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
         float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 1024 else (8 if block <= 4096 else 16), **pdl_args(x))
+        num_warps=num_warps or (4 if block <= 1024 else (8 if block <= 4096 else 16)),
+        **pdl_args(x))
     return out, res_out
 
 
