@@ -21,6 +21,12 @@ import triton
 import triton.language as tl
 
 from flash_dllm.kernels import skinny_gemm
+from sweep_quant_gemm import graph_time  # (the same timing: benchmarks/step)
+
+
+def graph_t(fn, iters: int = 32) -> float:
+    return graph_time(fn, iters, replays=5, indexed=True)
+
 
 # --- the prefetch (kernels/l2_prefetch.py while the engine A/B ran; see benchmarks/README) ---
 MAX_ROWS = 64             # steps of more rows are not bound by reading the weights
@@ -73,28 +79,6 @@ SHAPES = {                       # name: (rows, N, K)
 }
 
 
-def graph_us(fn, iters: int) -> float:
-    fn(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (5 * iters) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gap-us", type=float, nargs="+", default=[6.0, 12.0])
@@ -134,8 +118,8 @@ def main() -> None:
                 torch.cuda._sleep(cycles)
                 gemm(ws[i % 8])
 
-            t_gap = graph_us(only_gap, 48)
-            t_plain = graph_us(plain, 48)
+            t_gap = graph_t(only_gap, 48)
+            t_plain = graph_t(plain, 48)
             row = {"shape": name, "rows": M, "N": N, "K": K, "gap_us": round(t_gap, 2),
                    "weight_MB": round(N * K * 2 / 2 ** 20, 1),
                    "gemm_us_cold": round(t_plain - t_gap, 2), "prefetched": []}
@@ -147,7 +131,7 @@ def main() -> None:
                         join(side)
                         gemm(ws[i % 8])
 
-                    t = graph_us(pf, 48)
+                    t = graph_t(pf, 48)
                     row["prefetched"].append({"chunk_KiB": kib, "budget_MB": mb,
                                               "gemm_us": round(t - t_gap, 2),
                                               "iter_us": round(t, 2)})

@@ -19,30 +19,13 @@ import time
 import torch
 
 from flash_dllm.kernels import paged_attention
+from sweep_quant_gemm import graph_time  # (the same timing: benchmarks/step)
+
+
+def graph_t(fn, iters: int = 32) -> float:
+    return graph_time(fn, iters, replays=5, indexed=True)
 
 SHAPES = {"sdar4b_block4": (4, 32, 8), "llada8b_dual": (32, 32, 32)}   # queries, H, Hkv
-
-
-def graph_us(fn, iters: int = 32) -> float:
-    fn(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (5 * iters) * 1e3
 
 
 def main() -> None:
@@ -71,7 +54,7 @@ def main() -> None:
                 out = paged_attention.paged_attention_triton(q, kcs[0], vcs[0], cu, lens, bt, Tq,
                                                              max_seqlen_k=a.bound, **kw)
                 err = (out.float() - want.float()).abs().max().item()
-                t = graph_us(lambda i: paged_attention.paged_attention_triton(
+                t = graph_t(lambda i: paged_attention.paged_attention_triton(
                     q, kcs[i % 8], vcs[i % 8], cu, lens, bt, Tq, max_seqlen_k=a.bound, **kw))
             except Exception as e:                       # (a tile that does not compile)
                 print(name, kw, "failed:", str(e)[:120], flush=True)

@@ -46,27 +46,30 @@ GRID = {"SPLIT_K": [1, 2, 4, 8], "BLOCK_K": [64, 128], "BLOCK_N": [32, 64, 128],
         "SWAP": [0, 1]}                          # (the transposed dots: W @ x^T)
 
 
-def graph_time(fn, reps: int) -> float:
-    """Mean microseconds per call of ``fn``, ``reps`` calls captured in one CUDA graph."""
-    fn()                                               # compile / warm up outside the capture
+def graph_time(fn, reps: int, replays: int = 3, indexed: bool = False) -> float:
+    """Mean microseconds per call of ``fn``, ``reps`` calls captured in one CUDA graph and the
+    graph replayed ``replays`` times. ``indexed``: ``fn(i)`` gets the call's index (cycling
+    through buffers), else ``fn()``. The other step studies time with this too."""
+    call = fn if indexed else (lambda i: fn())
+    call(0)                                            # compile / warm up outside the capture
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        call(1)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            call(i)
     g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    for _ in range(3):
+    for _ in range(replays):
         g.replay()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / (3 * reps) * 1e3
+    return a.elapsed_time(b) / (replays * reps) * 1e3
 
 
 def packed_bytes(q: torch.Tensor, s: torch.Tensor) -> int:

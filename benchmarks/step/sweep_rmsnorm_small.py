@@ -15,28 +15,11 @@ import time
 import torch
 
 from flash_dllm.kernels import rmsnorm
+from sweep_quant_gemm import graph_time  # (the same timing: benchmarks/step)
 
 
-def graph_us(fn, iters: int = 64) -> float:
-    fn(0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (5 * iters) * 1e3
+def graph_t(fn, iters: int = 64) -> float:
+    return graph_time(fn, iters, replays=5, indexed=True)
 
 
 def main() -> None:
@@ -54,7 +37,7 @@ def main() -> None:
         for warps in (None, 1, 2, 4, 8, 16):
             out = rmsnorm.rmsnorm_triton(xs[0], w, 1e-6, rs[0], num_warps=warps)[0]
             err = (out.float() - want.float()).abs().max().item()
-            t = graph_us(lambda i: rmsnorm.rmsnorm_triton(xs[i % 8], w, 1e-6, rs[i % 8],
+            t = graph_t(lambda i: rmsnorm.rmsnorm_triton(xs[i % 8], w, 1e-6, rs[i % 8],
                                                           num_warps=warps))
             row = {"d": d, "rows": T, "num_warps": warps or "default", "us": round(t, 3),
                    "max_err": err}
