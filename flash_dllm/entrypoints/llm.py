@@ -16,7 +16,7 @@ from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import (close_engine, load_engine, report_weights,
                                           tensor_parallel_world)
 from flash_dllm.layers.attention import block_causal
-from flash_dllm.layers.quant import check_lm_head, quantize_model
+from flash_dllm.layers.quant import quantize_as_configured
 from flash_dllm.models.loader import load_model, model_path, read_config, resolve_device
 from flash_dllm.models.tokenizer import Tokenizer
 
@@ -81,12 +81,9 @@ class LLM:
         config = args.engine_config(**override)     # bad knobs fail here, as with an engine
         self.device = resolve_device(args.device)
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
-        check_lm_head(config.quantization, config.quantize_lm_head)
-        if config.quantization is not None:         # as the engine's runner would
-            report_weights(quantize_model(self._model, config.quantization,
-                                          config.quantization_group_size,
-                                          deterministic=config.deterministic,
-                                          lm_head=config.quantize_lm_head))
+        quant = quantize_as_configured(self._model, config)   # as the engine's runner would
+        if quant is not None:
+            report_weights(quant)
         self.tokenizer, self.model_path = Tokenizer(folder), folder
         self.cfg = self.tokenizer.resolve_ids(cfg)
         self.sampling_defaults = SamplingDefaults.of(

@@ -291,6 +291,17 @@ def check_lm_head(quantization: str | None, lm_head: bool) -> None:
                          "int8 / int4): the LM head is quantized by it")
 
 
+def quantize_as_configured(model: nn.Module, config) -> dict | None:
+    """An engine config's quantization of ``model`` (its ``quantization``, group size,
+    ``deterministic`` and ``quantize_lm_head``): ``quantize_model``'s report, or None when no
+    mode is set. The runner and ``LLM``'s engine-less path both load a model this way."""
+    check_lm_head(config.quantization, config.quantize_lm_head)
+    if config.quantization is None:
+        return None
+    return quantize_model(model, config.quantization, config.quantization_group_size,
+                          deterministic=config.deterministic, lm_head=config.quantize_lm_head)
+
+
 def _head_linear(model: nn.Module) -> nn.Linear:
     """The model's LM head as an ``nn.Linear``: its own, or a tied model's embedding matrix
     (shared, not copied: the embedding keeps it)."""

@@ -31,7 +31,7 @@ from flash_dllm.cache.paged import (PagedKVLayout, allocate_kv_cache, allocate_k
 from flash_dllm.cache.tiers import Load
 from flash_dllm.config import EngineConfig
 from flash_dllm.layers.batch_invariant import batch_invariant
-from flash_dllm.layers.quant import check_lm_head, quantize_model, weight_bytes
+from flash_dllm.layers.quant import quantize_as_configured, weight_bytes
 from flash_dllm.core.plan import StepPlan, StepResult
 from flash_dllm.core.request import Request
 from flash_dllm.decoding.policies import DECODE_POLICIES
@@ -56,13 +56,8 @@ class ModelRunner:
         # quantized weights (``layers/quant.py``): after fusing, so q/k/v and gate/up are
         # quantized as the GEMMs that run; the bytes are reported at start-up and in /metrics
         self.quantization = config.quantization
-        self.weight_info = {"quantization": None, "weight_bytes": weight_bytes(model)}
-        check_lm_head(config.quantization, config.quantize_lm_head)
-        if config.quantization is not None:
-            self.weight_info = quantize_model(model, config.quantization,
-                                              config.quantization_group_size,
-                                              deterministic=config.deterministic,
-                                              lm_head=config.quantize_lm_head)
+        self.weight_info = (quantize_as_configured(model, config)
+                            or {"quantization": None, "weight_bytes": weight_bytes(model)})
         self.weight_bytes = self.weight_info["weight_bytes"]
         # NOTE: allocated before the KV pool is sized from gpu_memory_utilization, so the pool
         # accounts for it
