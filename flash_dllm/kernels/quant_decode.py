@@ -240,9 +240,16 @@ def interleave_int4(qweight: torch.Tensor, tile: int = WORD_TILE) -> torch.Tenso
     K = qweight.shape[-1] * 2
     check(K % tile == 0 and tile % 8 == 0,
           f"interleave_int4: K = {K} must be a multiple of the tile {tile} (itself of 8)")
-    u = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).flatten(-2)         # [..., N, K]
-    u = u.unflatten(-1, (K // tile, 8, tile // 8)).transpose(-1, -2)          # [.., t, w, i]
-    return (u[..., 0::2] | (u[..., 1::2] << 4)).flatten(-3).contiguous()
+    return _transpose_nibbles(qweight, (K // tile, 8, tile // 8))
+
+
+def _transpose_nibbles(b: torch.Tensor, tiles: tuple[int, int, int]) -> torch.Tensor:
+    """Bytes of two nibbles each -> their nibbles (low first) cut into ``tiles`` ``(t, a, c)``
+    along the last dim, each tile's ``a x c`` block transposed, packed two to a byte again:
+    ``(t, 8, tile / 8)`` interleaves, ``(t, tile / 8, 8)`` undoes it."""
+    u = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)                    # [..., N, K]
+    u = u.unflatten(-1, tiles).transpose(-1, -2).flatten(-3)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
 
 
 def takes_words(K: int, group: int) -> bool:
@@ -255,9 +262,7 @@ def deinterleave_int4(words: torch.Tensor, tile: int = WORD_TILE) -> torch.Tenso
     """``interleave_int4``'s inverse."""
     K = words.shape[-1] * 2
     check(K % tile == 0, f"deinterleave_int4: K = {K} must be a multiple of the tile {tile}")
-    u = torch.stack([words & 0xF, words >> 4], dim=-1).flatten(-2)            # [..., N, K]
-    u = u.unflatten(-1, (K // tile, tile // 8, 8)).transpose(-1, -2).flatten(-3)
-    return (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()
+    return _transpose_nibbles(words, (K // tile, tile // 8, 8))
 
 
 def words_to_bytes(qweight: torch.Tensor) -> torch.Tensor:
