@@ -34,6 +34,9 @@
 #                    the mini shape at c1 / 32 / 64 (needs the server extras)       ~6 min
 #           deterministic  the batch-invariance GPU tests, then bench step with and without
 #                    --deterministic, batch 1 and 64 (issue 44: its cost)             ~3 min
+#           rope     the RoPE kernels' arithmetic against torch's (kernel tests, printing the
+#                    share of values that differ), the LLaDA2 proxy's answers with the kernel's
+#                    rotary against the PyTorch rotary (findings/moe.md)          ~2 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -41,7 +44,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -105,6 +108,13 @@ run() {
 group_tests() {
   run gpu_tests 420 - python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
   run gpu_tests_studies 90 - python3 -m pytest -m gpu benchmarks/studies -q -p no:cacheprovider
+}
+
+group_rope() {
+  run rope_gpu_tests 180 - python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/gpu/test_kernels_gpu.py tests/gpu/test_qkv_rope_cache_gpu.py -k rope
+  run rope_engine_gpu_test 180 - python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/gpu/test_engine_gpu.py -k partial_rotary
 }
 
 group_step() {
