@@ -28,6 +28,7 @@ from flash_dllm.kernels._triton import (
     check_device,
     check_dtype,
     interpreting,
+    next_pow2,
     use_triton,
 )
 
@@ -126,7 +127,7 @@ def argmax_confidence_triton(logits: torch.Tensor, exclude: int | None = None, b
           f"{block}, chunk {chunk}")
     if N:
         nc = -(-V // chunk)
-        ncp = max(2, 1 << (nc - 1).bit_length())
+        ncp = max(2, next_pow2(nc))
         part = torch.empty(N, ncp, 3, dtype=torch.float32, device=logits.device)
         idx = torch.empty(N, ncp, dtype=torch.int32, device=logits.device)
         _argmax_conf_kernel[(N, nc)](logits, part, idx, V, logits.stride(0),

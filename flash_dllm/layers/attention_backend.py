@@ -107,7 +107,7 @@ class PagedAttentionMetadata:
     seq_lens: torch.Tensor         # [B] int32
     block_table: torch.Tensor      # [B, max_pages] int32
     max_q: int
-    inv_freq: torch.Tensor         # [head_dim / 2] float32
+    inv_freq: torch.Tensor         # [rotary_dim / 2] float32
     max_k: int = 0
     segments: list[Segment] = field(default_factory=list)
     probe_layer: int | None = None
@@ -216,11 +216,14 @@ class PagedAttentionMetadata:
         """From projected q [T, H, D], k/v [T, Hkv, D] (un-rotated; ``qk_norm``: not normed
         yet, the kernel norms them; never with special rows, which read k as given)."""
         kc, vc = self.layer_kv(layer)             # [pages, page_size, Hkv, D]
-        whole = rotary.rotary_dim == kc.shape[-1]     # (partial: the module's own frequencies)
-        qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots,
-                              self.inv_freq if whole else rotary._freqs(q.device),
+        R = rotary.rotary_dim
+        if self.inv_freq.shape[0] * 2 != R:
+            raise ValueError(f"the paged backend's RoPE frequencies cover "
+                             f"{2 * self.inv_freq.shape[0]} rotary dims, the model's rotary "
+                             f"{R}: build PagedAttentionBackend with rotary_dim={R}")
+        qr = rope_cache_op.op(q, k, v, positions, kc, vc, self.slots, self.inv_freq,
                               rotary.apply_in_fp32, qk_norm,
-                              None if whole else rotary.rotary_dim)  # rotated q; k/v in pages
+                              None if R == kc.shape[-1] else R)   # rotated q; k/v in pages
         out = self._attend_rotated(layer, qr)
         for seg in self.special:
             self._special_rows(seg, layer, out, qr, k, v, positions, rotary)
@@ -364,11 +367,13 @@ class PagedAttentionBackend:
     """Owns the KV page pool of one model and builds each step's ``PagedAttentionMetadata``."""
 
     def __init__(self, kv: torch.Tensor, head_dim: int, rope_theta: float, tp=None,
-                 scales: torch.Tensor | None = None) -> None:
+                 scales: torch.Tensor | None = None, rotary_dim: int | None = None) -> None:
         self.kv = kv                        # [layers, 2, pages, page_size, kv_heads, head_dim]
         self.scales = scales                # fp8 pools: [layers, 2, pages, kv_heads] fp32
         self.page_size = kv.shape[3]
-        self.inv_freq = rope_inv_freq(head_dim, rope_theta, kv.device)
+        # the model's frequencies: over its rotary dims (LLaDA2: half of each head), the same
+        # expression as ``layers.rotary.Rotary``'s
+        self.inv_freq = rope_inv_freq(rotary_dim or head_dim, rope_theta, kv.device)
         self.tp = tp                        # tensor parallelism (see PagedAttentionMetadata)
 
     def release(self, request_id: str) -> None:

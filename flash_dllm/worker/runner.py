@@ -89,7 +89,8 @@ class ModelRunner:
                                self.kv_heads, cfg.head_dim, self.kv_dtype)
         self.backend = PagedAttentionBackend(allocate_kv_cache(layout, self.device),
                                              cfg.head_dim, cfg.rope_theta, tp=self.tp,
-                                             scales=allocate_kv_scales(layout, self.device))
+                                             scales=allocate_kv_scales(layout, self.device),
+                                             rotary_dim=cfg.rotary_dim)
         # set by the engine when its placement policy uses attention evidence (``kv_manager``)
         self.collect_page_mass = False
         if self.device.type == "cuda":
