@@ -264,7 +264,7 @@ def qkv_rope_cache_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         v_cache.stride(2), H, Hkv, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D, BLOCK_M=block_m,
         BLOCK_C=block_c, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         FP32_MATH=bool(apply_in_fp32), UPCAST=INTERPRET, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl_args(x))
+        num_stages=cfg["num_stages"], **rope_cache.EXACT_ROUNDING, **pdl_args(x))
     return q_out
 
 

@@ -43,6 +43,10 @@ from flash_dllm.kernels._triton import (
 
 INTERPRET = interpreting()  # see _triton: fixed when this module is imported
 QKNorm = tuple  # (q norm weight [D], k norm weight [D], eps): per-head RMSNorm before the RoPE
+# Launch options of every kernel that rotates in the activation dtype's math: no FMA contraction,
+# so each product is rounded on its own as torch's elementwise kernels round it (contracted, ~20 %
+# of bf16 rotated values came out one ulp off torch's on an H100: findings/moe.md, LLaDA2).
+EXACT_ROUNDING = {"enable_fp_fusion": False}
 
 if HAS_TRITON:
     import triton
@@ -301,7 +305,7 @@ def rope_cache_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         PAGE_SIZE=k_cache.shape[1], HALF=D // 2, BLOCK_HALF=next_pow2(D // 2),
         BLOCK_H=next_pow2(H), BLOCK_HKV=next_pow2(Hkv), FP32_MATH=bool(apply_in_fp32),
         NORM=qk_norm is not None, Q_SPLIT=q_split, ROT=0 if R == D else R // 2, num_warps=4,
-        **pdl_args(q))
+        **EXACT_ROUNDING, **pdl_args(q))
     return q_out
 
 

@@ -237,7 +237,8 @@ def rope_cache_fp8_triton(q, k, v, positions, k_cache, v_cache, k_scale, v_scale
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                        v.stride(1), q_out.stride(0), q_out.stride(1), H, Hkv, PAGE_SIZE=ps,
                        HALF=half, BLOCK_HALF=bh, BLOCK_H=next_pow2(H), BLOCK_HKV=bkv,
-                       FP32_MATH=bool(apply_in_fp32), num_warps=4, **pdl)
+                       FP32_MATH=bool(apply_in_fp32), num_warps=4,
+                       **rope_cache.EXACT_ROUNDING, **pdl)
     _requant[(T, 2)](slot_mapping, old, flags, kc, vc, k_scale, v_scale, T, P, Hkv, D,
                      kc.stride(0), kc.stride(1), kc.stride(2), PAGE_SIZE=ps,
                      BLOCK_D=next_pow2(D), num_warps=4, **pdl)
@@ -245,7 +246,7 @@ def rope_cache_fp8_triton(q, k, v, positions, k_cache, v_cache, k_scale, v_scale
                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
                        kc.stride(1), kc.stride(2), P, Hkv, PAGE_SIZE=ps, HALF=half,
                        BLOCK_HALF=bh, BLOCK_HKV=bkv, FP32_MATH=bool(apply_in_fp32),
-                       num_warps=4, **pdl)
+                       num_warps=4, **rope_cache.EXACT_ROUNDING, **pdl)
     return q_out
 
 
