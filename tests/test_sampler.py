@@ -269,6 +269,27 @@ def test_abort_frees_request(layout):
     assert not eng.has_unfinished()
 
 
+def test_abort_of_a_waiting_request_leaves_the_queue():
+    """A request aborted while queued (the engine full) leaves ``waiting`` at once: no request
+    object is kept, the counts drop, and the running one goes on to its answer."""
+    model = tiny("llada")
+    eng = Engine(model, model.cfg, EngineConfig(max_num_seqs=1))
+    p = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="vanilla")
+    first = eng.add_request([1, 2, 3], p)
+    queued = [eng.add_request([4, 5, 6 + i], p) for i in range(3)]
+    eng.step()
+    assert eng.counts() == (1, 3)
+    assert eng.abort(queued[1].request_id) and queued[1].finish_reason == "abort"
+    assert eng.counts() == (1, 2) and queued[1] not in eng.scheduler.waiting
+    assert not eng.abort(queued[1].request_id)             # gone: nothing to abort twice
+    while not first.finished:
+        eng.step()
+    assert first.finish_reason in ("stop", "length")
+    while eng.has_unfinished():
+        eng.step()
+    assert all(r.finished and r.finish_reason != "abort" for r in (queued[0], queued[2]))
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(max_tokens=48, block_length=32), "multiple of block_length"),
     (dict(max_tokens=0), "max_tokens"),

@@ -156,10 +156,12 @@ class Engine:
             return False
         req.abort()
         self._release(req)    # serving: an aborted request frees its pages at once (unpublished)
-        # ... and is gone from ``running`` now: an engine whose requests were all aborted is
-        # idle at once (the async engine's stats snapshot then shows the pages freed before
-        # the aborted outputs reach their clients)
+        # ... and is gone from ``running`` (and ``waiting``) now: an engine whose requests were
+        # all aborted is idle at once (the async engine's stats snapshot then shows the pages
+        # freed before the aborted outputs reach their clients), and a client that aborts
+        # queued requests by the thousand leaves no request objects behind in the queue
         self.scheduler.drop_finished()
+        self.scheduler.drop_waiting(req)
         return True
 
     def graphs_ready(self) -> None:

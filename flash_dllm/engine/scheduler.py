@@ -48,8 +48,8 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        """A running request, or a waiting one not aborted (an aborted waiting request stays
-        in ``waiting`` until admission skips it)."""
+        """A running request, or a waiting one not aborted (``Engine.abort`` drops an aborted
+        one from ``waiting``; one finished there by other means is skipped at admission)."""
         return bool(self.running) or any(not r.finished for r in self.waiting)
 
     @property
@@ -134,6 +134,11 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if r is not req)
         self._plans.pop(req.request_id, None)
         self._last = None
+
+    def drop_waiting(self, req: Request) -> None:
+        """Take ``req`` out of the queue if it waits there (an abort: ``Engine.abort``)."""
+        if any(r is req for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r is not req)
 
     def requeue(self, req: Request) -> None:
         """A running request goes back to the head of the queue (its admission was undone)."""
