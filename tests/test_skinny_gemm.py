@@ -100,3 +100,120 @@ def test_dispatch_is_cublas_without_a_tuned_entry(monkeypatch):
     with torch.no_grad():
         assert skinny_gemm.tuned_config(Cuda(4), 32, False) is None
     skinny_gemm._has_tables.cache_clear()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M,cfg_o,cfg_gu", [
+    (4, {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}, {"BLOCK_N": 16, "BLOCK_K": 32}),
+    (19, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}, {"BLOCK_N": 32, "BLOCK_K": 64,
+                                                          "SPLIT_K": 2}),
+])
+def test_residual_add_then_normed_input_equal_the_unfused_chain(M, cfg_o, cfg_gu):
+    """The output projection with the residual add in its epilogue (``residual``: out + r and
+    the per-tile sums of squares) feeding the gate/up GEMM that norms its input on load
+    (``norm_in``) against the unfused chain: GEMM, ``rmsnorm`` (add + norm), GEMM + SwiGLU.
+    In fp16: the interpreter truncates in-kernel fp32 -> bf16 casts (torch rounds to nearest
+    even), its fp16 casts round as torch's; the GPU test runs bf16."""
+    from flash_dllm.kernels import rmsnorm
+    dt = torch.float16
+    d, K, inter = 80, 96, 48                       # ragged against the tiles
+    a = _rand(M, K, seed=11, dtype=dt)
+    wo = _rand(d, K, seed=12, dtype=dt, scale=0.1)
+    r = _rand(M, d, seed=13, dtype=dt)
+    g = (1 + 0.1 * _rand(d, seed=14)).to(dt)
+    wgu = _rand(2 * inter, d, seed=15, dtype=dt, scale=0.1)
+    h, sums = skinny_gemm.skinny_triton(a, wo, None, False, cfg_o, residual=r)
+    o = skinny_gemm.skinny_triton(a, wo, None, False, cfg_o)
+    normed, h_ref = rmsnorm.rmsnorm_reference(o, g, 1e-6, r)
+    assert torch.equal(h, h_ref)                   # the same rounded product, the same add
+    assert sums.shape == (M, -(-d // cfg_o["BLOCK_N"])) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums.sum(1), h.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    got = skinny_gemm.skinny_triton(h, wgu, None, True, cfg_gu, norm_in=(sums, g, 1e-6))
+    want = skinny_gemm.skinny_triton(normed, wgu, None, True, cfg_gu)
+    assert (got != want).float().mean().item() < 0.02        # the mean square's sum order
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    plain = skinny_gemm.skinny_triton(h, wgu[:inter], None, False, cfg_gu,
+                                      norm_in=(sums, g, 1e-6))
+    want = skinny_gemm.skinny_triton(normed, wgu[:inter], None, False, cfg_gu)
+    assert (plain != want).float().mean().item() < 0.02
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M,cfg", [(4, {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2}),
+                                   (19, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64})])
+def test_norm_out_is_the_add_and_norm_of_the_sum(M, cfg):
+    """``norm_out``: the GEMM adds the residual and the last column tile of each row block
+    norms the sums (the next layer's input) against ``rmsnorm`` of the same sum; twice (the
+    row-block counters are re-armed). fp16, as above."""
+    from flash_dllm.kernels import rmsnorm
+    dt = torch.float16
+    d, K = 80, 96
+    x = _rand(M, K, seed=21, dtype=dt)
+    w = _rand(d, K, seed=22, dtype=dt, scale=0.1)
+    r = _rand(M, d, seed=23, dtype=dt)
+    g = (1 + 0.1 * _rand(d, seed=24)).to(dt)
+    for _ in range(2):
+        h, sums, normed = skinny_gemm.skinny_triton(x, w, None, False, cfg, residual=r,
+                                                    norm_out=(g, 1e-6))
+        want, h_ref = rmsnorm.rmsnorm_reference(skinny_gemm.skinny_triton(x, w, None, False,
+                                                                          cfg), g, 1e-6, r)
+        assert torch.equal(h, h_ref)
+        assert (normed != want).float().mean().item() < 0.02
+        torch.testing.assert_close(normed.float(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+@needs_interpreter
+def test_residual_and_norm_in_refuse_bad_shapes():
+    x = _rand(4, 64, seed=1, dtype=torch.bfloat16)
+    w = _rand(32, 64, seed=2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="residual must be"):
+        skinny_gemm.skinny_triton(x, w, residual=torch.zeros(4, 31, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="norm_in must be"):
+        skinny_gemm.skinny_triton(x, w, norm_in=(torch.zeros(4, 2), torch.ones(63), 1e-6))
+    with pytest.raises(ValueError, match="norm_out must be"):
+        skinny_gemm.skinny_triton(x, w, norm_out=(torch.ones(32, dtype=torch.bfloat16), 1e-6))
+
+
+@needs_interpreter
+def test_model_takes_the_fused_add_norm_where_both_gemms_are_skinny(monkeypatch):
+    """A tiny SDAR model's hidden states with the adds and norms inside the GEMMs around them
+    (``layers/mlp.add_norm_mlp``: o_proj + residual, gate/up norming its input, down + add +
+    the next layer's norm; every GEMM given skinny tiles) against the same model with the add +
+    norm kernel between them (fp16: see above). Once per layer."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from family_checkpoints import tiny_sdar_config
+
+    from flash_dllm.layers import mlp as mlp_mod
+    from flash_dllm.layers.attention import DenseContext
+    from flash_dllm.models.loader import build_model
+    model = build_model(tiny_sdar_config(), "cpu", torch.float16, seed=3)
+    for layer in model.layers:
+        layer.attn.fuse()
+        layer.mlp.fuse()
+    monkeypatch.setattr(skinny_gemm, "tuned_config",
+                        lambda x, n, silu: {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2})
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(8)[None]
+    calls = []
+    fused_fn = mlp_mod.add_norm_mlp
+
+    def counted(*a):
+        out = fused_fn(*a)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr("flash_dllm.models.transformer.add_norm_mlp", counted)
+    kernel, norm_outs = skinny_gemm.skinny_triton, []
+
+    def counted_kernel(*a, **kw):
+        norm_outs.append(kw.get("norm_out") is not None)
+        return kernel(*a, **kw)
+    monkeypatch.setattr(skinny_gemm, "skinny_triton", counted_kernel)
+    with torch.no_grad():
+        fused = model.hidden(ids, pos, DenseContext())
+        assert calls == [True] * len(model.layers)
+        assert sum(norm_outs) == len(model.layers) - 1      # the last layer has no next norm
+        monkeypatch.setattr("flash_dllm.models.transformer.add_norm_mlp", lambda *a: None)
+        plain = model.hidden(ids, pos, DenseContext())
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=1e-2, atol=1e-2)

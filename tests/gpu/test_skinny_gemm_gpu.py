@@ -54,3 +54,43 @@ def test_skinny_replays_in_a_graph_with_a_bias():
         graph.replay()
     assert torch.equal(out, first)
     torch.testing.assert_close(first.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("M", [4, 32])
+def test_residual_add_and_normed_input_at_sdar_shapes(M):
+    """SDAR-4B's output projection (4096 -> 2560) with the residual add in its epilogue, then
+    its gate/up GEMM + SwiGLU norming that sum on load, against the unfused chain (GEMM,
+    add + RMSNorm kernel, GEMM + SwiGLU) with the same tiles: the sum bitwise, the MLP input
+    rarely one bf16 rounding apart (the mean square adds per-tile sums); then the down
+    projection adding h and norming the sum for the next layer, likewise."""
+    from flash_dllm.kernels import rmsnorm
+    g = torch.Generator(device=DEV).manual_seed(M)
+    a = torch.randn(M, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    wo = (torch.randn(2560, 4096, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    r = torch.randn(M, 2560, device=DEV, generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(2560, device=DEV, generator=g)).to(torch.bfloat16)
+    wgu = (torch.randn(2 * 9728, 2560, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    cfg_o = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}
+    cfg_gu = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1}
+    h, sums = skinny_gemm.skinny_triton(a, wo, None, False, cfg_o, residual=r)
+    o = skinny_gemm.skinny_triton(a, wo, None, False, cfg_o)
+    normed, h_ref = rmsnorm.rmsnorm_triton(o, nw, 1e-6, r)
+    assert torch.equal(h, h_ref)
+    got = skinny_gemm.skinny_triton(h, wgu, None, True, cfg_gu, norm_in=(sums, nw, 1e-6))
+    want = skinny_gemm.skinny_triton(normed, wgu, None, True, cfg_gu)
+    differ = (got != want).float().mean().item()
+    print(f"\nM={M}: fused MLP input, {differ:.4f} of the SwiGLU outputs differ")
+    assert differ < 0.01
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    # the down projection adds h and norms the sum for the next layer (its last column tile)
+    wd = (torch.randn(2560, 9728, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    cfg_d = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}
+    for _ in range(2):                              # (the row-block counters are re-armed)
+        h2, _, normed2 = skinny_gemm.skinny_triton(want, wd, None, False, cfg_d, residual=h,
+                                                   norm_out=(nw, 1e-6))
+        want2, h2_ref = rmsnorm.rmsnorm_triton(
+            skinny_gemm.skinny_triton(want, wd, None, False, cfg_d), nw, 1e-6, h)
+        assert torch.equal(h2, h2_ref)
+        differ = (normed2 != want2).float().mean().item()
+        print(f"M={M}: next layer's input normed in the down GEMM, {differ:.4f} differ")
+        assert differ < 0.01
