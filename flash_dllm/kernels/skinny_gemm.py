@@ -35,7 +35,6 @@ from flash_dllm.kernels._triton import (
     check_device,
     describe,
     interpreting,
-    next_pow2,
     pdl_args,
     prefetch_lines,
     use_triton,
@@ -53,20 +52,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _slice_dot(x_rows, row_ok, w_rows, col_ok, k_start, k_end, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                   NORM_IN: tl.constexpr = False, rstd=None, g_ptr=None):
-        """[BM, BN] fp32: x[:, k_start:k_end] @ W[cols, k_start:k_end]^T (K masked); ``NORM_IN``:
-        x's rows RMS-normed on load (``rstd`` per row, weight ``g_ptr``: rmsnorm's roundings)."""
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+        """[BM, BN] fp32: x[:, k_start:k_end] @ W[cols, k_start:k_end]^T (K masked)."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < k_end
             x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM_IN:      # kernels/rmsnorm: (h * rstd) rounded, then times the weight
-                dt = x.dtype
-                y = (x.to(tl.float32) * rstd[:, None]).to(dt)
-                g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                x = (g[None, :] * y.to(tl.float32)).to(dt)
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:       # (the interpreter's half-precision tl.dot is wrong)
                 x, w = x.to(tl.float32), w.to(tl.float32)
@@ -76,14 +68,9 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER_SPLIT,
                        stride_xm, stride_wn, stride_om, stride_pm, stride_ps,
-                       r_ptr, ss_out_ptr, ss_in_ptr, g_ptr, n_ss_in, stride_ss_in, eps,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU: tl.constexpr,
                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr,
-                       ADD_OUT: tl.constexpr = False, NORM_IN: tl.constexpr = False,
-                       BLOCK_SS: tl.constexpr = 1, normed_ptr=None, g_out_ptr=None, eps_out=0.0,
-                       NORM_OUT: tl.constexpr = False, BLOCK_SS_OUT: tl.constexpr = 1,
-                       BLOCK_C: tl.constexpr = 512):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)          # (SILU: of the gate / output)
@@ -99,19 +86,13 @@ if HAS_TRITON:
         pdl_wait(PDL)
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM_IN:          # x = h: its rows' sums of squares in n_ss_in column tiles' parts
-            ts = tl.arange(0, BLOCK_SS)
-            ss = tl.load(ss_in_ptr + rows[:, None] * stride_ss_in + ts[None, :],
-                         mask=row_ok[:, None] & (ts < n_ss_in)[None, :], other=0.0)
-            rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
         acc = _slice_dot(x_rows, row_ok, w_rows, col_ok, k_start, k_end, BLOCK_M, BLOCK_N,
-                         BLOCK_K, UPCAST, NORM_IN, rstd, g_ptr)
+                         BLOCK_K, UPCAST)
         up = acc
         if SILU:                                   # the up rows: W[N + cols]
             w_up = w_ptr + (cols[:, None] + N).to(tl.int64) * stride_wn
             up = _slice_dot(x_rows, row_ok, w_up, col_ok, k_start, k_end, BLOCK_M, BLOCK_N,
-                            BLOCK_K, UPCAST, NORM_IN, rstd, g_ptr)
+                            BLOCK_K, UPCAST)
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT > 1:        # fp32 partials [SPLIT, M, N (x 2: gate, up)]; the last slice adds
             part = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
@@ -125,52 +106,15 @@ if HAS_TRITON:
                 if SILU:
                     up = split_sum(part + N, stride_ps, omask, SPLIT, BLOCK_M, BLOCK_N)
                 _epilogue(acc, up, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om,
-                          HAS_BIAS, SILU, ADD_OUT, r_ptr, ss_out_ptr, pid_n,
-                          tl.num_programs(0), row_ok)
+                          HAS_BIAS, SILU)
                 tl.atomic_xchg(cnt, 0)
-                if NORM_OUT:
-                    _norm_tail(out_ptr, normed_ptr, ss_out_ptr, g_out_ptr, cnt_ptr, rows,
-                               row_ok, pid_m, N, stride_om, eps_out, BLOCK_SS_OUT, BLOCK_C)
         else:
             _epilogue(acc, up, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS,
-                      SILU, ADD_OUT, r_ptr, ss_out_ptr, pid_n, tl.num_programs(0), row_ok)
-            if NORM_OUT:
-                _norm_tail(out_ptr, normed_ptr, ss_out_ptr, g_out_ptr, cnt_ptr, rows, row_ok,
-                           pid_m, N, stride_om, eps_out, BLOCK_SS_OUT, BLOCK_C)
-
-    @triton.jit
-    def _norm_tail(h_ptr, normed_ptr, ss_ptr, g_ptr, cnt_ptr, rows, row_ok, pid_m, N,
-                   stride_om, eps, BLOCK_SS: tl.constexpr, BLOCK_C: tl.constexpr):
-        """``NORM_OUT``: the last column tile of a row block to finish (an arrival counter after
-        the tile counters) norms the block's rows of ``h`` (every tile's sum of squares in,
-        added in tile order; ``kernels/rmsnorm``'s roundings) into ``normed_ptr``."""
-        n_tiles = tl.num_programs(0)
-        tl.debug_barrier()
-        cnt = cnt_ptr + n_tiles * tl.num_programs(2) + pid_m
-        if tl.atomic_add(cnt, 1, sem="acq_rel") == n_tiles - 1:
-            ts = tl.arange(0, BLOCK_SS)
-            ss = tl.load(ss_ptr + rows[:, None].to(tl.int64) * n_tiles + ts[None, :],
-                         mask=row_ok[:, None] & (ts < n_tiles)[None, :], other=0.0,
-                         cache_modifier=".cg")
-            rstd = tl.rsqrt(tl.sum(ss, axis=1) / N + eps)
-            dt = normed_ptr.dtype.element_ty
-            for c0 in range(0, N, BLOCK_C):
-                cs = c0 + tl.arange(0, BLOCK_C)
-                m = row_ok[:, None] & (cs < N)[None, :]
-                offs = rows[:, None].to(tl.int64) * stride_om + cs[None, :]
-                h = tl.load(h_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-                y = (h.to(tl.float32) * rstd[:, None]).to(dt)
-                w = tl.load(g_ptr + cs, mask=cs < N, other=0.0).to(tl.float32)
-                tl.store(normed_ptr + offs, (w[None, :] * y.to(tl.float32)).to(dt), mask=m)
-            tl.atomic_xchg(cnt, 0)
+                      SILU)
 
     @triton.jit
     def _epilogue(acc, up, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om,
-                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ADD_OUT: tl.constexpr = False,
-                  r_ptr=None, ss_out_ptr=None, pid_n=0, n_tiles=1, row_ok=None):
-        """``ADD_OUT``: out = the rounded product plus the residual at ``r_ptr`` (rounded, as
-        rmsnorm's fused add), and the tile's per-row sums of squares of it (fp32) into
-        ``ss_out_ptr [M, n_tiles]`` column ``pid_n``: the next norm's statistics."""
+                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
         dt = out_ptr.dtype.element_ty
         if SILU:             # kernels/silu_mul's roundings on the rounded gate and up
             g = acc.to(dt).to(tl.float32)
@@ -180,13 +124,6 @@ if HAS_TRITON:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             out = acc.to(dt)
-        if ADD_OUT:          # (the residual has out's row stride)
-            r = tl.load(r_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                        mask=omask, other=0.0)
-            out = (out.to(tl.float32) + r.to(tl.float32)).to(dt)
-            hf = tl.where(omask, out.to(tl.float32), 0.0)
-            tl.store(ss_out_ptr + rows.to(tl.int64) * n_tiles + pid_n, tl.sum(hf * hf, axis=1),
-                     mask=row_ok)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], out,
                  mask=omask)
 
@@ -227,18 +164,9 @@ def check_tile(cfg: dict, where: str) -> dict:
 
 
 def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  silu: bool = False, config: dict | None = None,
-                  residual: torch.Tensor | None = None, norm_in: tuple | None = None,
-                  norm_out: tuple | None = None):
+                  silu: bool = False, config: dict | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] (``silu``: [2I, K], out [M, I]) -> out in x's
-    dtype. ``residual`` [M, N]: returns ``(out + residual, sums)`` instead, ``sums`` [M, tiles]
-    fp32 the per-column-tile sums of squares of the rows of ``out + residual`` (the add and
-    the statistics of ``rmsnorm(out + residual)``). ``norm_in`` ``(sums, weight [K], eps)``:
-    x is such a sum ``h`` and the GEMM reads ``rmsnorm(h) * weight`` (rmsnorm's roundings; the
-    mean square from ``sums``, added in their order). ``norm_out`` ``(weight [N], eps)`` (with
-    ``residual``): also ``rmsnorm(out + residual) * weight``, by the row block's last column
-    tile to finish, returned third; None where no arrival counters can be had (inside a CUDA
-    graph capture that outgrew them: the caller runs the unfused pair)."""
+    dtype."""
     check(HAS_TRITON, "skinny_gemm: triton is not importable")
     check(x.dim() == 2 and x.stride(1) == 1 and x.dtype in HALF_DTYPES,
           f"skinny_gemm: x must be a bf16 / fp16 [M, K] with contiguous rows, got {describe(x)}")
@@ -255,38 +183,11 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     check_device("skinny_gemm", INTERPRET, x, weight)
     cfg = check_tile({**default_config(M, N, K), **(config or {})}, "skinny_gemm tiles")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    tiles = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
-    ss_out = x                                         # (unused pointers: any tensor)
-    if residual is not None:
-        check(not silu and residual.shape == (M, N) and residual.dtype == x.dtype
-              and residual.is_contiguous(),
-              f"skinny_gemm: residual must be a contiguous [{M}, {N}] {x.dtype} (no silu), got "
-              f"{describe(residual)}")
-        ss_out = torch.empty(M, tiles[0], dtype=torch.float32, device=x.device)
-    ss_in, g, eps = (x, x, 0.0) if norm_in is None else norm_in
-    if norm_in is not None:
-        check(ss_in.dim() == 2 and ss_in.shape[0] == M and ss_in.dtype == torch.float32
-              and ss_in.stride(1) == 1 and g.shape == (K,) and g.dtype == x.dtype
-              and g.is_contiguous(),
-              f"skinny_gemm: norm_in must be (sums [{M}, tiles] fp32, weight [{K}] {x.dtype}, "
-              f"eps), got {describe(ss_in)}, {describe(g)}")
-    result = out if residual is None else (out, ss_out)
-    normed, g_out, eps_out = x, x, 0.0
-    if norm_out is not None:
-        g_out, eps_out = norm_out
-        check(residual is not None and g_out.shape == (N,) and g_out.dtype == x.dtype
-              and g_out.is_contiguous(),
-              f"skinny_gemm: norm_out must be (weight [{N}] {x.dtype}, eps) with a residual, got "
-              f"{describe(g_out)}")
-        normed = torch.empty(M, N, dtype=x.dtype, device=x.device)
-        result = (out, ss_out, normed)
     if M == 0 or N == 0:
-        return result
-    # (tile counters, then NORM_OUT's row-block counters; None: no buffer can be made now)
-    cnt = (quant_gemm.split_counters(x.device, tiles[0] * tiles[1] + tiles[1])
-           if cfg["SPLIT_K"] > 1 or norm_out is not None else None)
-    if cnt is None and norm_out is not None:
-        return None
+        return out
+    tiles = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
+    cnt = (quant_gemm.split_counters(x.device, tiles[0] * tiles[1]) if cfg["SPLIT_K"] > 1
+           else None)                    # (None: no buffer can be made now: no K split)
     per = -(-K // (cfg["SPLIT_K"] if cnt is not None else 1))
     per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = -(-K // per)
@@ -301,17 +202,11 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[grid](
         x, weight, bias if bias is not None else x, out, part, cnt, M, N, K, per,
         x.stride(0), weight.stride(0), out.stride(0), part.stride(-2),
-        part.stride(0) if split > 1 else 0,
-        residual if residual is not None else x, ss_out, ss_in, g,
-        ss_in.shape[1] if norm_in is not None else 0, ss_in.stride(0), float(eps),
-        HAS_BIAS=bias is not None, SPLIT=split, SILU=silu, UPCAST=INTERPRET,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PF_LINES=lines,
-        ADD_OUT=residual is not None, NORM_IN=norm_in is not None,
-        BLOCK_SS=next_pow2(ss_in.shape[1]) if norm_in is not None else 1, normed_ptr=normed,
-        g_out_ptr=g_out, eps_out=float(eps_out), NORM_OUT=norm_out is not None,
-        BLOCK_SS_OUT=next_pow2(tiles[0]) if norm_out is not None else 1, **pdl)
-    return result
+        part.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None, SPLIT=split,
+        SILU=silu, UPCAST=INTERPRET, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PF_LINES=lines, **pdl)
+    return out
 
 
 _device_name = quant_gemm._device_name      # (one cached name per device)

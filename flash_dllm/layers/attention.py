@@ -225,9 +225,4 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
-        return dense(self.o_proj, self.mix(x, positions, layer, ctx))
-
-    def mix(self, x: torch.Tensor, positions: torch.Tensor, layer: int, ctx) -> torch.Tensor:
-        """The attention before the output projection: [..., H * D] (``forward`` is
-        ``o_proj(mix(...))``; ``layers/mlp.add_norm_mlp`` fuses o_proj with what follows)."""
-        return ctx.attention(self, layer, x, positions)
+        return dense(self.o_proj, ctx.attention(self, layer, x, positions))

@@ -9,8 +9,7 @@ from torch import nn
 
 from flash_dllm.kernels import argmax_confidence
 from flash_dllm.layers.attention import Attention, AttentionPattern, DenseContext
-from flash_dllm.layers.linear import dense
-from flash_dllm.layers.mlp import SwiGLU, add_norm_mlp
+from flash_dllm.layers.mlp import SwiGLU
 from flash_dllm.layers.moe import MoE
 from flash_dllm.layers.norm import RMSNorm, add_rmsnorm
 from flash_dllm.layers.rotary import Rotary
@@ -75,17 +74,11 @@ class DiffusionTransformer(nn.Module):
         # (268 MB at batch 32 x 1024 rows of LLaDA-8B, on top of the residual stream)
         normed, res = add_rmsnorm(self.embed(ids), layers[0].attn_norm)
         for i, layer in enumerate(layers):
-            a = layer.attn.mix(normed, positions, i, ctx)
-            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else None
-            # (the adds and norms inside the GEMMs around them, where those can take them)
-            fused = add_norm_mlp(layer.attn.o_proj, a, res, layer.mlp_norm, layer.mlp, nxt)
-            if fused is not None:
-                normed, res = fused
-                continue
-            normed, res = add_rmsnorm(dense(layer.attn.o_proj, a), layer.mlp_norm, res)
+            a = layer.attn(normed, positions, i, ctx)
+            normed, res = add_rmsnorm(a, layer.mlp_norm, res)
             m = layer.mlp(normed)
-            if nxt is not None:
-                normed, res = add_rmsnorm(m, nxt, res)
+            if i + 1 < len(layers):
+                normed, res = add_rmsnorm(m, layers[i + 1].attn_norm, res)
             else:
                 res = m + res
         return res
