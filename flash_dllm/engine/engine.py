@@ -23,7 +23,6 @@ import itertools
 import logging
 import time
 
-import numpy as np
 import torch
 
 from flash_dllm.cache.io.kv_overflow import overflow_unsupported
@@ -38,6 +37,7 @@ from flash_dllm.core.stats import EngineStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.engine.core import (RequestLimits, check_request, prefix_reuse, request_output,
                                    resolve_params)
+from flash_dllm.engine.block_summary import summarize
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
 from flash_dllm.models.config import ModelConfig
@@ -291,28 +291,11 @@ class Engine:
                     failed_outputs.append(self._fail(req, why))
             reqs = [r for r in reqs if r.request_id not in result.errors]
             self.scheduler.drop_finished()
+        # the whole batch at once: MASK left, stop ids, first MASK-or-stop slot per block
+        masked, stops, first_end, first_slot = summarize(
+            result.blocks, [r.params.block_length for r in reqs], [r.lead for r in reqs],
+            self.cfg.mask_token_id, self._stop_ids)
         blocks = result.blocks                                      # [B, max_bl]
-        # the whole batch at once: MASK left, first MASK-or-stop slot, stop ids per block
-        is_mask = blocks == self.cfg.mask_token_id
-        is_stop = np.zeros_like(is_mask)
-        for sid in self._stop_ids:                                  # a few ids: faster than isin
-            is_stop |= blocks == sid
-        lens = np.array([r.params.block_length for r in reqs])
-        if (lens != blocks.shape[1]).any():                         # padding columns
-            pad = np.arange(blocks.shape[1])[None, :] >= lens[:, None]
-            is_mask &= ~pad
-            is_stop &= ~pad
-            ends = is_mask | is_stop | pad
-        else:
-            ends = is_mask | is_stop
-        lead = np.array([r.lead for r in reqs], dtype=np.int64)    # prompt slots (on a grid)
-        if lead.any():                                              # are no end of answer
-            in_prompt = np.arange(blocks.shape[1])[None, :] < lead[:, None]
-            is_stop &= ~in_prompt
-            ends &= ~in_prompt
-        masked, stops = is_mask.sum(1).tolist(), is_stop.any(1).tolist()
-        first_end = np.where(ends.any(1), ends.argmax(1), lens).tolist()
-        first_slot = (~is_mask[np.arange(len(reqs)), lead]).tolist()
         outputs = failed_outputs
         committed = 0
         changed = False                # a new block, refresh state or finish: a new plan
