@@ -340,11 +340,17 @@ class Engine:
         recomputing it (``_apply`` hands it the rows per second of steps with at least
         ``PREFILL_ROWS``). 0 for steps that loaded pages or streamed a request larger than the
         pool (their time is not recompute time), and while the batch is mostly decode rows."""
-        if plan.ops or not plan.seqs or any(s.overflow is not None for s in plan.seqs):
+        if plan.ops or not plan.seqs:
             return 0
-        rows = [s.window[1] - s.window[0] for s in plan.seqs]
-        refresh = sum(n for s, n in zip(plan.seqs, rows) if s.req.first_step)
-        return refresh if 2 * refresh >= sum(rows) else 0
+        refresh = total = 0                  # (one pass: this runs on every step's host path)
+        for s in plan.seqs:
+            if s.overflow is not None:
+                return 0
+            n = s.window[1] - s.window[0]
+            total += n
+            if s.req.first_step:
+                refresh += n
+        return refresh if refresh and 2 * refresh >= total else 0
 
     def _release(self, req: Request) -> None:
         """Return a finished or aborted request's pages and device state. A request that
