@@ -37,6 +37,9 @@
 #           rope     the RoPE kernels' arithmetic against torch's (kernel tests, printing the
 #                    share of values that differ), the LLaDA2 proxy's answers with the kernel's
 #                    rotary against the PyTorch rotary (findings/moe.md)          ~2 min
+#           host     the host's share of a fused batch-1 step (benchmarks/step/host_time.py):
+#                    SDAR-4B block 4 and LLaDA-8B dual, the block summary in Python rows (main)
+#                    against numpy, alternating                                     ~3 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -44,7 +47,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope host)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -108,6 +111,31 @@ run() {
 group_tests() {
   run gpu_tests 420 - python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
   run gpu_tests_studies 90 - python3 -m pytest -m gpu benchmarks/studies -q -p no:cacheprovider
+}
+
+group_host() {
+  # issue 41: the host's part of a batch-1 step (pre / replay to result / post), and the small
+  # steps' block summary in plain Python (main) against numpy, two runs each, alternating
+  local SD=(bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 --steps 200)
+  local LL=(bench step --quantization none --cache dual --batch 1 --steps 60)
+  for i in 1 2; do
+    for arm in rows numpy; do
+      local flag=()
+      if [[ $arm == numpy ]]; then flag=(--numpy-summary); fi
+      run host_sdar4b_${arm}_$i 120 "$OUT/step/host_time_sdar4b_b1_${arm}_${i}_h200.json" \
+        python3 benchmarks/step/host_time.py "${flag[@]}" \
+        --json-host "$OUT/step/host_time_sdar4b_b1_${arm}_${i}_h200.json" -- "${SD[@]}" \
+        --json "$OUT/step/step_sdar4b_block4_b1_host_${arm}_${i}_h200.json"
+    done
+  done
+  for arm in rows numpy; do
+    local flag=()
+    if [[ $arm == numpy ]]; then flag=(--numpy-summary); fi
+    run host_llada8b_${arm} 120 "$OUT/step/host_time_llada8b_b1_${arm}_h200.json" \
+      python3 benchmarks/step/host_time.py "${flag[@]}" \
+      --json-host "$OUT/step/host_time_llada8b_b1_${arm}_h200.json" -- "${LL[@]}" \
+      --json "$OUT/step/step_quant_b1_host_${arm}_h200.json"
+  done
 }
 
 group_rope() {
