@@ -15,20 +15,22 @@ MASK, STOPS = 9, (7, 8)
 
 @st.composite
 def batches(draw):
-    B = draw(st.integers(1, 6))
+    B = draw(st.integers(0, 6))                     # (0: a step whose requests all failed)
     W = draw(st.integers(1, 12))
     lens = [draw(st.integers(1, W)) for _ in range(B)]
     leads = [draw(st.integers(0, n - 1)) for n in lens]
     rows = [[draw(st.sampled_from([MASK, 7, 8, 1, 2, 3])) for _ in range(W)] for _ in range(B)]
-    return np.array(rows, dtype=np.int64), lens, leads
+    dtype = draw(st.sampled_from([np.int64, np.int32]))
+    stops = draw(st.sampled_from([(), (7,), STOPS]))
+    return np.array(rows, dtype=dtype).reshape(B, W), lens, leads, stops
 
 
 @settings(max_examples=400, deadline=None)
 @given(batches())
 def test_rows_and_numpy_agree(case):
-    blocks, lens, leads = case
-    assert summarize_rows(blocks.tolist(), lens, leads, MASK, STOPS) == \
-        summarize_numpy(blocks, lens, leads, MASK, STOPS)
+    blocks, lens, leads, stops = case
+    assert summarize_rows(blocks.tolist(), lens, leads, MASK, stops) == \
+        summarize_numpy(blocks, lens, leads, MASK, stops)
 
 
 def test_corner_cases():

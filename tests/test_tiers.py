@@ -243,6 +243,29 @@ def test_queue_ahead_prefetch_reads_disk_while_the_request_waits(tmp_path):
     assert 0 < seen[True][2] < seen[False][2]      # what was prefetched no longer came from disk
 
 
+def test_aborting_a_waiting_request_cancels_its_prefetch_at_once(tmp_path):
+    """A queued request whose prefix prefetch was issued is aborted: it leaves the queue and
+    its prefetch is cancelled in the abort itself (no step needed: the engine may stay idle);
+    the running request finishes and the page ledger holds."""
+    params = _params()
+    model, eng = _disk_engine(tmp_path, max_num_seqs=1, kv_prefetch=True)
+    p2 = _prefix_on_disk(eng, params)
+    kv = eng.kv_manager
+    busy = eng.add_request(OTHERS[2][:30], params)
+    r2 = eng.add_request(p2, params)
+    eng.step()                                        # busy runs; r2's prefetch is issued
+    assert kv.stats["prefetch"]["issued"] >= 1 and kv.tiers.prefetch_for
+    assert eng.abort(r2.request_id)
+    assert r2 not in eng.scheduler.waiting and not eng.scheduler._prefetched
+    assert not kv.tiers.prefetch_for
+    while eng.has_unfinished():
+        eng.step()
+    kv.ops_done(eng.runner.offload.drain())
+    assert busy.finished and busy.finish_reason != "abort"
+    assert kv.num_used == 0 and not kv.tiers.prefetched and not kv.tiers.prefetch_for
+    check_ledger(eng)
+
+
 def test_prefetch_still_reading_is_late_and_an_unused_one_is_useless(tmp_path):
     """A request admitted while its prefetch still reads recomputes from there (late: nothing
     in flight is served); a prefetched copy evicted before any request used it is useless."""

@@ -136,9 +136,16 @@ class Scheduler:
         self._last = None
 
     def drop_waiting(self, req: Request) -> None:
-        """Take ``req`` out of the queue if it waits there (an abort: ``Engine.abort``)."""
-        if any(r is req for r in self.waiting):
-            self.waiting = deque(r for r in self.waiting if r is not req)
+        """Take ``req`` out of the queue if it waits there (an abort: ``Engine.abort``), and
+        cancel its queue-ahead prefetch now (not at the next admission: the engine may be
+        idle until then)."""
+        try:
+            self.waiting.remove(req)          # (by identity: Request defines no __eq__)
+        except ValueError:
+            return
+        if req.request_id in self._prefetched:
+            self._prefetched.discard(req.request_id)
+            self.kv.cancel_prefetch(req.request_id)
 
     def requeue(self, req: Request) -> None:
         """A running request goes back to the head of the queue (its admission was undone)."""
