@@ -278,3 +278,23 @@ def test_flash_mixed_budgets_batched_equals_solo():
     for p, prm, r in zip(LONG, params, together):
         solo, _ = run_engine(model, [p], prm)
         assert torch.equal(solo[0].canvas, r.canvas)
+
+
+def test_backend_built_for_another_rotary_width_is_an_error_not_a_silent_rotation():
+    """The paged backend's RoPE frequencies cover the rotary dims it was built for
+    (``PagedAttentionBackend(rotary_dim=)``); a module rotating another width is a ValueError
+    naming both, raised before anything is written to the pool."""
+    from flash_dllm.layers.attention_backend import PagedAttentionBackend, PagedAttentionMetadata
+    from flash_dllm.layers.rotary import Rotary
+    D, Hkv, H, T = 16, 2, 4, 3
+    kv = torch.zeros(1, 2, 4, 16, Hkv, D)
+    backend = PagedAttentionBackend(kv, D, 10000.0)                 # whole heads: 16 dims
+    meta = PagedAttentionMetadata(kv, torch.arange(T), torch.tensor([0, T], dtype=torch.int32),
+                                  torch.tensor([T], dtype=torch.int32),
+                                  torch.zeros(1, 4, dtype=torch.int32), T, backend.inv_freq)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    with pytest.raises(ValueError, match="cover 16 rotary dims, the model's rotary 8"):
+        meta.attend(0, q, k, v, torch.arange(T), Rotary(D, 10000.0, True, rotary_dim=8))
+    assert not kv.any()
+    half = PagedAttentionBackend(kv, D, 10000.0, rotary_dim=8)     # built for it: 4 frequencies
+    assert half.inv_freq.shape == (4,)
