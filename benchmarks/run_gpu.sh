@@ -40,6 +40,9 @@
 #           host     the host's share of a fused batch-1 step (benchmarks/step/host_time.py):
 #                    SDAR-4B block 4 and LLaDA-8B dual, the block summary in Python rows (main)
 #                    against numpy, alternating                                     ~3 min
+#           multistep  several fused steps per engine step (engine/multi_step.py): its GPU
+#                    test, SDAR-4B block 4 batch 1 / 128 and LLaDA-8B dual batch 1 bf16 / int4,
+#                    --multi-step 1 against the default, alternating                 ~5 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -47,7 +50,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope host)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope host multistep)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -116,8 +119,10 @@ group_tests() {
 group_host() {
   # issue 41: the host's part of a batch-1 step (pre / replay to result / post), and the small
   # steps' block summary in plain Python (main) against numpy, two runs each, alternating
-  local SD=(bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 --steps 200)
-  local LL=(bench step --quantization none --cache dual --batch 1 --steps 60)
+  # (one forward per engine step: a multi-step call overlaps the three parts)
+  local SD=(bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 --steps 200
+            --multi-step 1)
+  local LL=(bench step --quantization none --cache dual --batch 1 --steps 60 --multi-step 1)
   for i in 1 2; do
     for arm in rows numpy; do
       local flag=()
@@ -135,6 +140,31 @@ group_host() {
       python3 benchmarks/step/host_time.py "${flag[@]}" \
       --json-host "$OUT/step/host_time_llada8b_b1_${arm}_h200.json" -- "${LL[@]}" \
       --json "$OUT/step/step_quant_b1_host_${arm}_h200.json"
+  done
+}
+
+group_multistep() {
+  # issue 41: the host's work on step i overlapping the device's step i + 1; reports named by
+  # the card (h100 / h200)
+  local C
+  C=$(python3 -c "import torch; n = torch.cuda.get_device_name(0); print('h100' if 'H100' in n else 'h200' if 'H200' in n else 'gpu')")
+  run multistep_gpu_test 180 - python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/gpu/test_multi_step_gpu.py
+  local SD=(bench step --model-shape sdar-4b --cache block --block-length 4 --steps 200)
+  for i in 1 2; do
+    for n in 1 4; do
+      run sdar4b_ms${n}_$i 150 "$OUT/step/step_sdar4b_block4_ms${n}_${i}_$C.json" \
+        "${FD[@]}" "${SD[@]}" --batch 1 --multi-step $n \
+        --json "$OUT/step/step_sdar4b_block4_ms${n}_${i}_$C.json"
+    done
+  done
+  for n in 1 4; do
+    run sdar4b_b128_ms$n 120 "$OUT/step/step_sdar4b_block4_b128_ms${n}_$C.json" \
+      "${FD[@]}" "${SD[@]}" --batch 128 --multi-step $n \
+      --json "$OUT/step/step_sdar4b_block4_b128_ms${n}_$C.json"
+    run llada8b_ms$n 150 "$OUT/step/step_quant_b1_ms${n}_$C.json" \
+      "${FD[@]}" bench step --quantization none int4 --cache dual --batch 1 --multi-step $n \
+      --json "$OUT/step/step_quant_b1_ms${n}_$C.json"
   done
 }
 

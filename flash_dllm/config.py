@@ -266,6 +266,14 @@ class EngineConfig:
                                          "each (default: on with CUDA graphs)")
     fused_step_max_rows: int = knob(2048, "fused steps: batch x block length at most", ge=1,
                                     cli=False)
+    # several steady fused steps of one plan per engine step, each launched before the host
+    # applied the one before it (``engine/multi_step.py``: the host's ~0.2 ms a step hides
+    # behind the device); only where the policy knows its next steps (vanilla) and no admission
+    # is due; a call's steps also stay within ``Engine.MULTI_STEP_SECONDS``. None: 4 with CUDA
+    # graphs, else 1 (off)
+    multi_step: int | None = knob(None, "fused steps one engine step may launch ahead of the "
+                                        "host (vanilla decoding within a block; default: 4 "
+                                        "with CUDA graphs, 1 = off otherwise)", ge=1)
     # q/k/v and gate/up projections as one GEMM each (``DiffusionTransformer.fuse_projections``,
     # in place on the engine's model). None: on CUDA only (on the CPU the unfused GEMMs keep
     # results bit-identical to a plain forward of the same model).

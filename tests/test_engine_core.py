@@ -51,7 +51,7 @@ def test_every_engine_kind_implements_the_contract():
     assert isinstance(eng, EngineCore) and isinstance(_router(eng), EngineCore)
     assert issubclass(TPEngine, Engine)
     assert {"validate", "add_request", "abort", "step", "has_unfinished", "output", "counts",
-            "stats_snapshot", "close", "cfg", "config", "idle_poll_s"} == CONTRACT
+            "stats_snapshot", "close", "cfg", "config", "idle_poll_s", "steps_run"} == CONTRACT
 
 
 def test_the_async_engine_uses_only_the_contract():

@@ -5,14 +5,15 @@ share of a batch-1 step).
         bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 ...
 
 Around every ``Engine.step`` that replays a fused step graph it records ``perf_counter`` at the
-step's start, at ``CUDAGraph.replay``, when ``FusedSteps._run`` returns (after the step's one
+step's start, at ``CUDAGraph.replay``, when ``FusedSteps.run`` returns (after the step's one
 device->host copy) and at the step's end: **pre** (scheduling, the plan, the index vector),
 **replay to result** (the device's step and the copy) and **post** (``StepResult`` and
 ``Engine._apply``'s book-keeping). bench step's CUDA-event step time spans all three: the
 device idles while the host works. Prints the medians over the last 3/4 of the steps (a line
 ``HOSTTIME ...``) and writes them to ``--json-host``. ``--numpy-summary``: ``_apply`` reads
 the blocks with numpy at any size (``engine/block_summary``'s large-step path, as before the
-Python rows), for an A/B in one call.
+Python rows), for an A/B in one call. Run bench step with ``--multi-step 1``: a multi-step
+call (``engine/multi_step.py``) overlaps these parts, and only its first step is split here.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def instrument() -> list[tuple[float, float, float, float]]:
     """Patch the three clocks in; returns the list the steps' (pre, replay to result, post,
     step) seconds are appended to."""
     rows, cur = [], {}
-    replay, run, step = torch.cuda.CUDAGraph.replay, FusedSteps._run, Engine.step
+    replay, run, step = torch.cuda.CUDAGraph.replay, FusedSteps.run, Engine.step
 
     def timed_replay(self):
         cur["replay"] = time.perf_counter()
@@ -54,7 +55,7 @@ def instrument() -> list[tuple[float, float, float, float]]:
             rows.append((cur["replay"] - t0, cur["result"] - cur["replay"],
                          t1 - cur["result"], t1 - t0))
         return out
-    torch.cuda.CUDAGraph.replay, FusedSteps._run, Engine.step = (timed_replay, timed_run,
+    torch.cuda.CUDAGraph.replay, FusedSteps.run, Engine.step = (timed_replay, timed_run,
                                                                   timed_step)
     return rows
 

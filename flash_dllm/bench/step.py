@@ -104,12 +104,43 @@ def step_flops(cfg: ModelConfig, reqs) -> float:
     return total
 
 
+def _time_steps(engine, reqs, cfg: ModelConfig, mode, warmup: int, steps: int, timer):
+    """Step ``engine`` for ``warmup`` + ``steps`` forwards: the timed steady steps' and refresh
+    steps' seconds, steady FLOP rates, forward-only seconds and forwards per engine step."""
+    cached, refresh, flops, fwd_cached, calls = [], [], [], [], []
+    runner = engine.runner
+    done = 0                           # forwards run (an engine step may run several)
+    while done < warmup + steps and engine.has_unfinished():
+        # a refresh recomputes the whole canvas by the mode's rule (``CacheMode.refresh``: the
+        # first step of every block for prefix / dual, the request's first step for flash); a
+        # mode that keeps no K/V recomputes it at every step, all of them timed as steady
+        first = mode.keeps_kv and mode.refresh(reqs[0].first_step, reqs[0].block == 0)
+        f = step_flops(cfg, reqs)
+        runner.forward_events = []     # a fused step (the step graph) runs no separate forward
+        before = engine.steps_run
+        t = timer(engine.step)
+        # multi-step (``engine/multi_step.py``): n forwards in one call count as n steps of t / n
+        n = max(1, engine.steps_run - before)
+        done += n
+        if done - n < warmup:
+            continue
+        (refresh if first else cached).extend([t / n] * n)
+        fwd = runner.forward_seconds()
+        if not first and fwd is not None:
+            fwd_cached.append(fwd)
+        if not first:
+            flops += [f * n / t] * n
+            calls.append(n)
+    return cached, refresh, flops, fwd_cached, calls
+
+
 def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen: int, block: int,
                steps: int, warmup: int, device: torch.device, cuda_graphs: bool = True,
                flash_budget: int | None = None, decode: str = "vanilla", fused_step: bool = True,
                fused_max_rows: int | None = None, kv_cache_dtype: str = "auto",
-               deterministic: bool = False) -> dict:
+               deterministic: bool = False, multi_step: int | None = None) -> dict:
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
+    extra_cfg["multi_step"] = multi_step
     extra_cfg["kv_cache_dtype"] = kv_cache_dtype
     extra_cfg["deterministic"] = deterministic
     bs = cfg.attention.block_size        # a block-causal model's canvas ends on its grid
@@ -132,29 +163,14 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    cached, refresh, flops, fwd_cached = [], [], [], []
-    mode = CACHE_MODES[cache]
-    for i in range(warmup + steps):
-        # a refresh recomputes the whole canvas by the mode's rule (``CacheMode.refresh``: the
-        # first step of every block for prefix / dual, the request's first step for flash); a
-        # mode that keeps no K/V recomputes it at every step, all of them timed as steady
-        first = mode.keeps_kv and mode.refresh(reqs[0].first_step, reqs[0].block == 0)
-        f = step_flops(cfg, reqs)
-        runner.forward_events = []     # a fused step (the step graph) runs no separate forward
-        t = timer(engine.step)
-        if i < warmup:
-            continue
-        (refresh if first else cached).append(t)
-        fwd = runner.forward_seconds()
-        if not first and fwd is not None:
-            fwd_cached.append(fwd)
-        if not first:
-            flops.append(f / t)
+    cached, refresh, flops, fwd_cached, calls = _time_steps(engine, reqs, cfg, CACHE_MODES[cache],
+                                                            warmup, steps, timer)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     touched = (touched_experts(model, reqs, cache)
                if cfg.mlp_kind == "moe" and getattr(model, "tp", None) is None else None)
     for r in reqs:
         engine.abort(r.request_id)
+    engine_multi_step = engine.multi_step
     graphs = None
     if runner.forward_graphs is not None:
         graphs = dict(runner.forward_graphs.stats)
@@ -174,6 +190,9 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
             # (None when every timed step was fused: the forward is inside the step's graph)
             "ms_forward": 1e3 * statistics.median(fwd_cached) if fwd_cached else None,
             "decode": decode,
+            # forwards per engine step over the timed steady steps (multi-step; 1: off)
+            "multi_step": engine_multi_step,
+            "forwards_per_call": statistics.fmean(calls) if calls else None,
             "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
             "flops_per_s": statistics.median(flops) if flops else None,
             "peak_bytes": peak, "experts_touched": touched}
@@ -187,7 +206,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               tensor_parallel_size: int = 1, tp=None, routing: str = "model",
               quantization: list[str] | None = None,
               group_size: int | None = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto",
-              deterministic: bool = False) -> dict:
+              deterministic: bool = False, multi_step: int | None = None) -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
     forward includes the collectives. ``tp``: this rank's group (set by the launcher).
@@ -203,8 +222,11 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             prompt=prompt, gen=gen, block=block, steps=steps, warmup=warmup,
             cuda_graphs=cuda_graphs, flash_budget=flash_budget, decode=decode,
             fused_step=fused_step, fused_max_rows=fused_max_rows, routing=routing,
-            kv_cache_dtype=kv_cache_dtype, deterministic=deterministic), progress)
+            kv_cache_dtype=kv_cache_dtype, deterministic=deterministic,
+            multi_step=multi_step), progress)
     world = 1 if tp is None else tp.world
+    if world > 1:     # the ranks' engines would size their multi-step calls by local timings
+        multi_step = 1
     dev = torch.device(device) if tp is None else _tp_device(device, tp.rank, world)
     cfg_dict = shape_config(shape)
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 27)
@@ -240,7 +262,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         for cache, b in [(c, b) for c in caches for b in batches]:
             r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                            cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,
-                           kv_cache_dtype, deterministic)
+                           kv_cache_dtype, deterministic, multi_step)
             _finish_row(r, model, cfg, cache, b, prompt, gen, block, bw, rate * world, routing,
                         flash_budget, weight_bytes,
                         kv_pool_dtype(kv_cache_dtype, tdtype))

@@ -20,8 +20,7 @@ NOTE (stats): what other threads read of the engine's state is ``stats``, an imm
 inbox commands, at most every ``STATS_INTERVAL_S`` while the engine is busy (a snapshot scans
 the page ledger), and always at the first step after an idle one and when it goes idle, before
 the outputs of that round are posted (a client that got its last output reads final values).
-``num_running`` / ``num_waiting`` are counted after every step (admission control needs them
-exact).
+``num_running`` / ``num_waiting`` are counted after every step (admission control needs them).
 """
 from __future__ import annotations
 
@@ -295,12 +294,14 @@ class AsyncEngine:
                     self._finish_aborted(aborted)
                 outs: list[StepOutput] = []
                 if self.engine.has_unfinished():
-                    t0 = time.perf_counter()
+                    t0, ran = time.perf_counter(), self.engine.steps_run
                     outs = self.engine.step()
                     self._stats_stale = True
                     dt = time.perf_counter() - t0
                     if self.observer is not None and outs:
-                        self.observer.on_step(dt, len(outs))
+                        n = max(1, self.engine.steps_run - ran)   # (multi-step: n forwards)
+                        for _ in range(n):
+                            self.observer.on_step(dt / n, len(outs))
                 self._publish(outs)
         except BaseException as e:   # noqa: BLE001 - every waiting client must hear about it
             self.error = e

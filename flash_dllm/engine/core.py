@@ -46,6 +46,7 @@ class EngineCore(Protocol):
     cfg: ModelConfig
     config: EngineConfig
     idle_poll_s: float | None
+    steps_run: int       # forwards run so far (one ``step`` may run several: multi-step)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if the request can never run (any thread)."""
@@ -58,7 +59,8 @@ class EngineCore(Protocol):
         """Abort a request and free what it holds; False for an unknown or finished id."""
 
     def step(self) -> list[StepOutput]:
-        """Advance the running requests by one step; what it did to each."""
+        """Advance the running requests by one step (one forward, or several steady ones:
+        ``engine/multi_step.py``); what it did to each, one output per request."""
 
     def has_unfinished(self) -> bool:
         """Whether ``step`` has work: requests in flight (or resources still settling)."""

@@ -37,6 +37,7 @@ from flash_dllm.core.stats import EngineStats
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.engine.core import (RequestLimits, check_request, prefix_reuse, request_output,
                                    resolve_params)
+from flash_dllm.engine import multi_step
 from flash_dllm.engine.block_summary import summarize
 from flash_dllm.engine.scheduler import Scheduler
 from flash_dllm.engine.stats import engine_stats
@@ -95,6 +96,7 @@ class Engine:
         self.stats = {"forwards": 0, "tokens_committed": 0, "step_seconds": 0.0,
                       "last_batch_size": 0,   # serving: requests in the latest forward
                       "failed_steps": 0,      # steps whose requests failed (isolated)
+                      "multi_step_calls": 0,  # steps that ran more than one forward
                       **new_counters()}       # decode="verify" and sentinels
         # True (the server's single-process engine, ``AsyncEngine``): a step that raises fails
         # only the requests of its batch, with an error naming the exception, and the engine
@@ -102,6 +104,8 @@ class Engine:
         # raises, as every replica or peer must see the same failure
         self.isolate_step_failures = False
         self._failed_in_a_row = 0
+        self.multi_step = multi_step.steps_per_call(self.config, self.runner)
+        self.multi_step_seconds = multi_step.CALL_SECONDS
 
     @property
     def pool(self):
@@ -225,11 +229,12 @@ class Engine:
         if not plan.seqs and not plan.ops:
             return []
         try:
-            result = self.runner.execute(plan)
+            outputs = multi_step.run(self, plan, t0)    # several fused steps (None: this one)
+            result = self.runner.execute(plan) if outputs is None else None
         except Exception as e:   # noqa: BLE001 - isolated below, or raised again
             return self._step_failed(plan, e)
         self._failed_in_a_row = 0
-        return self._apply(plan, result, t0)
+        return outputs if outputs is not None else self._apply(plan, result, t0)
 
     def _step_failed(self, plan: StepPlan, exc: Exception) -> list[StepOutput]:
         """A step raised. With ``isolate_step_failures`` its requests finish with an error that

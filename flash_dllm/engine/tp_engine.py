@@ -30,6 +30,9 @@ def make_deterministic(engine: Engine) -> None:
     """Replica-safe settings of an engine under tensor parallelism (see the module note)."""
     engine.kv_manager.clock = lambda: float(engine.steps_run)
     engine.kv_manager.cost.adaptive = False
+    # multi-step sizes its calls by the local step time, which would split the replicas' steps
+    # differently (and it was never measured on several GPUs): one step per call
+    engine.multi_step = 1
 
 
 class TPEngine(Engine):

@@ -127,6 +127,11 @@ def add_parser(sub) -> None:
                    help="batch-invariant numerics (EngineConfig.deterministic: fixed-tile "
                         "GEMMs and kernel launches on a GPU, padded rows on the CPU): what "
                         "they cost per step")
+    t.add_argument("--multi-step", type=int, default=None,
+                   help="EngineConfig.multi_step: steady vanilla steps one engine step may "
+                        "launch ahead of the host (default: the engine's, 4 with CUDA graphs; "
+                        "1: one forward per engine step). A call of n forwards counts as n "
+                        "steps of its time / n")
     t.add_argument("--quantization", nargs="+", default=["none"],
                    choices=["none", *QUANT_MODES, *(m + LM_HEAD_SUFFIX for m in QUANT_MODES)],
                    help="weight modes to time, one model each, rows side by side (e.g. none "
@@ -175,6 +180,8 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
         raise ValueError("--batch values must be >= 1")
     if a.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
+    if a.multi_step is not None and a.multi_step < 1:
+        raise ValueError(f"--multi-step must be >= 1, got {a.multi_step}")
     resolve_device(a.device)
     report = run_bench(a.model_shape, a.batch, a.cache, a.device, a.dtype, a.prompt_len,
                        a.gen_len, a.block_length, a.steps, a.warmup,
@@ -186,7 +193,8 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        fused_step=not a.no_fused_step, fused_max_rows=a.fused_step_max_rows,
                        tensor_parallel_size=a.tensor_parallel_size, routing=a.routing,
                        kv_cache_dtype=a.kv_cache_dtype, deterministic=a.deterministic,
-                       quantization=a.quantization, group_size=a.quantization_group_size)
+                       quantization=a.quantization, group_size=a.quantization_group_size,
+                       multi_step=a.multi_step)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

@@ -101,6 +101,24 @@ class _Graph:
     loaded: np.ndarray | None = None     # the host vector ``inp`` holds now
 
 
+@dataclass
+class Launched:
+    """A fused step on its way (``FusedSteps.launch``): its output lands in ``out`` (host
+    memory) once ``done`` (a CUDA event; None: already there) has passed."""
+
+    policy: object
+    bl: int
+    out: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+    def result(self) -> StepResult:
+        """Wait for the step; its result."""
+        if self.done is not None:
+            self.done.synchronize()
+        blocks, counters = self.policy.fused_result(self.out.numpy(), self.bl)
+        return StepResult(blocks, counters)
+
+
 class FusedSteps:
     """Owned by a ``ModelRunner``, which it gets as an argument (no back-reference: a runner and
     its GPU memory are freed as soon as the last reference to it goes, without waiting for gc)."""
@@ -183,58 +201,82 @@ class FusedSteps:
         returns its result (the active blocks after it, and the policy's counters), or None
         when the general path should run this step instead (on CUDA: the step's shape has no
         graph yet and is seen for the first time, or it is too large to capture)."""
-        policy = DECODE_POLICIES[plan.requests[0].params.decode]
-        out = self._run(runner, plan, states, policy)
-        if out is None:
-            return None
-        blocks, counters = policy.fused_result(out, plan.requests[0].params.block_length)
-        return StepResult(blocks, counters)
+        launched = self.launch(runner, plan, states)
+        return None if launched is None else launched.result()
 
-    def _run(self, runner, plan, states, policy) -> np.ndarray | None:
+    def launch(self, runner, plan, states, ahead: tuple[list, int] | None = None
+               ) -> Launched | None:
+        """Start one step of ``plan`` and return without waiting for it (``Launched.result``
+        waits). ``ahead``: a step after the next one, launched before the host applied the
+        steps before it (multi-step, ``engine/multi_step.py``): its requests' policy
+        signatures and MASK slots as the policy predicted them (``DecodePolicy.fused_ahead``);
+        such a step only replays a captured graph (None: it has none). None: the general
+        path should run this step (``run``)."""
         batch = plan.requests
-        last = self._last
-        if last is not None and last[4] is plan and policy.fused_static_per_block:
-            host, lay = last[2], last[3]      # the same plan: same requests in the same blocks
-        else:
-            sig = [(r.block, policy.fused_signature(r)) for r in batch]
-            if last is not None and last[1] == sig and same_batch(last[0], batch):
-                host, lay = last[2], last[3]
-            else:
-                host, lay = self._host_inputs(runner, plan, policy, [s[1] for s in sig])
-            # NOTE: holds the request objects, so their ids cannot be reused while compared
-            self._last = (list(batch), sig, host, lay, plan)
+        policy = DECODE_POLICIES[batch[0].params.decode]
+        host, lay = self._inputs(runner, plan, policy, None if ahead is None else ahead[0])
         own_body = policy.fused_body is not None
-        lm_rows = lay.R if lay.R <= self.LM_ALL_ROWS or own_body else self.lm_head_rows(
-            lay.R, sum(r.num_masked for r in batch))
+        masked = ahead[1] if ahead is not None else sum(r.num_masked for r in batch)
+        lm_rows = (lay.R if lay.R <= self.LM_ALL_ROWS or own_body
+                   else self.lm_head_rows(lay.R, masked))
         key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
                                 lay.policy, lay.key, lm_rows))
-        dev = runner.device
         rows = lay.T + policy.fused_extra_rows(lay)
-        action = self._decide(key, rows, runner.forward_graphs is not None, lay.max_q)
+        graphs = runner.forward_graphs is not None
+        if ahead is not None and graphs and key not in self.cache.graphs:
+            return None
+        action = self._decide(key, rows, graphs, lay.max_q)
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
         policy.before_fused(runner, states)
+        bl = lay.bl
 
         def body(inp: torch.Tensor) -> torch.Tensor:
             if own_body:
                 return policy.fused_body(runner, inp, lay)
             return self._body(runner, policy, inp, lay, lm_rows)
         if action == "eager":
-            return body(torch.from_numpy(host).to(dev)).cpu().numpy()
+            return Launched(policy, bl, body(torch.from_numpy(host).to(runner.device)).cpu())
         if action == "capture":
-            inp = h2d_into(torch.empty(lay.size, dtype=torch.long, device=dev), host)
+            inp = h2d_into(torch.empty(lay.size, dtype=torch.long, device=runner.device), host)
             first, graph, out = self.cache.capture(lambda: body(inp))
             self.cache.add(key, _Graph(graph, inp, out, loaded=host))
             self.stats["fused_captures"] += 1
-            return first.cpu().numpy()
+            return Launched(policy, bl, first.cpu())
         g = self.cache.get(key)
         if g.loaded is not host:          # a new block or batch: one host->device copy
             h2d_into(g.inp, host)
             g.loaded = host
         g.graph.replay()
         self.stats["fused_replays"] += 1
-        return g.out.cpu().numpy()          # the step's one device->host copy
+        # the step's one device->host copy, into pinned memory behind an event: the next step
+        # (which overwrites ``g.out``) may be queued before the host reads this one
+        out = torch.empty(g.out.shape, dtype=g.out.dtype, pin_memory=True)
+        out.copy_(g.out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(policy, bl, out, done)
+
+    def _inputs(self, runner, plan, policy, signature: list | None
+                ) -> tuple[np.ndarray, Layout]:
+        """The step's index vector and layout (``signature``: the policy's per-request part,
+        None: from the requests as they are); the last one is reused while it still fits."""
+        batch = plan.requests
+        last = self._last
+        if (signature is None and last is not None and last[4] is plan
+                and policy.fused_static_per_block):
+            return last[2], last[3]         # the same plan: same requests in the same blocks
+        if signature is None:
+            signature = [policy.fused_signature(r) for r in batch]
+        sig = [(r.block, s) for r, s in zip(batch, signature)]
+        if last is not None and last[1] == sig and same_batch(last[0], batch):
+            host, lay = last[2], last[3]
+        else:
+            host, lay = self._host_inputs(runner, plan, policy, signature)
+        # NOTE: holds the request objects, so their ids cannot be reused while compared
+        self._last = (list(batch), sig, host, lay, plan)
+        return host, lay
 
     def _decide(self, key: GraphKey, T: int, graphs: bool, max_q: int = 0) -> str:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the

@@ -303,19 +303,41 @@ class ModelRunner:
         return result
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        if plan is self._last_plan:          # the same batch in the same blocks: same states
-            states, exts = self._last_states, self._last_extensions
-        else:
-            states = [self.seq(s.req, s.pages) for s in plan.seqs]
-            exts = extensions.active_on(plan.requests)
-            self._last_plan, self._last_states, self._last_extensions = plan, states, exts
-        if (self.fused is not None and not (self.layer_hook is not None
-                                            and self.layer_hook.wants(plan))
-                and self.fused.eligible_plan(plan, exts)):
+        states, exts = self._plan_states(plan)
+        if self._fusable(plan, exts):
             result = self.fused.run(self, plan, states)
             if result is not None:
                 return result
         return general_step.run(self, plan, states, exts)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, ahead=None):
+        """Start one fused step of ``plan`` and return without waiting for it (multi-step,
+        ``engine/multi_step.py``): a ``fused_step.Launched`` (its ``result()`` waits), or None
+        where this step is not a fused one that can run so (``ahead``: ``FusedSteps.launch``'s).
+        Steps with tier ops or host tiers never launch ahead (their copies run on other
+        streams)."""
+        if self.fused is None or plan.ops or self.offload is not None or not plan.seqs:
+            return None
+        states, exts = self._plan_states(plan)
+        if not self._fusable(plan, exts):
+            return None
+        with self._numerics():
+            return self.fused.launch(self, plan, states, ahead)
+
+    def _plan_states(self, plan: StepPlan) -> tuple[list[SeqState], list]:
+        """The plan's requests' states and the step extensions active on it."""
+        if plan is self._last_plan:          # the same batch in the same blocks: same states
+            return self._last_states, self._last_extensions
+        states = [self.seq(s.req, s.pages) for s in plan.seqs]
+        exts = extensions.active_on(plan.requests)
+        self._last_plan, self._last_states, self._last_extensions = plan, states, exts
+        return states, exts
+
+    def _fusable(self, plan: StepPlan, exts: list) -> bool:
+        return (self.fused is not None and not (self.layer_hook is not None
+                                                and self.layer_hook.wants(plan))
+                and self.fused.eligible_plan(plan, exts))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model forward of one step (from a CUDA graph when one fits)."""

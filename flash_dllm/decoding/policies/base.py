@@ -118,6 +118,14 @@ class DecodePolicy:
         """What the fused index vector depends on per request besides its block."""
         return 0
 
+    def fused_ahead(self, req, limit: int) -> list[tuple[int, int]]:
+        """The steps after ``req``'s next one that are known before it runs (multi-step,
+        ``engine/multi_step.py``): for each, up to ``limit``, (its ``fused_signature``, the MASK
+        slots left before it). Only a policy whose commit count does not depend on the model's
+        output can know them, and only while the block goes on (a step that ends the block is
+        the last one known). Default: none."""
+        return []
+
     def fused_fields(self, batch, signature: list, dims: dict | None
                      ) -> tuple[tuple, list[tuple[str, int]]]:
         """The fused step's policy part: (a hashable key that the step's graph is specialised to,
