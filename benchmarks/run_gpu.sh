@@ -116,7 +116,13 @@ group_tests() {
   run gpu_tests_studies 90 - python3 -m pytest -m gpu benchmarks/studies -q -p no:cacheprovider
 }
 
+card() {     # the card's short name for report names: h100 / h200 (gpu otherwise)
+  python3 -c "import torch; n = torch.cuda.get_device_name(0); print('h100' if 'H100' in n else 'h200' if 'H200' in n else 'gpu')"
+}
+
 group_host() {
+  local C
+  C=$(card)
   # issue 41: the host's part of a batch-1 step (pre / replay to result / post), and the small
   # steps' block summary in plain Python (main) against numpy, two runs each, alternating
   # (one forward per engine step: a multi-step call overlaps the three parts)
@@ -127,19 +133,19 @@ group_host() {
     for arm in rows numpy; do
       local flag=()
       if [[ $arm == numpy ]]; then flag=(--numpy-summary); fi
-      run host_sdar4b_${arm}_$i 120 "$OUT/step/host_time_sdar4b_b1_${arm}_${i}_h200.json" \
+      run host_sdar4b_${arm}_$i 120 "$OUT/step/host_time_sdar4b_b1_${arm}_${i}_$C.json" \
         python3 benchmarks/step/host_time.py "${flag[@]}" \
-        --json-host "$OUT/step/host_time_sdar4b_b1_${arm}_${i}_h200.json" -- "${SD[@]}" \
-        --json "$OUT/step/step_sdar4b_block4_b1_host_${arm}_${i}_h200.json"
+        --json-host "$OUT/step/host_time_sdar4b_b1_${arm}_${i}_$C.json" -- "${SD[@]}" \
+        --json "$OUT/step/step_sdar4b_block4_b1_host_${arm}_${i}_$C.json"
     done
   done
   for arm in rows numpy; do
     local flag=()
     if [[ $arm == numpy ]]; then flag=(--numpy-summary); fi
-    run host_llada8b_${arm} 120 "$OUT/step/host_time_llada8b_b1_${arm}_h200.json" \
+    run host_llada8b_${arm} 120 "$OUT/step/host_time_llada8b_b1_${arm}_$C.json" \
       python3 benchmarks/step/host_time.py "${flag[@]}" \
-      --json-host "$OUT/step/host_time_llada8b_b1_${arm}_h200.json" -- "${LL[@]}" \
-      --json "$OUT/step/step_quant_b1_host_${arm}_h200.json"
+      --json-host "$OUT/step/host_time_llada8b_b1_${arm}_$C.json" -- "${LL[@]}" \
+      --json "$OUT/step/step_quant_b1_host_${arm}_$C.json"
   done
 }
 
@@ -147,7 +153,7 @@ group_multistep() {
   # issue 41: the host's work on step i overlapping the device's step i + 1; reports named by
   # the card (h100 / h200)
   local C
-  C=$(python3 -c "import torch; n = torch.cuda.get_device_name(0); print('h100' if 'H100' in n else 'h200' if 'H200' in n else 'gpu')")
+  C=$(card)
   run multistep_gpu_test 180 - python3 -m pytest -m gpu -q -p no:cacheprovider \
     tests/gpu/test_multi_step_gpu.py
   local SD=(bench step --model-shape sdar-4b --cache block --block-length 4 --steps 200)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -106,6 +107,7 @@ class Engine:
         self._failed_in_a_row = 0
         self.multi_step = multi_step.steps_per_call(self.config, self.runner)
         self.multi_step_seconds = multi_step.CALL_SECONDS
+        self.recent_steps: deque[float] = deque(maxlen=multi_step.RECENT_STEPS)
 
     @property
     def pool(self):
@@ -330,6 +332,7 @@ class Engine:
         self.steps_run += bool(reqs)
         seconds = time.perf_counter() - t0
         self.stats["step_seconds"] += seconds
+        self.recent_steps.append(seconds)         # (multi-step sizes its calls by them)
         if prefill_rows >= self.PREFILL_ROWS:
             self.kv_manager.cost.observe_prefill(prefill_rows, seconds)
         self.stats["last_batch_size"] = len(plan.seqs)

@@ -29,9 +29,12 @@ from flash_dllm.core.request import StepOutput
 from flash_dllm.decoding.policies import DECODE_POLICIES
 
 
-# a call launches ahead only as many steps as fit in this many seconds at the engine's mean step
-# time so far (a request that arrives meanwhile waits for the call to end before it is admitted)
+# a call launches ahead only as many steps as fit in this many seconds at the median time of the
+# engine's last RECENT_STEPS steps (a request that arrives meanwhile waits for the call to end
+# before it is admitted). The median, not the mean: a step that compiled kernels or captured a
+# graph takes seconds
 CALL_SECONDS = 0.05
+RECENT_STEPS = 9
 
 
 def steps_per_call(config, runner) -> int:
@@ -45,9 +48,9 @@ def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, int]]:
     """The steps after this one that one call may launch now, each as (the requests' policy
     signatures, their MASK slots in all): [] when the call runs this step alone."""
     n = engine.multi_step - 1
-    st = engine.stats
-    if n > 0 and st["forwards"] and st["step_seconds"] > 0:
-        fit = engine.multi_step_seconds * st["forwards"] / st["step_seconds"]
+    recent = sorted(engine.recent_steps)
+    if n > 0 and recent and recent[len(recent) // 2] > 0:
+        fit = engine.multi_step_seconds / recent[len(recent) // 2]
         n = min(n, int(min(fit, n + 1)) - 1)
     sch = engine.scheduler
     if (n <= 0 or plan.ops or not plan.seqs
