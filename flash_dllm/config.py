@@ -269,7 +269,7 @@ class EngineConfig:
     # several steady fused steps of one plan per engine step, each launched before the host
     # applied the one before it (``engine/multi_step.py``: the host's ~0.2 ms a step hides
     # behind the device); only where the policy knows its next steps (vanilla) and no admission
-    # is due; a call's steps also stay within ``Engine.MULTI_STEP_SECONDS``. None: 4 with CUDA
+    # is due; a call's steps also stay within ``multi_step.CALL_SECONDS``. None: 4 with CUDA
     # graphs, else 1 (off)
     multi_step: int | None = knob(None, "fused steps one engine step may launch ahead of the "
                                         "host (vanilla decoding within a block; default: 4 "

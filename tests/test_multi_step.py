@@ -193,3 +193,48 @@ def test_sdar_block_cache(tmp_path):
     assert [r.canvas.tolist() for r in ref] == [r.canvas.tolist() for r in got]
     assert list(sref.values()) == list(sgot.values())
     assert max(cgot) == 3 and sum(cref) == sum(cgot)
+
+
+def test_a_shape_is_sighted_once_per_forward(monkeypatch):
+    """The capture policy counts each step once: a multi-step call whose first step has no
+    graph yet leaves the count to the step path it falls back to (CUDA graphs pretended on for
+    the fused step's decision; nothing is captured on the CPU)."""
+    from flash_dllm.worker import fused_step, graphs
+    decide = fused_step.FusedSteps._decide
+    monkeypatch.setattr(fused_step.FusedSteps, "_decide",
+                        lambda self, key, T, g, max_q=0, count=True:
+                        decide(self, key, T, True, max_q, count))
+
+    def sighted(self, key, large=False, tokens=0):
+        self.seen[key] = self.seen.get(key, 0) + 1
+        return False
+    monkeypatch.setattr(graphs.GraphCache, "sighted", sighted)
+    model = tiny("llada", seed=1)
+    params = SamplingParams(max_tokens=16, block_length=8, cache="dual", decode="vanilla",
+                            early_stop=False)
+    counts = []
+    for n in (1, 4):
+        eng = _engine(model, n)
+        _drive(eng, PROMPTS, params)
+        counts.append(sum(eng.runner.fused.cache.seen.values()))
+    assert counts[0] == counts[1] > 0
+
+
+def test_a_call_that_fails_after_a_request_finished_keeps_its_answer(monkeypatch):
+    """A policy that claims one step past the last block's end: the request finishes at the
+    step before, then the check stops the call. Isolated (the server's engine), the finished
+    request keeps its reason and its pages are freed once."""
+    model = tiny("llada", seed=6)
+    v = DECODE_POLICIES["vanilla"]
+    real = type(v).fused_ahead
+    monkeypatch.setattr(type(v), "fused_ahead",
+                        lambda self, req, limit: real(self, req, limit) + [(1, 1)])
+    eng = _engine(model, 8)
+    eng.isolate_step_failures = True
+    params = SamplingParams(max_tokens=8, block_length=8, steps=4, cache="dual", decode="vanilla")
+    reqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.finish_reason for r in reqs] == ["length", "length"]
+    assert all(r.error is None for r in reqs) and eng.stats["failed_steps"] == 1
+    assert eng.pool.num_free == eng.pool.num_pages

@@ -131,6 +131,9 @@ def _time_steps(engine, reqs, cfg: ModelConfig, mode, warmup: int, steps: int, t
         if not first:
             flops += [f * n / t] * n
             calls.append(n)
+    if not cached:
+        raise ValueError(f"the requests finished after {done} forwards, before {warmup} warm-up "
+                         f"and {steps} timed steps: raise --gen-len")
     return cached, refresh, flops, fwd_cached, calls
 
 

@@ -254,7 +254,8 @@ class Engine:
         log.exception("engine step failed; failing its %d request(s): %s",
                       len(plan.requests), ", ".join(r.request_id for r in plan.requests))
         self.stats["failed_steps"] += 1
-        outputs = [self._fail(req, f"the engine step failed: {exc!r}") for req in plan.requests]
+        outputs = [self._fail(req, f"the engine step failed: {exc!r}") for req in plan.requests
+                   if not req.finished]     # (a multi-step call may have finished some)
         self.scheduler.drop_finished()
         return outputs
 

@@ -44,9 +44,10 @@ def steps_per_call(config, runner) -> int:
     return 4 if runner.forward_graphs is not None and runner.fused is not None else 1
 
 
-def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, int]]:
+def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, int, list]]:
     """The steps after this one that one call may launch now, each as (the requests' policy
-    signatures, their MASK slots in all): [] when the call runs this step alone."""
+    signatures, their MASK slots in all, each request's MASK slots): [] when the call runs this
+    step alone."""
     n = engine.multi_step - 1
     recent = sorted(engine.recent_steps)
     if n > 0 and recent and recent[len(recent) // 2] > 0:
@@ -63,12 +64,14 @@ def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, int]]:
     policy = DECODE_POLICIES[name]
     per = [policy.fused_ahead(r, n) for r in reqs]
     known = min(len(p) for p in per)
-    return [([p[j][0] for p in per], sum(p[j][1] for p in per)) for j in range(known)]
+    return [([p[j][0] for p in per], sum(p[j][1] for p in per), [p[j][1] for p in per])
+            for j in range(known)]
 
 
 def run(engine, plan: StepPlan, t0: float) -> list[StepOutput] | None:
     """Launch this step of ``plan`` and the known steps after it (``steps_ahead``), then apply
-    them in order. None (nothing ran): the caller runs this step alone."""
+    them in order. None (nothing ran, nothing counted): the caller runs this step alone (also
+    when its shape has no captured graph yet: the caller's path counts the sighting)."""
     ahead = steps_ahead(engine, plan)
     if not ahead:
         return None
@@ -77,8 +80,8 @@ def run(engine, plan: StepPlan, t0: float) -> list[StepOutput] | None:
     if first is None:
         return None
     launched = [first]
-    for step in ahead:
-        nxt = runner.launch(plan, step)
+    for sig, masked, _ in ahead:
+        nxt = runner.launch(plan, (sig, masked))
         if nxt is None:              # (no captured graph for it yet)
             break
         launched.append(nxt)
@@ -86,9 +89,11 @@ def run(engine, plan: StepPlan, t0: float) -> list[StepOutput] | None:
     steps = []
     for i, step in enumerate(launched):
         result = step.result()
-        if i and any(r.finished or r.block != b for r, b in zip(plan.requests, blocks)):
-            raise RuntimeError("multi-step: a request left its block before the last step "
-                               "launched for it (a decode policy's fused_ahead was wrong)")
+        if i and any(r.finished or r.block != b or r.num_masked != m for r, b, m
+                     in zip(plan.requests, blocks, ahead[i - 1][2])):
+            raise RuntimeError("multi-step: a request's block did not stand where the step "
+                               "launched for it assumed (a decode policy's fused_ahead was "
+                               "wrong)")
         steps.append(engine._apply(plan, result, t0))
         t0 = time.perf_counter()
     engine.stats["multi_step_calls"] += len(launched) > 1

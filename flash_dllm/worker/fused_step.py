@@ -204,14 +204,15 @@ class FusedSteps:
         launched = self.launch(runner, plan, states)
         return None if launched is None else launched.result()
 
-    def launch(self, runner, plan, states, ahead: tuple[list, int] | None = None
-               ) -> Launched | None:
+    def launch(self, runner, plan, states, ahead: tuple[list, int] | None = None,
+               replay_only: bool = False) -> Launched | None:
         """Start one step of ``plan`` and return without waiting for it (``Launched.result``
         waits). ``ahead``: a step after the next one, launched before the host applied the
         steps before it (multi-step, ``engine/multi_step.py``): its requests' policy
-        signatures and MASK slots as the policy predicted them (``DecodePolicy.fused_ahead``);
-        such a step only replays a captured graph (None: it has none). None: the general
-        path should run this step (``run``)."""
+        signatures and MASK slots as the policy predicted them (``DecodePolicy.fused_ahead``).
+        Such a step, and any with ``replay_only``, only replays a captured graph: None when
+        there is none, and the step is not counted as a sighting of its shape (the caller's
+        own path counts it). None otherwise: the general path should run this step (``run``)."""
         batch = plan.requests
         policy = DECODE_POLICIES[batch[0].params.decode]
         host, lay = self._inputs(runner, plan, policy, None if ahead is None else ahead[0])
@@ -222,10 +223,8 @@ class FusedSteps:
         key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
                                 lay.policy, lay.key, lm_rows))
         rows = lay.T + policy.fused_extra_rows(lay)
-        graphs = runner.forward_graphs is not None
-        if ahead is not None and graphs and key not in self.cache.graphs:
-            return None
-        action = self._decide(key, rows, graphs, lay.max_q)
+        action = self._decide(key, rows, runner.forward_graphs is not None, lay.max_q,
+                              not (replay_only or ahead is not None))     # (count)
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
@@ -278,7 +277,8 @@ class FusedSteps:
         self._last = (list(batch), sig, host, lay, plan)
         return host, lay
 
-    def _decide(self, key: GraphKey, T: int, graphs: bool, max_q: int = 0) -> str:
+    def _decide(self, key: GraphKey, T: int, graphs: bool, max_q: int = 0,
+                count: bool = True) -> str:
         """``eager`` (no CUDA graphs: run the body as it is), ``general`` (leave the step to the
         general path), ``capture`` or ``replay``. Capture follows ``GraphCache``'s policy
         (default: at the second sighting); earlier sightings run on the general path, whose
@@ -286,12 +286,13 @@ class FusedSteps:
         vanilla's (canvas length, k) groups). A step whose requests query more than
         ``capture_rows`` rows each (prefix mode: the key changes with every block) counts as
         large (captured one sighting later), and steps of more than ``max_tokens`` query rows
-        are never captured (the pool would keep their activations for good)."""
+        are never captured (the pool would keep their activations for good). ``count``
+        False: a shape without a graph is ``general`` and this look is not a sighting."""
         if not graphs:
             return "eager"
         if key in self.cache.graphs:
             return "replay"
-        if T > self.max_tokens:
+        if T > self.max_tokens or not count:
             return "general"
         return ("capture" if self.cache.sighted(key, large=max_q > self.capture_rows, tokens=T)
                 else "general")

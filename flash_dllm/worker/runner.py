@@ -312,18 +312,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, ahead=None):
-        """Start one fused step of ``plan`` and return without waiting for it (multi-step,
-        ``engine/multi_step.py``): a ``fused_step.Launched`` (its ``result()`` waits), or None
-        where this step is not a fused one that can run so (``ahead``: ``FusedSteps.launch``'s).
-        Steps with tier ops or host tiers never launch ahead (their copies run on other
-        streams)."""
+        """Start one fused step of ``plan`` from a captured graph and return without waiting
+        for it (multi-step, ``engine/multi_step.py``): a ``fused_step.Launched`` (its
+        ``result()`` waits), or None where this step is not a fused one that can run so
+        (``ahead``: ``FusedSteps.launch``'s). Steps with tier ops or host tiers never launch
+        ahead (their copies run on other streams)."""
         if self.fused is None or plan.ops or self.offload is not None or not plan.seqs:
             return None
         states, exts = self._plan_states(plan)
         if not self._fusable(plan, exts):
             return None
         with self._numerics():
-            return self.fused.launch(self, plan, states, ahead)
+            return self.fused.launch(self, plan, states, ahead, replay_only=True)
 
     def _plan_states(self, plan: StepPlan) -> tuple[list[SeqState], list]:
         """The plan's requests' states and the step extensions active on it."""
