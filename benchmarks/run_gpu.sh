@@ -43,6 +43,9 @@
 #           multistep  several fused steps per engine step (engine/multi_step.py): its GPU
 #                    test, SDAR-4B block 4 batch 1 / 128 and LLaDA-8B dual batch 1 bf16 / int4,
 #                    --multi-step 1 against the default, alternating                 ~5 min
+#           firststeps  block-start steps of the block cache as fused steps (off by default):
+#                    their GPU test, SDAR-4B batch 1 / 128 and LLaDA2-mini batch 1 / 64 with
+#                    --fused-first-steps against without                            ~4 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -50,7 +53,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 
-ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope host multistep)
+ALL_GROUPS=(tests step profile sweep kernels gemm serve eval ab pd quant kvfp8 families skinny pdl llada2 deterministic rope host multistep firststeps)
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -171,6 +174,23 @@ group_multistep() {
     run llada8b_ms$n 150 "$OUT/step/step_quant_b1_ms${n}_$C.json" \
       "${FD[@]}" bench step --quantization none int4 --cache dual --batch 1 --multi-step $n \
       --json "$OUT/step/step_quant_b1_ms${n}_$C.json"
+  done
+}
+
+group_firststeps() {
+  local C
+  C=$(card)
+  run firststeps_gpu_test 180 - python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/gpu/test_multi_step_gpu.py -k block_starts
+  for arm in general fused; do
+    local flag=()
+    if [[ $arm == fused ]]; then flag=(--fused-first-steps); fi
+    run sdar4b_first_$arm 150 "$OUT/step/step_sdar4b_block4_first_${arm}_$C.json" \
+      "${FD[@]}" bench step --model-shape sdar-4b --cache block --block-length 4 --batch 1 128 \
+      --steps 200 "${flag[@]}" --json "$OUT/step/step_sdar4b_block4_first_${arm}_$C.json"
+    run llada2_mini_first_$arm 150 "$OUT/step/step_llada2_mini_first_${arm}_$C.json" \
+      "${FD[@]}" bench step --model-shape llada2-mini --cache block --batch 1 64 \
+      --routing uniform "${flag[@]}" --json "$OUT/step/step_llada2_mini_first_${arm}_$C.json"
   done
 }
 

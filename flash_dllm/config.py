@@ -266,6 +266,11 @@ class EngineConfig:
                                          "each (default: on with CUDA graphs)")
     fused_step_max_rows: int = knob(2048, "fused steps: batch x block length at most", ge=1,
                                     cli=False)
+    # a block-cache request's block-start step (the block before with its final tokens, and the
+    # new block's first proposal; ``CacheMode.fusable_first``) as a fused step too, its attention
+    # cut at block bounds as the general path cuts it. Off until timed on a GPU
+    fused_first_steps: bool = knob(False, "block cache: run each block's first step as a fused "
+                                          "step too (default: off)", cli=False)
     # several steady fused steps of one plan per engine step, each launched before the host
     # applied the one before it (``engine/multi_step.py``: the host's ~0.2 ms a step hides
     # behind the device); only where the policy knows its next steps (vanilla) and no admission

@@ -141,9 +141,10 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
                steps: int, warmup: int, device: torch.device, cuda_graphs: bool = True,
                flash_budget: int | None = None, decode: str = "vanilla", fused_step: bool = True,
                fused_max_rows: int | None = None, kv_cache_dtype: str = "auto",
-               deterministic: bool = False, multi_step: int | None = None) -> dict:
+               deterministic: bool = False, multi_step: int | None = None,
+               fused_first_steps: bool = False) -> dict:
     extra_cfg = {} if fused_max_rows is None else {"fused_step_max_rows": fused_max_rows}
-    extra_cfg["multi_step"] = multi_step
+    extra_cfg.update(multi_step=multi_step, fused_first_steps=fused_first_steps)
     extra_cfg["kv_cache_dtype"] = kv_cache_dtype
     extra_cfg["deterministic"] = deterministic
     bs = cfg.attention.block_size        # a block-causal model's canvas ends on its grid
@@ -194,7 +195,7 @@ def bench_case(model, cfg: ModelConfig, batch: int, cache: str, prompt: int, gen
             "ms_forward": 1e3 * statistics.median(fwd_cached) if fwd_cached else None,
             "decode": decode,
             # forwards per engine step over the timed steady steps (multi-step; 1: off)
-            "multi_step": engine_multi_step,
+            "multi_step": engine_multi_step, "fused_first_steps": fused_first_steps,
             "forwards_per_call": statistics.fmean(calls) if calls else None,
             "ms_refresh": 1e3 * statistics.median(refresh) if refresh else None,
             "flops_per_s": statistics.median(flops) if flops else None,
@@ -209,7 +210,8 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
               tensor_parallel_size: int = 1, tp=None, routing: str = "model",
               quantization: list[str] | None = None,
               group_size: int | None = DEFAULT_GROUP_SIZE, kv_cache_dtype: str = "auto",
-              deterministic: bool = False, multi_step: int | None = None) -> dict:
+              deterministic: bool = False, multi_step: int | None = None,
+              fused_first_steps: bool = False) -> dict:
     """``tensor_parallel_size`` > 1: the model is split over that many GPUs (ranks 1.. are
     worker processes running the same cases, ``run_tp_rank``); figures are rank 0's, whose
     forward includes the collectives. ``tp``: this rank's group (set by the launcher).
@@ -226,7 +228,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
             cuda_graphs=cuda_graphs, flash_budget=flash_budget, decode=decode,
             fused_step=fused_step, fused_max_rows=fused_max_rows, routing=routing,
             kv_cache_dtype=kv_cache_dtype, deterministic=deterministic,
-            multi_step=multi_step), progress)
+            multi_step=multi_step, fused_first_steps=fused_first_steps), progress)
     world = 1 if tp is None else tp.world
     if world > 1:     # the ranks' engines would size their multi-step calls by local timings
         multi_step = 1
@@ -265,7 +267,7 @@ def run_bench(shape: str, batches: list[int], caches: list[str], device: str, dt
         for cache, b in [(c, b) for c in caches for b in batches]:
             r = bench_case(model, cfg, b, cache, prompt, gen, block, steps, warmup, dev,
                            cuda_graphs, flash_budget, decode, fused_step, fused_max_rows,
-                           kv_cache_dtype, deterministic, multi_step)
+                           kv_cache_dtype, deterministic, multi_step, fused_first_steps)
             _finish_row(r, model, cfg, cache, b, prompt, gen, block, bw, rate * world, routing,
                         flash_budget, weight_bytes,
                         kv_pool_dtype(kv_cache_dtype, tdtype))

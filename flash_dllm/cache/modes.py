@@ -54,6 +54,9 @@ class CacheMode:
     # steady (non-refresh) steps may run as ONE fused step graph (``worker/fused_step.py``): the
     # query window is the same at every step of a block and needs nothing from the last step
     fusable: bool = False
+    # a block's first step (after the first block) may run fused too when the engine asks
+    # (``EngineConfig.fused_first_steps``): its window is as small as a steady one's
+    fusable_first: bool = False
     # refreshes the whole canvas at block starts, so the drift trigger (``drift_min``) may take
     # that decision instead
     block_refresh: bool = False
@@ -206,6 +209,7 @@ class BlockCache(CacheMode):
 
     name = "block"
     fusable = True
+    fusable_first = True           # (the block before and the active one)
     needs_block_causal = True
     default_for = ("block_causal",)
 

@@ -132,6 +132,9 @@ def add_parser(sub) -> None:
                         "launch ahead of the host (default: the engine's, 4 with CUDA graphs; "
                         "1: one forward per engine step). A call of n forwards counts as n "
                         "steps of its time / n")
+    t.add_argument("--fused-first-steps", action="store_true",
+                   help="EngineConfig.fused_first_steps: block-cache block-start steps as "
+                        "fused steps too (off by default until timed)")
     t.add_argument("--quantization", nargs="+", default=["none"],
                    choices=["none", *QUANT_MODES, *(m + LM_HEAD_SUFFIX for m in QUANT_MODES)],
                    help="weight modes to time, one model each, rows side by side (e.g. none "
@@ -194,7 +197,7 @@ def cmd_bench_step(a: argparse.Namespace) -> int:
                        tensor_parallel_size=a.tensor_parallel_size, routing=a.routing,
                        kv_cache_dtype=a.kv_cache_dtype, deterministic=a.deterministic,
                        quantization=a.quantization, group_size=a.quantization_group_size,
-                       multi_step=a.multi_step)
+                       multi_step=a.multi_step, fused_first_steps=a.fused_first_steps)
     write_report(report, a.json)
     print(f"floor {report['floor_ms']:.2f} ms (weights {report['weight_bytes'] / 1e9:.2f} GB at "
           f"{report['copy_bandwidth_GBps']:.0f} GB/s); matmul {report['matmul_TFLOPs']:.1f} TFLOP/s")

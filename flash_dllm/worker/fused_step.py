@@ -37,7 +37,6 @@ for token on real models but are not bitwise twins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -47,49 +46,12 @@ from flash_dllm.core.plan import StepResult
 from flash_dllm.decoding.policies import DECODE_POLICIES
 from flash_dllm.kernels.paged_attention import seqlen_bound
 from flash_dllm.layers.attention_backend import PagedAttentionMetadata, page_slots
+from flash_dllm.layers.paged_index import split_blocks
 from flash_dllm.transfer import h2d_into
 from flash_dllm.worker.extensions import active_on
+from flash_dllm.worker.fused_layout import Launched, Layout
 from flash_dllm.worker.graphs import GraphCache, GraphKey
 from flash_dllm.worker.inputs import range_positions, same_batch
-
-
-@dataclass
-class Layout:
-    """Offsets of the step's index vector (one int64 tensor; float knobs are stored as float64
-    bits): the parts every fused step has, then its policy's ``fields``. ``key``: what the
-    policy's graph is specialised to (``DecodePolicy.fused_fields``)."""
-
-    B: int
-    T: int
-    bl: int
-    width: int
-    max_q: int
-    max_k: int               # paged_attention.seqlen_bound of the longest canvas (split-KV)
-    policy: str
-    key: tuple
-    fields: tuple            # the policy's (name, length) parts
-
-    @property
-    def R(self) -> int:
-        return self.B * self.bl
-
-    @cached_property
-    def slices(self) -> dict[str, slice]:
-        T, R, B = self.T, self.R, self.B
-        sizes = [("ids_idx", T), ("positions", T), ("slots", T), ("rows", R), ("blk_idx", R),
-                 ("cu_q", B + 1), ("seq_lens", B), ("bstart", B), ("table", B * self.width),
-                 *self.fields]
-        # every part starts on a 16-byte boundary (an even int64 offset): Triton compiles a
-        # kernel variant per alignment of its pointer arguments (see attention_backend)
-        out, a = {}, 0
-        for name, n in sizes:
-            out[name] = slice(a, a + n)
-            a = -(-(a + n) // 2) * 2
-        return out
-
-    @property
-    def size(self) -> int:
-        return max(s.stop for s in self.slices.values())
 
 
 @dataclass
@@ -99,24 +61,6 @@ class _Graph:
     out: torch.Tensor        # [B, bl (+ the policy's extra columns)] int64: the active blocks
     #                          after the commit
     loaded: np.ndarray | None = None     # the host vector ``inp`` holds now
-
-
-@dataclass
-class Launched:
-    """A fused step on its way (``FusedSteps.launch``): its output lands in ``out`` (host
-    memory) once ``done`` (a CUDA event; None: already there) has passed."""
-
-    policy: object
-    bl: int
-    out: torch.Tensor
-    done: torch.cuda.Event | None = None
-
-    def result(self) -> StepResult:
-        """Wait for the step; its result."""
-        if self.done is not None:
-            self.done.synchronize()
-        blocks, counters = self.policy.fused_result(self.out.numpy(), self.bl)
-        return StepResult(blocks, counters)
 
 
 class FusedSteps:
@@ -132,6 +76,8 @@ class FusedSteps:
         self.max_rows = max_rows
         self.max_tokens = max_tokens     # larger steps run on the general path (never captured)
         self.capture_rows = capture_rows  # longer per-request queries: captured one later
+        # block-start steps of ``fusable_first`` cache modes too (``EngineConfig.fused_first_steps``)
+        self.first_steps = False
         self.stats = {"fused_steps": 0, "fused_captures": 0, "fused_replays": 0}
         # the policies' limits' model and pool dimensions (per rank; set by the runner): vocab,
         # heads, kv_heads, head_dim, page_size, table_width
@@ -176,12 +122,17 @@ class FusedSteps:
         policy = DECODE_POLICIES[batch[0].params.decode]
         if not policy.fusable or any(not ext.fusable for ext, _ in extensions):
             return False
+        own = policy.fused_body is not None
         for r in batch:
-            p = r.params
-            if (r.first_step or not CACHE_MODES[p.cache].fusable or p.temperature > 0
+            p, mode = r.params, CACHE_MODES[r.params.cache]
+            first_ok = (self.first_steps and mode.fusable_first and r.block > 0 and not own
+                        and not r.stale)
+            if ((r.first_step and not first_ok) or not mode.fusable or p.temperature > 0
                     or p.block_length != bl):
                 return False
-        if self.dims is not None and self.dims.get("block_size") and not all(
+        # a block-causal model's windows are cut at block bounds for the attention
+        # (``_host_inputs``), except under a policy's own body, whose rows must lie in one block
+        if own and self.dims is not None and self.dims.get("block_size") and not all(
                 self._one_block(r, self.dims["block_size"], self.dims["logit_shift"])
                 for r in batch):
             return False
@@ -221,7 +172,7 @@ class FusedSteps:
         lm_rows = (lay.R if lay.R <= self.LM_ALL_ROWS or own_body
                    else self.lm_head_rows(lay.R, masked))
         key = GraphKey("step", (lay.B, lay.T, lay.bl, lay.width, lay.max_q, lay.max_k,
-                                lay.policy, lay.key, lm_rows))
+                                lay.policy, lay.key, lm_rows, lay.A))
         rows = lay.T + policy.fused_extra_rows(lay)
         action = self._decide(key, rows, runner.forward_graphs is not None, lay.max_q,
                               not (replay_only or ahead is not None))     # (count)
@@ -268,7 +219,7 @@ class FusedSteps:
             return last[2], last[3]         # the same plan: same requests in the same blocks
         if signature is None:
             signature = [policy.fused_signature(r) for r in batch]
-        sig = [(r.block, s) for r, s in zip(batch, signature)]
+        sig = [(r.block, r.first_step, s) for r, s in zip(batch, signature)]
         if last is not None and last[1] == sig and same_batch(last[0], batch):
             host, lay = last[2], last[3]
         else:
@@ -314,19 +265,31 @@ class FusedSteps:
         width = runner.table_width
         bl = batch[0].params.block_length
         windows = [CACHE_MODES[r.params.cache].query_range(
-            r.canvas_len, r.block_start, r.block_end, False, shift) for r in batch]
+            r.canvas_len, r.block_start, r.block_end, r.first_step, shift,
+            first_block=r.block == 0) for r in batch]
         counts = [q1 - q0 for q0, q1 in windows]
         B, T = len(batch), sum(counts)
-        key, fields = policy.fused_fields(batch, signature, self.dims)
-        lay = Layout(B, T, bl, width, max(counts), seqlen_bound(max(r.canvas_len for r in batch)),
-                     policy.name, key, tuple(fields))
-        sl = lay.slices
-        host = np.zeros(lay.size, dtype=np.int64)
-        table = runner.block_table(plan)                 # the general path's cached table
-        host[sl["table"]] = table.ravel()
         cu = np.zeros(B + 1, dtype=np.int64)
         cu[1:] = np.cumsum(counts)
         pos, n = range_positions(windows)
+        table = runner.block_table(plan)                 # the general path's cached table
+        lens = [r.canvas_len for r in batch]
+        att = (table, lens, cu.tolist())
+        bs = (self.dims or {}).get("block_size", 0)
+        if bs and policy.fused_body is None:
+            # block-causal: the rows of each block see the keys up to its end (a block-start
+            # step's window holds the block before too), as the general path cuts them
+            att = split_blocks(table, lens, pos, cu.tolist(), bs)
+        elif bs:                 # (every row in its active block: ``_one_block``)
+            att = (table, [min(r.canvas_len, r.block_end) for r in batch], cu.tolist())
+        a_table, a_lens, a_cu = att
+        key, fields = policy.fused_fields(batch, signature, self.dims)
+        lay = Layout(B, T, bl, width, int(np.diff(a_cu).max()),
+                     seqlen_bound(max(r.canvas_len for r in batch)), policy.name, key,
+                     tuple(fields), len(a_lens) if len(a_lens) != B else 0)
+        sl = lay.slices
+        host = np.zeros(lay.size, dtype=np.int64)
+        host[sl["table"]] = a_table.ravel()
         req = np.repeat(np.arange(B), n)
         arena_row = np.array(runner.arena_rows(batch), dtype=np.int64)
         host[sl["ids_idx"]] = arena_row[req] * W + pos
@@ -337,12 +300,8 @@ class FusedSteps:
         q0 = np.array([w[0] for w in windows], dtype=np.int64)
         host[sl["rows"]] = (blk - shift - q0[:, None] + cu[:-1, None]).ravel()
         host[sl["blk_idx"]] = (arena_row[:, None] * W + blk).ravel()
-        host[sl["cu_q"]] = cu
-        bs = (self.dims or {}).get("block_size", 0)
-        # block-causal: every row of a request is in its active block (``_one_block``), whose
-        # end bounds the keys they see
-        host[sl["seq_lens"]] = [min(r.canvas_len, r.block_end) if bs else r.canvas_len
-                                for r in batch]
+        host[sl["cu_q"]] = a_cu
+        host[sl["seq_lens"]] = a_lens
         host[sl["bstart"]] = bstart
         policy.fill_fused(host, sl, batch, signature, arena_row)
         return host, lay
@@ -359,7 +318,7 @@ class FusedSteps:
         i32 = torch.int32
         meta = PagedAttentionMetadata(runner.kv, inp[sl["slots"]], inp[sl["cu_q"]].to(i32),
                                       inp[sl["seq_lens"]].to(i32),
-                                      inp[sl["table"]].to(i32).view(B, -1), lay.max_q,
+                                      inp[sl["table"]].to(i32).view(lay.S, -1), lay.max_q,
                                       runner.backend.inv_freq, lay.max_k,
                                       kv_scales=runner.kv_scales)
         flat = runner.arena.view(-1)

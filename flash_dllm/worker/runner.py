@@ -146,6 +146,7 @@ class ModelRunner:
         if fused or (fused is None and self.forward_graphs is not None):
             self.fused = FusedSteps(self.graph_cache, config.fused_step_max_rows,
                                     config.cuda_graph_max_tokens, config.cuda_graph_max_rows)
+            self.fused.first_steps = config.fused_first_steps
             self.fused.dims = dict(
                 vocab=cfg.vocab_size, heads=cfg.num_heads // world, kv_heads=self.kv_heads,
                 head_dim=cfg.head_dim, page_size=config.page_size, table_width=self.table_width,
@@ -313,10 +314,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan, ahead=None):
         """Start one fused step of ``plan`` from a captured graph and return without waiting
-        for it (multi-step, ``engine/multi_step.py``): a ``fused_step.Launched`` (its
-        ``result()`` waits), or None where this step is not a fused one that can run so
-        (``ahead``: ``FusedSteps.launch``'s). Steps with tier ops or host tiers never launch
-        ahead (their copies run on other streams)."""
+        for it (multi-step, ``engine/multi_step.py``): a ``Launched`` (``result()`` waits), or
+        None where this step is not a fused one that can run so (``ahead``: see
+        ``FusedSteps.launch``). Never with tier ops or host tiers (other streams copy)."""
         if self.fused is None or plan.ops or self.offload is not None or not plan.seqs:
             return None
         states, exts = self._plan_states(plan)
