@@ -51,6 +51,22 @@ def test_fused_block_starts_equal_the_general_path(folder, decode):
     # with the block starts fused, only the requests' first blocks (prefill) take the general
     # path: more fused steps than with steady steps alone
     assert eng.runner.fused.stats["fused_steps"] > seng.runner.fused.stats["fused_steps"]
+    assert eng.runner.fused.stats["fused_block_starts"] > 0
+    assert seng.runner.fused.stats["fused_block_starts"] == 0
+
+
+def test_many_requests_queued_and_early_stop(folder):
+    """More requests than running slots (admissions mid-way, so requests in every phase share
+    steps), more than 8 a step (the one-pass block split) and early stop."""
+    path, bl = folder
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(2 + i % 11)] for i in range(14)]
+    params = SamplingParams(max_tokens=2 * bl, block_length=bl, decode="vanilla", cache="block")
+    ref, _ = _run(path, params, prompts, fused_step=False, max_num_seqs=10)
+    got, eng = _run(path, params, prompts, fused_step=True, fused_first_steps=True,
+                    max_num_seqs=10)
+    assert [r.canvas.tolist() for r in ref] == [r.canvas.tolist() for r in got]
+    assert [r.finish_reason for r in ref] == [r.finish_reason for r in got]
+    assert eng.runner.fused.stats["fused_block_starts"] > 0
 
 
 def test_with_multi_step(folder):

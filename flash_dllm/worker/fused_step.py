@@ -24,7 +24,9 @@ What the graph does, for B requests whose active blocks all have ``bl`` slots:
 
 Eligible steps (``eligible``): CUDA graphs on (or, on the CPU, ``EngineConfig(fused_step=True)``,
 which runs the same body eagerly for the tests); every request on a steady (not first-of-block)
-step of a ``fusable`` cache mode, of one ``fusable`` decode policy (within its ``fused_fits``),
+step of a ``fusable`` cache mode (or, with ``EngineConfig.fused_first_steps``, at a block start
+after the first block of a ``fusable_first`` mode: a block-causal step's attention is cut at block
+bounds, ``Layout.A``), of one ``fusable`` decode policy (within its ``fused_fits``),
 greedy (temperature 0), with no step extension active (sentinels, drift trigger, overflow), all
 blocks full and of one length, and B x bl <= ``fused_step_max_rows``. A policy may bring a body
 of its own (``fused_body``: verify's, ``decoding/policies/verify_fused.py``) instead of the commit
@@ -78,7 +80,8 @@ class FusedSteps:
         self.capture_rows = capture_rows  # longer per-request queries: captured one later
         # block-start steps of ``fusable_first`` cache modes too (``EngineConfig.fused_first_steps``)
         self.first_steps = False
-        self.stats = {"fused_steps": 0, "fused_captures": 0, "fused_replays": 0}
+        self.stats = {"fused_steps": 0, "fused_captures": 0, "fused_replays": 0,
+                      "fused_block_starts": 0}     # (steps with a request at a block start)
         # the policies' limits' model and pool dimensions (per rank; set by the runner): vocab,
         # heads, kv_heads, head_dim, page_size, table_width
         self.dims: dict | None = None
@@ -112,7 +115,8 @@ class FusedSteps:
         return self._eligible[1]
 
     def eligible(self, batch, extensions: list | None = None) -> bool:
-        """Can ``batch`` (the step's requests) run as a fused step (the module docstring)?
+        """Can ``batch`` (the step's requests, steady or, with ``first_steps``, at block starts)
+        run as a fused step (the module docstring)?
         ``extensions``: those active on it (None: found here)."""
         if extensions is None:
             extensions = active_on(batch)
@@ -179,6 +183,7 @@ class FusedSteps:
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
+        self.stats["fused_block_starts"] += any(r.first_step for r in batch)
         policy.before_fused(runner, states)
         bl = lay.bl
 
