@@ -268,7 +268,8 @@ class EngineConfig:
                                     cli=False)
     # a block-cache request's block-start step (the block before with its final tokens, and the
     # new block's first proposal; ``CacheMode.fusable_first``) as a fused step too, its attention
-    # cut at block bounds as the general path cuts it. Off until timed on a GPU
+    # cut at block bounds as the general path cuts it (SDAR-4B batch 128, H100: 38.5 -> 24.2 ms a
+    # block start). Off until batch 1 and serving with requests in mixed phases are timed
     fused_first_steps: bool = knob(False, "block cache: run each block's first step as a fused "
                                           "step too (default: off)", cli=False)
     # several steady fused steps of one plan per engine step, each launched before the host
