@@ -1,14 +1,20 @@
-"""``layers/paged_index.split_blocks``: the per-request loop (small steps) and the one-pass numpy
-split (``_split_blocks_np``, steps of more than ``SPLIT_LOOP_MAX`` requests) cut every step the
-same way: random batches of contiguous windows (requests with no rows among them, windows that
-start mid-block and span several blocks, canvases that end inside a block)."""
+"""``layers/paged_index.split_blocks`` (one numpy pass) cuts every step as the per-request loop it
+replaced does (``benchmarks/step/split_blocks_cpu.split_blocks_loop``, the reference here):
+random batches of contiguous windows (requests with no rows among them, windows that start
+mid-block and span several blocks, canvases that end inside a block)."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flash_dllm.layers import paged_index
+from flash_dllm.layers.paged_index import split_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "step"))
+from split_blocks_cpu import split_blocks_loop  # noqa: E402
 
 
 @st.composite
@@ -30,15 +36,10 @@ def steps(draw):
 
 @settings(max_examples=400, deadline=None)
 @given(steps())
-def test_the_loop_and_the_one_pass_split_agree(case):
+def test_the_one_pass_split_equals_the_loop(case):
     table, lens, pos, cu, bs = case
-    loop = paged_index.SPLIT_LOOP_MAX
-    try:
-        paged_index.SPLIT_LOOP_MAX = 10**9
-        a = paged_index.split_blocks(table, lens, pos, cu, bs)
-    finally:
-        paged_index.SPLIT_LOOP_MAX = loop
-    b = paged_index._split_blocks_np(table, lens, pos, cu, bs)
+    a = split_blocks_loop(table, lens, pos, cu, bs)
+    b = split_blocks(table, lens, pos, cu, bs)
     assert np.array_equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
     assert all(isinstance(x, int) for x in b[1] + b[2])
     # every segment's rows lie in one block and see exactly that block's end (or the canvas's)
@@ -48,9 +49,9 @@ def test_the_loop_and_the_one_pass_split_agree(case):
             assert blk.min() == blk.max() and n == min(lens[r], (blk[0] + 1) * bs)
 
 
-def test_the_engine_takes_the_one_pass_split_for_large_steps():
+def test_requests_without_rows_keep_their_place():
     pos = np.arange(8)
     cu = [0] * 10 + [8]                     # ten requests, nine without rows, one of 8 rows
     table = np.zeros((10, 2), dtype=np.int32)
-    rows, lens, bounds = paged_index.split_blocks(table, [16] * 10, pos, cu, 4)
+    rows, lens, bounds = split_blocks(table, [16] * 10, pos, cu, 4)
     assert len(lens) == 11 and bounds == [0] * 10 + [4, 8] and lens[-2:] == [4, 8]

@@ -14,8 +14,9 @@ def num_transfer_tokens(mask_count: int, steps: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < rem else 0) for i in range(steps))
 
 
-def transfer_count(req) -> int:
-    """Tokens ``vanilla`` commits at ``req``'s current step of its block."""
+def transfer_count(req, step: int | None = None) -> int:
+    """Tokens ``vanilla`` commits at ``req``'s current step of its block (``step``: at that
+    step of the block instead)."""
     p = req.params
     sched = num_transfer_tokens(p.block_length, p.steps_per_block)
-    return sched[min(req.step_in_block, len(sched) - 1)]
+    return sched[min(req.step_in_block if step is None else step, len(sched) - 1)]

@@ -44,13 +44,14 @@ def steps_per_call(config, runner) -> int:
     return 4 if runner.forward_graphs is not None and runner.fused is not None else 1
 
 
-def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, int, list]]:
+def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, list]]:
     """The steps after this one that one call may launch now, each as (the requests' policy
-    signatures, their MASK slots in all, each request's MASK slots): [] when the call runs this
-    step alone."""
+    signatures, each request's MASK slots before it): [] when the call runs this step alone."""
     n = engine.multi_step - 1
+    if n <= 0:
+        return []
     recent = sorted(engine.recent_steps)
-    if n > 0 and recent and recent[len(recent) // 2] > 0:
+    if recent and recent[len(recent) // 2] > 0:
         fit = engine.multi_step_seconds / recent[len(recent) // 2]
         n = min(n, int(min(fit, n + 1)) - 1)
     sch = engine.scheduler
@@ -64,8 +65,7 @@ def steps_ahead(engine, plan: StepPlan) -> list[tuple[list, int, list]]:
     policy = DECODE_POLICIES[name]
     per = [policy.fused_ahead(r, n) for r in reqs]
     known = min(len(p) for p in per)
-    return [([p[j][0] for p in per], sum(p[j][1] for p in per), [p[j][1] for p in per])
-            for j in range(known)]
+    return [([p[j][0] for p in per], [p[j][1] for p in per]) for j in range(known)]
 
 
 def run(engine, plan: StepPlan, t0: float) -> list[StepOutput] | None:
@@ -80,8 +80,8 @@ def run(engine, plan: StepPlan, t0: float) -> list[StepOutput] | None:
     if first is None:
         return None
     launched = [first]
-    for sig, masked, _ in ahead:
-        nxt = runner.launch(plan, (sig, masked))
+    for sig, masks in ahead:
+        nxt = runner.launch(plan, (sig, sum(masks)))
         if nxt is None:              # (no captured graph for it yet)
             break
         launched.append(nxt)
@@ -90,7 +90,7 @@ def run(engine, plan: StepPlan, t0: float) -> list[StepOutput] | None:
     for i, step in enumerate(launched):
         result = step.result()
         if i and any(r.finished or r.block != b or r.num_masked != m for r, b, m
-                     in zip(plan.requests, blocks, ahead[i - 1][2])):
+                     in zip(plan.requests, blocks, ahead[i - 1][1])):
             raise RuntimeError("multi-step: a request's block did not stand where the step "
                                "launched for it assumed (a decode policy's fused_ahead was "
                                "wrong)")

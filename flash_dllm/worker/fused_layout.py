@@ -28,6 +28,7 @@ class Layout:
     # the attention's sequences: a block-causal step's windows cut at block bounds
     # (``layers/paged_index.split_blocks``); 0: one per request
     A: int = 0
+    starts: int = 0          # requests at a block start (``EngineConfig.fused_first_steps``)
 
     @property
     def R(self) -> int:

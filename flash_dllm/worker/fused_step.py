@@ -183,7 +183,7 @@ class FusedSteps:
         if action == "general":
             return None
         self.stats["fused_steps"] += 1
-        self.stats["fused_block_starts"] += any(r.first_step for r in batch)
+        self.stats["fused_block_starts"] += lay.starts > 0
         policy.before_fused(runner, states)
         bl = lay.bl
 
@@ -279,19 +279,17 @@ class FusedSteps:
         pos, n = range_positions(windows)
         table = runner.block_table(plan)                 # the general path's cached table
         lens = [r.canvas_len for r in batch]
-        att = (table, lens, cu.tolist())
+        a_table, a_lens, a_cu = table, lens, cu.tolist()
         bs = (self.dims or {}).get("block_size", 0)
-        if bs and policy.fused_body is None:
+        if bs:
             # block-causal: the rows of each block see the keys up to its end (a block-start
             # step's window holds the block before too), as the general path cuts them
-            att = split_blocks(table, lens, pos, cu.tolist(), bs)
-        elif bs:                 # (every row in its active block: ``_one_block``)
-            att = (table, [min(r.canvas_len, r.block_end) for r in batch], cu.tolist())
-        a_table, a_lens, a_cu = att
+            a_table, a_lens, a_cu = split_blocks(table, lens, pos, a_cu, bs)
         key, fields = policy.fused_fields(batch, signature, self.dims)
         lay = Layout(B, T, bl, width, int(np.diff(a_cu).max()),
                      seqlen_bound(max(r.canvas_len for r in batch)), policy.name, key,
-                     tuple(fields), len(a_lens) if len(a_lens) != B else 0)
+                     tuple(fields), len(a_lens) if len(a_lens) != B else 0,
+                     sum(r.first_step for r in batch))
         sl = lay.slices
         host = np.zeros(lay.size, dtype=np.int64)
         host[sl["table"]] = a_table.ravel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flash_dllm.decoding.policies.base import DecodePolicy
 from flash_dllm.decoding.policies.rules import select_top_k, top_k_rows
-from flash_dllm.decoding.schedule import num_transfer_tokens, transfer_count
+from flash_dllm.decoding.schedule import transfer_count
 
 
 class VanillaPolicy(DecodePolicy):
@@ -31,15 +31,13 @@ class VanillaPolicy(DecodePolicy):
         # each step commits exactly min(k, masked): the block's next steps are known until the
         # step that leaves no MASK (``Request._advance``: a block ends, or the request finishes,
         # only when its last MASK is committed)
-        sched = num_transfer_tokens(req.params.block_length, req.params.steps_per_block)
-        last = len(sched) - 1
         masked, step, out = req.num_masked, req.step_in_block, []
         while len(out) < limit:
-            masked -= min(sched[min(step, last)], masked)
+            masked -= min(transfer_count(req, step), masked)
             step += 1
             if masked <= 0:
                 break
-            out.append((min(sched[min(step, last)], masked), masked))
+            out.append((min(transfer_count(req, step), masked), masked))
         return out
 
     def fused_fields(self, batch, signature, dims):
