@@ -22,7 +22,7 @@
 #           quant    weight-only GEMM tile sweep (writes $OUT/kernel-configs), then bench step
 #                    of bf16 / fp8 / int4 with those tiles (batch 1; fp8 / int4 also with the
 #                    LM head quantized, MODE+head), bf16 / fp8 at batch 64; LLaDA2-mini int4
-#                    experts (and int4+head); the int4 words' study (JOIN = 3)          ~10 min
+#                    experts (and int4+head); the int4 words' study (JOIN = 3); fp8_skinny's tiles ~12 min
 #           skinny   few-row bf16 GEMM: GPU test, sweep vs cuBLAS (writes $OUT/kernel-configs),
 #                    SDAR-4B batch 1 without / with its tiles                          ~6 min
 #           pdl      programmatic dependent launch (opt-in: FLASH_DLLM_PDL=1 or 2): its GPU test,
@@ -219,6 +219,11 @@ group_quant() {
     python3 benchmarks/step/sweep_quant_gemm.py --codes fp8 int4 --rows 32 --buckets 32 1 8 64 \
     --keep 4 --budget-s 110 --write-config "$OUT/kernel-configs" \
     --out "$OUT/step/sweep_quant_gemm_h200.json"
+  # fp8's small calls (fp8_skinny: x quantized in blocks inside an FP8 x FP8 GEMM): its tiles at
+  # 32 rows against the W8A16 read of the same codes, written beside the sweep's
+  run study_fp8_skinny_h200 200 "$OUT/step/study_fp8_skinny_h200.json" \
+    python3 benchmarks/step/study_fp8_skinny.py --rows 32 --configs-out "$OUT/kernel-configs" \
+    --out "$OUT/step/study_fp8_skinny_h200.json"
   # the int4 words (JOIN = 3, int4's GPU layout): their GPU test, then timed against the byte read
   run int4_words_gpu_test 120 - python3 -m pytest -m gpu -q -s tests/gpu/test_quant_gpu.py \
     -k int4_words

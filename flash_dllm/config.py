@@ -44,9 +44,9 @@ QUANT_ACCURACY = ("Measured on the CPU against unquantized: demo model, exact sa
                   "arith int8 97.5%% (same), int4 96.5%% (-1), fp8 98%% (+0.5), code 100%% in "
                   "each mode; proxy-llada chain, default mode, batch 1, n = 200, group 32: "
                   "int8 88.5%% (+1), int4 85.5%% (-2), fp8 86.5%% (-1). "
-                  "Step time on an H100 (LLaDA-8B shape, dual cache, against bf16's): batch 1 "
-                  "fp8 0.74x, int4 0.65x (0.62x with --quantize-lm-head; int8 0.82x with older "
-                  "tiles); batch 64 fp8 1.31x the throughput, int4 0.92x (slower than bf16: "
+                  "Step time (LLaDA-8B shape, dual cache, against bf16's): batch 1 fp8 0.79x on "
+                  "an H200; on an H100 int4 0.65x (0.62x with --quantize-lm-head; int8 0.82x "
+                  "with older tiles); batch 64 fp8 1.31x the throughput, int4 0.92x (slower: "
                   "from 512 rows a GEMM dequantizes a copy) (benchmarks/README.md)")
 
 
@@ -289,7 +289,8 @@ class EngineConfig:
     # load, after the projections are fused; embeddings, LM head and MoE routers stay unquantized
     quantization: str | None = knob(
         None, "quantize the weights at load: fp8 (e4m3 weights, one scale per output channel, "
-              "activations quantized per token at each step, GEMMs on FP8 tensor cores: CUDA "
+              "activations quantized at each call (blocks of 128 values below 64 rows, per "
+              "token from there), GEMMs on FP8 tensor cores: CUDA "
               "compute capability >= 8.9; emulated on the CPU; 1 byte/weight), int8 or int4 "
               "(weight-only, one scale per --quantization-group-size inputs, dequantized inside "
               "the GEMM kernel; 1 or 0.5 byte/weight + scales). " + QUANT_ACCURACY

@@ -11,7 +11,7 @@ import torch
 
 from conftest import EXACT, tiny_llada2_config, tiny_model
 from flash_dllm.config import QUANT_MODES, EngineConfig
-from flash_dllm.kernels import fp8_gemm, quant_gemm
+from flash_dllm.kernels import fp8_gemm, fp8_skinny, quant_gemm
 from flash_dllm.kernels._triton import HAS_TRITON
 from flash_dllm.layers import quant
 from flash_dllm.layers.quant import QuantError, QuantExperts, QuantLinear, quantize_model
@@ -172,35 +172,30 @@ def test_quantize_rows_kernel_scales_equal_the_reference(one_pass):
     (5, 40, 256, None),                                       # K tiles inside the row's scale
     (9, 48, 96, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2})])  # masked tiles
 def test_fp8_codes_run_in_the_weight_only_kernel(dtype, M, N, K, cfg):
-    """e4m3 codes with one scale per row through the W8A16 kernel equal x @ (q * sw)^T."""
+    """e4m3 codes with one scale per row through the W8A16 kernel (the fused MoE's fp8 experts
+    read them so) equal x @ (q * sw)^T."""
     q, sw = fp8_gemm.quantize_weight(_rand(N, K, seed=K, scale=0.05))
     x, bias = _rand(M, K, seed=M).to(dtype), _rand(N, seed=2).to(dtype)
     for b in (None, bias):
         got = quant_gemm.weight_only_triton(x, q, sw.view(-1, 1), b, 8, cfg)
-        ref = fp8_gemm.weight_only_reference(x, q, sw, b)
+        ref = torch.nn.functional.linear(x.float(), q.float()) * sw
+        ref = (ref if b is None else ref + b.float()).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def test_fp8_weight_only_rows_stay_in_the_skinny_kernel():
-    """``fp8_gemm.op`` hands its small calls to ``quant_gemm.op``, whose skinny kernel reads e4m3
-    codes: its dequantize-once path (from ``DEQUANT_MIN_ROWS``) does not, so the rows must stay
-    below it."""
-    assert fp8_gemm.W8A8_MIN_ROWS <= quant_gemm.DEQUANT_MIN_ROWS
-
-
-def test_fp8_small_calls_are_weight_only_and_large_ones_quantize_x(monkeypatch):
-    """The rows rule of ``fp8_gemm.op``, the same on the CPU as on the GPU: x stays unquantized
-    below ``W8A8_MIN_ROWS`` rows, and is quantized per token from there."""
+def test_fp8_small_calls_quantize_x_in_blocks_and_large_ones_per_token(monkeypatch):
+    """The rows rule of ``fp8_gemm.op``, the same on the CPU as on the GPU: below
+    ``W8A8_MIN_ROWS`` rows ``fp8_skinny``'s product (x in blocks of 128, power-of-two scales),
+    from there x quantized per token."""
     monkeypatch.setattr(fp8_gemm, "W8A8_MIN_ROWS", 8)
-    q, sw = fp8_gemm.quantize_weight(_rand(16, 64, seed=3, scale=0.05))
-    x = _rand(2, 4, 64, seed=4)                                # 8 rows
-    torch.testing.assert_close(fp8_gemm.op(x[:1], q, sw, None),
-                               fp8_gemm.weight_only_reference(x[:1], q, sw, None))
-    torch.testing.assert_close(fp8_gemm.op(x, q, sw, None),
-                               fp8_gemm.fp8_reference(x, q, sw, None))
+    q, sw = fp8_gemm.quantize_weight(_rand(16, 256, seed=3, scale=0.05))
+    x = _rand(2, 4, 256, seed=4)                               # 8 rows
+    x[0, 0, 200] = 50.0                  # an outlier: the two quantizations differ in row 0
+    assert torch.equal(fp8_gemm.op(x[:1], q, sw, None), fp8_skinny.reference(x[:1], q, sw, None))
+    assert torch.equal(fp8_gemm.op(x, q, sw, None), fp8_gemm.fp8_reference(x, q, sw, None))
     assert not torch.equal(fp8_gemm.op(x, q, sw, None)[:1],
-                           fp8_gemm.weight_only_reference(x[:1], q, sw, None))
+                           fp8_skinny.reference(x[:1], q, sw, None))
 
 
 # ------------------------------------------------------------------------------ whole models

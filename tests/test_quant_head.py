@@ -9,7 +9,7 @@ import torch
 
 from conftest import EXACT, tiny_model
 from flash_dllm.config import QUANT_MODES, EngineConfig
-from flash_dllm.kernels import fp8_gemm, quant_gemm
+from flash_dllm.kernels import fp8_gemm, fp8_skinny, quant_gemm
 from flash_dllm.layers.attention import DenseContext
 from flash_dllm.layers.quant import QuantLinear, quantize_model
 
@@ -49,8 +49,11 @@ def test_head_logits_are_the_dequantized_codes(mode, tied):
         h = base.hidden(ids, pos, DenseContext())
         torch.testing.assert_close(h, body.hidden(ids, pos, DenseContext()), rtol=0, atol=0)
         got = base.logits(h)
-    want = _final_norm(base, h) @ _dequantized_codes(head_w, mode, 32).t()
-    # (fp8: 40 rows, below fp8_gemm.W8A8_MIN_ROWS, stay weight-only: x is not quantized)
+    hn = _final_norm(base, h)
+    if mode == "fp8":       # (40 rows, below fp8_gemm.W8A8_MIN_ROWS: x quantized in blocks)
+        hn = fp8_skinny.dequantize_blocks(*fp8_skinny.quantize_blocks(hn.view(-1, hn.shape[-1])))
+        hn = hn.view(got.shape[:-1] + (-1,))
+    want = hn @ _dequantized_codes(head_w, mode, 32).t()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -9,8 +9,9 @@ device's tuned config (``kernels/configs/quant_gemm/<device>.json``).
    ``F.linear``; the weight-only kernel with its current tiles (a tuned file's when one is found,
    else ``default_config``); the dequantize-once path (``dequantize_triton`` + ``F.linear``, what
    ``quant_gemm.op`` takes from ``DEQUANT_MIN_ROWS`` rows); FP8 weights both ways: their e4m3
-   codes in the weight-only kernel (``fp8_kernel_us``: ``fp8_gemm.op`` below ``W8A8_MIN_ROWS``)
-   and x quantized too on FP8 tensor cores (``fp8_w8a8_us``: ``fp8_scaled_mm``).
+   codes in the weight-only kernel (``fp8_kernel_us``: the fused MoE's fp8 experts' read; the
+   dense layers' small calls run ``fp8_skinny`` now, timed by ``study_fp8_skinny.py``) and x
+   quantized per token on FP8 tensor cores (``fp8_w8a8_us``: ``fp8_scaled_mm``).
 2. The sweep, for each code (int8, fp8, int4): every tile of ``GRID`` at the first row bucket (each new tile
    compiles once; N and K are runtime arguments, so the four shapes share it), then the best
    ``--keep`` tiles of that bucket at every other bucket below ``DEQUANT_MIN_ROWS``, until
@@ -228,7 +229,7 @@ def main() -> None:
         packs = {code: (*quant_gemm.quantize(w, CODE_BITS[code], a.group), CODE_BITS[code])
                  for code in ("int8", "int4")}
         f8 = fp8_gemm.quantize_weight(w) if fp8_gemm.supported(dev) else None
-        if f8 is not None:               # e4m3 codes, one scale per row (fp8_gemm's small calls)
+        if f8 is not None:               # e4m3 codes, one scale per row (fp8 MoE experts' read)
             packs["fp8"] = (f8[0], f8[1].view(-1, 1), 8)
         weights[name] = (w, packs, f8)
     cases = baseline(weights, a.rows, a.reps, a.group, dev)

@@ -18,7 +18,7 @@ or ``FLASH_DLLM_DISABLE_TRITON=1``). ``kernels/`` never imports ``layers/`` or `
 | `fixed_gemm`      | a GEMM with one tile for every shape (batch-invariant rows: `deterministic` on a GPU) | fixed_gemm.py |
 
 Kernels with their own dispatch (not in ``OPS``): the quantized GEMMs (``quant_gemm``, its decoders
-``quant_decode``, ``fp8_gemm``, ``fused_moe_quant``), ``skinny_gemm`` (few-row bf16 GEMMs and
+``quant_decode``, ``fp8_gemm``, ``fp8_skinny``, ``fused_moe_quant``), ``skinny_gemm`` (few-row bf16 GEMMs and
 SwiGLU's fused activation, on only where a sweep's tuned entry says it beats cuBLAS; called
 through ``layers/linear.dense``), ``fixed_gemm`` and ``rope_cache_fp8``. Study kernels the engine
 does not use (a fused LM head + confidence, the first skinny GEMM) live in ``benchmarks/studies/``.

@@ -1,21 +1,19 @@
-"""FP8 (e4m3) GEMM with per-output-channel weight scales and per-token dynamic activation scales:
+"""FP8 (e4m3) GEMM with per-output-channel weight scales and dynamic activation scales:
 ``out = (q(x) * sx) @ (q(W) * sw)^T + bias``.
 
 Layout: ``qweight`` float8_e4m3fn ``[N, K]``, ``wscale`` float32 ``[N]`` (``W[n] ~ q(W)[n] *
-wscale[n]``, ``wscale = absmax(W[n]) / 448``). At each call every row of ``x`` is quantized
-with its own scale (``absmax(x[m]) * fp32(1 / 448)``, one product on every device): no
-calibration, an outlier token costs only its own row's resolution.
+wscale[n]``, ``wscale = absmax(W[n]) / 448``). At each call ``x`` is quantized with scales of
+its own: no calibration, an outlier costs only its own row's (or block's) resolution.
 
 Two products, chosen by the rows of the call (the same rule on every device, so the CPU's
 emulation measures what the GPU runs):
 
-- Fewer than ``W8A8_MIN_ROWS`` rows (a small batch's step, bound by reading the weights):
-  weight-only, ``out = x @ (q(W) * sw)^T``: the e4m3 codes stream through the skinny W8A16
-  kernel of ``kernels/quant_gemm.py`` (each code converted to x's dtype in registers, exact:
-  every e4m3 value is a bf16 / fp16 value; the per-channel scale applied to the fp32 tile sum);
-  x is not quantized. Elsewhere ``weight_only_reference`` (fp32).
-- From ``W8A8_MIN_ROWS`` rows (compute-bound): x quantized per token too, the FP8 tensor cores'
-  product:
+- Fewer than ``W8A8_MIN_ROWS`` rows (a small batch's step, bound by reading the weights): x
+  quantized in blocks of 128 values with power-of-two scales inside the GEMM kernel, FP8 tensor
+  cores on the e4m3 weights as stored (``kernels/fp8_skinny.py``: no pass over x before the GEMM,
+  no decode of the weights); elsewhere its ``reference`` (fp32).
+- From ``W8A8_MIN_ROWS`` rows (compute-bound): x quantized per token by a kernel of its own, the
+  product cuBLAS's:
 
 Paths of the W8A8 product (the same math):
 
@@ -35,7 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from flash_dllm.kernels import quant_gemm
+from flash_dllm.kernels import fp8_skinny
 from flash_dllm.kernels._triton import HAS_TRITON, check, describe, next_pow2, use_triton
 
 FP8 = torch.float8_e4m3fn
@@ -171,33 +169,27 @@ def fp8_scaled_mm(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     return out.to(x.dtype).view(*lead, -1)
 
 
-# NOTE: the rows from which activations are quantized too and FP8 tensor cores run the product;
-# below, reading the weights is the whole cost and the weight-only kernel streams the same bytes
-# with no activation quantization (its kernels cost ~10 us per GEMM in a batch-1 step on an H100:
-# benchmarks/findings/quantization.md). As ``quant_gemm.DEQUANT_MIN_ROWS``, to be set from the
-# sweep's fp8 rows (``benchmarks/step/sweep_quant_gemm.py``).
-W8A8_MIN_ROWS = 512
-
-
-def weight_only_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] -> [..., N]: ``x @ (q(W) * sw)^T`` in fp32 (x not quantized), rounded once."""
-    acc = F.linear(x.float(), qweight.float()) * wscale.float()
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(x.dtype)
+# NOTE: the rows from which x is quantized per token by a kernel of its own and cuBLAS runs the
+# FP8 product; below, reading the weights is the whole cost and ``fp8_skinny`` quantizes x's blocks
+# inside its GEMM (no extra launch: a separate quantization kernel costs ~10 us per GEMM in a
+# batch-1 step on an H100). On an H200, LLaDA-8B dual steps: at 32 rows a call ``fp8_skinny``'s
+# step is 4.15 ms; at 64 rows both take 5.6 ms; at 128 / 256 rows cuBLAS's 5.98 / 7.32 ms against
+# 8.99 / 14.13 (``fp8_skinny`` streams the weights once per 64 rows and re-quantizes x's tile in
+# every program: benchmarks/findings/quantization.md).
+W8A8_MIN_ROWS = 64
 
 
 def op(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
        bias: torch.Tensor | None) -> torch.Tensor:
-    """The module's rule: weight-only below ``W8A8_MIN_ROWS`` rows (the skinny kernel on CUDA,
-    the fp32 reference elsewhere), else FP8 tensor cores where the device has them and the
-    emulation elsewhere."""
+    """The module's rule: below ``W8A8_MIN_ROWS`` rows ``fp8_skinny`` (its kernel where the
+    device has FP8 tensor cores, its reference elsewhere), else cuBLAS's row-wise FP8 product
+    where the device has them and its emulation elsewhere."""
     rows = x.numel() // max(1, x.shape[-1])
+    fp8_cores = x.is_cuda and supported(x.device)
     if rows < W8A8_MIN_ROWS:
-        if use_triton(x, qweight) and supported(x.device):   # (below its DEQUANT_MIN_ROWS)
-            return quant_gemm.op(x, qweight, wscale.view(-1, 1), bias, 8)
-        return weight_only_reference(x, qweight, wscale, bias)
-    if x.is_cuda and x.dtype != torch.float32 and supported(x.device):
+        if fp8_cores:
+            return fp8_skinny.op(x, qweight, wscale, bias)
+        return fp8_skinny.reference(x, qweight, wscale, bias)
+    if fp8_cores and x.dtype != torch.float32:
         return fp8_scaled_mm(x, qweight, wscale, bias)
     return fp8_reference(x, qweight, wscale, bias)

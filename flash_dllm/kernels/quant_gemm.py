@@ -5,8 +5,8 @@ Layout (what ``quantize`` returns and the kernels read):
 
 - ``qweight``: int8 ``[N, K]`` (bits 8), or uint8 ``[N, K / 2]`` (bits 4: two weights per byte,
   column ``2j`` in the low nibble, ``2j + 1`` in the high one, each stored as ``q + 8`` in
-  ``[0, 15]``); 8 bits may also be e4m3 codes (float8_e4m3fn ``[N, K]``: ``fp8_gemm``'s
-  weight-only rows, one float32 scale per row, i.e. ``scales`` ``[N, 1]``; every e4m3 value is
+  ``[0, 15]``); 8 bits may also be e4m3 codes (float8_e4m3fn ``[N, K]``: the fused MoE's fp8
+  experts, ``fused_moe_quant``; one float32 scale per row, i.e. ``scales`` ``[N, 1]``; every e4m3 value is
   exact in bf16, so the kernel's conversion is exact as the integers' is);
 - ``scales``: float16 ``[N, K / group]``, one per output row and ``group`` consecutive inputs;
 - the weight is ``W[n, k] = q[n, k] * scales[n, k // group]`` (symmetric, no zero point):

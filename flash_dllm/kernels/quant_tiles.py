@@ -13,7 +13,7 @@ import torch
 from flash_dllm.kernels import tuned_configs
 from flash_dllm.kernels._triton import next_pow2
 
-FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (fp8_gemm's weight-only rows)
+FP8 = torch.float8_e4m3fn        # 8-bit codes may also be e4m3 (the fused MoE's fp8 experts)
 
 
 def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> dict:
@@ -36,7 +36,7 @@ def default_config(M: int, N: int, K: int, group: int, num_sms: int = 132) -> di
 
 def code_name(qweight: torch.Tensor, bits: int) -> str:
     """What the packed weights hold: ``"int8"``, ``"int4"`` or ``"fp8"`` (e4m3 codes, the 8-bit
-    path: ``fp8_gemm``'s weight-only rows)."""
+    path: the fused MoE's fp8 experts)."""
     return "fp8" if qweight.dtype == FP8 else f"int{bits}"
 
 

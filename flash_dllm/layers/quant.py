@@ -5,11 +5,11 @@ One seam, as vLLM's ``LinearMethod``: a ``QuantLinear`` keeps its packed tensors
 parameters and its ``forward`` is ``method.apply(self, x)``; the attention, MLP and MoE code call
 it as they call an ``nn.Linear``. Modes (``QUANT_MODES``):
 
-- ``fp8``: e4m3 weights with one float32 scale per output channel; below
-  ``fp8_gemm.W8A8_MIN_ROWS`` rows per call the codes stream through the W8A16 kernel (x in its
-  dtype), from there activations are quantized per token at every call (dynamic) and the GEMM
-  runs on FP8 tensor cores (``kernels/fp8_gemm.py``; the CPU emulates both by the same rule).
-  1 byte per weight.
+- ``fp8``: e4m3 weights with one float32 scale per output channel, activations quantized at
+  every call (dynamic), the GEMMs on FP8 tensor cores: below ``fp8_gemm.W8A8_MIN_ROWS`` rows per
+  call x in blocks of 128 values with power-of-two scales inside the GEMM kernel
+  (``kernels/fp8_skinny.py``), from there per token by a kernel of its own and cuBLAS's product
+  (``kernels/fp8_gemm.py``; the CPU emulates both by the same rule). 1 byte per weight.
 - ``int8`` / ``int4``: weight-only, one float16 scale per output row and ``group_size`` inputs,
   dequantized inside the GEMM kernel (``kernels/quant_gemm.py``, W8A16 / W4A16). 1 / 0.5 bytes
   per weight plus 2 / group_size for the scales.
@@ -67,12 +67,13 @@ class QuantError(ValueError):
 
 
 class Fp8Method:
-    """fp8 e4m3 weights, per-output-channel scales, per-token dynamic activation scales."""
+    """fp8 e4m3 weights, per-output-channel scales, dynamic activation scales (``fp8_gemm``)."""
 
     name = "fp8"
     names = ("qweight", "wscale")
     # why a deterministic engine refuses this mode on a GPU (None: batch-invariant there)
-    not_batch_invariant = "torch._scaled_mm picks its kernel by shape"
+    not_batch_invariant = ("torch._scaled_mm picks its kernel by shape, and how x is quantized "
+                           "follows the rows of the call (fp8_gemm.W8A8_MIN_ROWS)")
 
     def check(self, layer: str, in_features: int, device: torch.device) -> None:
         if device.type == "cuda" and not fp8_gemm.supported(device):

@@ -1,5 +1,6 @@
 """Quantized weights on CUDA (issue 40): the W8A16 / W4A16 Triton GEMM against its reference at
-the LLaDA-8B shapes, the FP8 path (``torch._scaled_mm``) against its emulation, and the engine
+the LLaDA-8B shapes, the FP8 paths (``fp8_skinny``, ``torch._scaled_mm``) against their
+emulations, and the engine
 (CUDA graphs, fused steps) answering as unquantized on the demo model. Timing lines with ``-s``:
 ``python -m pytest -m gpu tests/gpu/test_quant_gpu.py -q -s`` (the weight-read floor of each
 GEMM is its packed bytes over the card's copy rate)."""
@@ -14,7 +15,7 @@ if not torch.cuda.is_available():  # pragma: no cover - CPU machines deselect or
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from flash_dllm.kernels import fp8_gemm, quant_gemm
+from flash_dllm.kernels import fp8_gemm, fp8_skinny, quant_gemm
 
 DEV = torch.device("cuda")
 # LLaDA-8B's GEMMs at batch 1 (32 rows): qkv, o, gate_up, down
@@ -190,20 +191,62 @@ def test_fp8_scaled_mm_matches_emulation(M, N, K):
 
 
 @pytest.mark.skipif(not fp8_gemm.supported(DEV), reason="needs FP8 tensor cores (cc >= 8.9)")
-@pytest.mark.parametrize("M,N,K", SHAPES + [(1, 4096, 4096), (256, 4096, 4096)])
-def test_fp8_weight_only_rows_match_reference(M, N, K):
-    """Below ``W8A8_MIN_ROWS`` ``fp8_gemm.op`` streams the e4m3 codes through the W8A16 kernel."""
+@pytest.mark.parametrize("M,N,K", SHAPES + [(1, 4096, 4096), (4, 4096, 4096), (63, 4096, 4096),
+                                           (7, 1000, 200)])
+def test_fp8_small_calls_run_fp8_skinny(M, N, K):
+    """Below ``W8A8_MIN_ROWS`` ``fp8_gemm.op`` is ``fp8_skinny``: x's blocks quantized in the
+    kernel, FP8 tensor cores. The codes are the reference's bit for bit (power-of-two scales),
+    so what differs is the fp32 sums' order: the output's last place."""
     g = torch.Generator(device=DEV).manual_seed(M + K)
     w = torch.randn(N, K, device=DEV, generator=g) * 0.02
     x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+    x[0, K // 3] = 80.0                                      # an outlier in one block
     q, sw = fp8_gemm.quantize_weight(w)
-    got = fp8_gemm.op(x, q, sw, None)
-    ref = fp8_gemm.weight_only_reference(x, q, sw, None)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    bias = torch.randn(N, device=DEV, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        got = fp8_gemm.op(x, q, sw, b)
+        ref = fp8_skinny.reference(x.cpu(), q.cpu(), sw.cpu(), None if b is None else b.cpu())
+        torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=1e-2, atol=2e-2)
     us = _time(lambda: fp8_gemm.op(x, q, sw, None))
     us_bf16 = _time(lambda: x @ w.to(torch.bfloat16).t())
-    print(f"\nfp8 weight-only M={M} N={N} K={K}: {us:.1f} us ({N * K / us / 1e3:.0f} GB/s), "
+    print(f"\nfp8 M={M} N={N} K={K}: {us:.1f} us ({N * K / us / 1e3:.0f} GB/s), "
           f"bf16 cuBLAS {us_bf16:.1f} us")
+
+
+@pytest.mark.skipif(not fp8_gemm.supported(DEV), reason="needs FP8 tensor cores (cc >= 8.9)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("K,split", [(4096, 1), (200, 2), (4096, 8)])
+def test_fp8_skinny_codes_are_torchs_bit_for_bit(dtype, K, split):
+    """The identity as weight: each output is one code times its scale, exact. The kernel's
+    conversion (``cvt.rn.satfinite``, no clamp) gives torch's e4m3 codes for every value."""
+    g = torch.Generator(device=DEV).manual_seed(K)
+    x = (torch.randn(32, K, device=DEV, generator=g) * 3).to(dtype)
+    x[1] = 0
+    x[2, :128] *= 2.0 ** -20
+    x[3, 7] = 300.0
+    eye = torch.eye(K, device=DEV).to(fp8_skinny.FP8)
+    got = fp8_skinny.fp8_skinny(x, eye, torch.ones(K, device=DEV), None,
+                                {"SPLIT_K": split, "BLOCK_N": 64, "BLOCK_M": 32})
+    want = fp8_skinny.dequantize_blocks(*fp8_skinny.quantize_blocks(x.cpu())).to(dtype)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.skipif(not fp8_gemm.supported(DEV), reason="needs FP8 tensor cores (cc >= 8.9)")
+def test_fp8_skinny_splits_rearm_across_graph_replays():
+    """The split-K counters are left at zero by every launch: a graph replays the GEMM as it
+    ran eagerly, on new inputs."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, sw = fp8_gemm.quantize_weight(torch.randn(4096, 4096, device=DEV, generator=g) * 0.02)
+    x = torch.randn(32, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    cfg = {"SPLIT_K": 8, "BLOCK_N": 64, "BLOCK_M": 32}
+    fp8_skinny.fp8_skinny(x, q, sw, None, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_skinny.fp8_skinny(x, q, sw, None, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(32, 4096, device=DEV, generator=g).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, fp8_skinny.fp8_skinny(x, q, sw, None, cfg))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
