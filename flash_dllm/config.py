@@ -43,9 +43,9 @@ LM_HEAD_SUFFIX = "+head"   # a mode name's suffix where the LM head is quantized
 QUANT_ACCURACY = ("Measured on the CPU against unquantized: demo model, exact sampler, n = 200: "
                   "arith int8 97.5%% (same), int4 96.5%% (-1), fp8 98%% (+0.5), code 100%% in "
                   "each mode; proxy-llada chain, default mode, batch 1, n = 200, group 32: "
-                  "int8 88.5%% (+1), int4 85.5%% (-2), fp8 86.5%% (-1). "
-                  "Step time (LLaDA-8B shape, dual cache, against bf16's): batch 1 fp8 0.79x on "
-                  "an H200; on an H100 int4 0.65x (0.62x with --quantize-lm-head; int8 0.82x "
+                  "int8 88.5%% (+1), int4 85.5%% (-2), fp8 85.5%% (-2; -0.5 over 400). "
+                  "Step time on an H100 (LLaDA-8B shape, dual cache, against bf16's): batch 1 "
+                  "fp8 0.73x, int4 0.65x (0.70x / 0.62x with --quantize-lm-head; int8 0.82x "
                   "with older tiles); batch 64 fp8 1.31x the throughput, int4 0.92x (slower: "
                   "from 512 rows a GEMM dequantizes a copy) (benchmarks/README.md)")
 
