@@ -66,6 +66,14 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return HAS_TRITON and not DISABLE and all(t.is_cuda for t in tensors)
 
 
+def split_slices(K: int, split: int, block: int) -> tuple[int, int]:
+    """(K per slice, slices) of a split-K launch: ``split`` slices of K, each starting on a
+    ``block`` boundary (fewer slices when the rounding leaves the last ones empty)."""
+    per = -(-K // split)
+    per = -(-per // block) * block
+    return per, -(-K // per)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -50,6 +50,8 @@ from flash_dllm.kernels._triton import (
     check_dtype,
     describe,
     interpreting,
+    next_pow2,
+    split_slices,
     use_triton,
 )
 
@@ -103,8 +105,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from flash_dllm.kernels._triton import split_sum
-    from flash_dllm.kernels.quant_gemm import _store_out
+    from flash_dllm.kernels.quant_gemm import finish_tile
 
     @triton.jit
     def _quant_tile(x, INV_MAX: tl.constexpr, UPCAST: tl.constexpr):
@@ -169,19 +170,8 @@ if HAS_TRITON:
             acc += tl.dot(w, tl.trans(qx)) * sx[None, :]
         acc = tl.trans(acc)                                              # [BM, BN]
         acc = acc * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        omask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT > 1:
-            # quant_gemm's split: fp32 partials, the tile's last slice adds them in slice order
-            part = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
-            tl.store(part + pid_k.to(tl.int64) * stride_ps, acc, mask=omask)
-            tl.debug_barrier()
-            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
-                acc = split_sum(part, stride_ps, omask, SPLIT, BLOCK_M, BLOCK_N)
-                _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
-                tl.atomic_xchg(cnt, 0)
-        else:
-            _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
+        finish_tile(acc, part_ptr, cnt_ptr, b_ptr, out_ptr, rows, cols, row_ok, col_ok,
+                    stride_om, stride_pm, stride_ps, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
@@ -189,7 +179,7 @@ def default_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     until the grid holds ~one wave of ``num_sms`` programs (90 %), keeping 4 K tiles a slice.
     These are the tiles an H200's sweep chose at LLaDA-8B's four shapes, 32 rows
     (``configs/fp8_skinny``; benchmarks/findings/quantization.md)."""
-    block_m = min(64, max(16, 1 << max(0, (M - 1).bit_length())))
+    block_m = min(64, max(16, next_pow2(M)))
     tiles = -(-N // 128) * -(-M // block_m)
     split = 1
     while tiles * split * 10 < 9 * num_sms and K // (split * 2) >= 4 * ACT_BLOCK:
@@ -272,9 +262,7 @@ def fp8_skinny(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     cnt = (quant_gemm.split_counters(x.device, tiles[0] * tiles[1]) if cfg["SPLIT_K"] > 1
            else None)
     split = cfg["SPLIT_K"] if cnt is not None else 1
-    per = -(-K // split)
-    per = -(-per // ACT_BLOCK) * ACT_BLOCK              # slices start on an activation block
-    split = -(-K // per)
+    per, split = split_slices(K, split, ACT_BLOCK)      # (slices start on an activation block)
     part = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
             else out)
     _fp8_skinny_kernel[(tiles[0], split, tiles[1])](

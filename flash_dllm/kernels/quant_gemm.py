@@ -78,6 +78,7 @@ from flash_dllm.kernels._triton import (
     describe,
     interpreting,
     pdl_args,
+    split_slices,
     use_triton,
 )
 
@@ -278,15 +279,24 @@ if HAS_TRITON:
                          q_ptr + cols[:, None].to(tl.int64) * stride_qn,
                          s_ptr + cols[:, None].to(tl.int64) * stride_sn, col_ok, k_start, k_end,
                          GROUP, BITS, BLOCK_K, UPCAST, PREC, JOIN, FP8, SWAP)
+        finish_tile(acc, part_ptr, cnt_ptr, b_ptr, out_ptr, rows, cols, row_ok, col_ok,
+                    stride_om, stride_pm, stride_ps, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def finish_tile(acc, part_ptr, cnt_ptr, b_ptr, out_ptr, rows, cols, row_ok, col_ok,
+                    stride_om, stride_pm, stride_ps, HAS_BIAS: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A program's fp32 output tile [BM, BN] (grid: column tiles, K slices, row tiles), with
+        the bias, stored; with a K split, as its slice's partial (also ``fp8_skinny``'s)."""
         omask = row_ok[:, None] & col_ok[None, :]
         if SPLIT > 1:
             # fp32 partials [SPLIT, M, N]; the tile's last slice to finish (its counter) adds
             # them in slice order (deterministic: the order never depends on who came last),
             # writes the output and re-arms the counter for the next launch or graph replay
             part = part_ptr + rows[:, None].to(tl.int64) * stride_pm + cols[None, :]
-            tl.store(part + pid_k.to(tl.int64) * stride_ps, acc, mask=omask)
+            tl.store(part + tl.program_id(1).to(tl.int64) * stride_ps, acc, mask=omask)
             tl.debug_barrier()                         # every thread's partial is written
-            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            cnt = cnt_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
             if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
                 acc = split_sum(part, stride_ps, omask, SPLIT, BLOCK_M, BLOCK_N)
                 _store_out(acc, b_ptr, out_ptr, rows, cols, col_ok, omask, stride_om, HAS_BIAS)
@@ -360,9 +370,7 @@ def weight_only_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     tiles = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     cnt = split_counters(x.device, tiles[0] * tiles[1]) if cfg["SPLIT_K"] > 1 else None
     split = cfg["SPLIT_K"] if cnt is not None else 1
-    per = -(-K // split)
-    per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]        # slices start on a BLOCK_K boundary
-    split = -(-K // per)
+    per, split = split_slices(K, split, cfg["BLOCK_K"])   # (slices start on a BLOCK_K boundary)
     grid = (tiles[0], split, tiles[1])
     part = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
             else out)                                     # (unused unless split > 1)

@@ -37,6 +37,7 @@ from flash_dllm.kernels._triton import (
     interpreting,
     pdl_args,
     prefetch_lines,
+    split_slices,
     use_triton,
 )
 
@@ -188,9 +189,7 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tiles = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     cnt = (quant_gemm.split_counters(x.device, tiles[0] * tiles[1]) if cfg["SPLIT_K"] > 1
            else None)                    # (None: no buffer can be made now: no K split)
-    per = -(-K // (cfg["SPLIT_K"] if cnt is not None else 1))
-    per = -(-per // cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = -(-K // per)
+    per, split = split_slices(K, cfg["SPLIT_K"] if cnt is not None else 1, cfg["BLOCK_K"])
     grid = (tiles[0], split, tiles[1])
     pdl = pdl_args(x)
     lines = (prefetch_lines(grid[0] * split * (2 if silu else 1), cfg["BLOCK_N"],
