@@ -139,6 +139,53 @@ def test_triton_paged_attention_reads_fp8_pages_as_the_reference(mode):
 
 
 
+@needs_interpreter
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_pages_with_fp16_dots_equal_the_reference(split):
+    """``f16``: bf16 queries rounded to fp16 (exact in its range), the codes converted to fp16
+    (exact), each tile's probabilities scaled by the keys' v scales over the tile's largest:
+    the bf16 output equals the reference's to its rounding. (Through the interpreter only fp16
+    converts e4m3 right: its bf16 conversion of the codes is wrong, so the kernel's bf16 dots
+    are tested on the GPU.)"""
+    kc, vc, ks, vs, table, lens = _fp8_pages(seed=7)
+    vs[0] *= 1e-3                                 # one page of far smaller values in the tiles
+    q = torch.randn(6, 4, 16).to(torch.bfloat16)
+    cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    ref = paged_attention.paged_attention_reference(q.float(), kc, vc, cu, lens, table,
+                                                    k_scale=ks, v_scale=vs)
+    extra = dict(max_seqlen_k=16, num_splits=2, block_n=4) if split else dict(block_n=8)
+    got = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 3, k_scale=ks,
+                                                 v_scale=vs, f16=True, **extra)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="f16"):
+        paged_attention.paged_attention_triton(q.float(), kc, vc, cu, lens, table, 3,
+                                               k_scale=ks, v_scale=vs, f16=True)
+
+
+@needs_interpreter
+def test_fp16_dots_keep_precision_on_a_page_of_far_smaller_values():
+    """The attention of request 0 sits on its first page (k scale x 100) whose values are 1e6
+    times smaller than the next page's in the same tile: the probabilities are scaled per row
+    before fp16, so its output keeps bf16's relative precision (scaled per tile, p x 1e-6 would
+    fall into fp16's subnormals)."""
+    kc, vc, ks, vs, table, lens = _fp8_pages(seed=3)
+    first = int(table[0, 0])
+    ks[first] *= 100.0
+    vs[first] *= 1e-6
+    q = (torch.randn(6, 4, 16) * 4).to(torch.bfloat16)
+    cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    ref = paged_attention.paged_attention_reference(q.float(), kc, vc, cu, lens, table,
+                                                    k_scale=ks, v_scale=vs)[:3]
+    got = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 3, k_scale=ks,
+                                                 v_scale=vs, f16=True, block_n=8)[:3].float()
+    top = ref.abs().amax(-1)                                             # [3 rows, 4 heads]
+    small = top < 1e-4                       # (row, head)s that see the small page's values
+    assert small.sum() >= 3, top
+    err = (got - ref).abs().amax(-1)
+    assert (err[small] <= 2e-2 * top[small]).all(), (err[small] / top[small]).max()
+
+
 def test_pool_of_fp8_pages_holds_about_twice_the_tokens_of_bf16():
     budget = 64 << 20
     bf16 = PagedKVLayout.for_budget(budget, 32, 8, 128, 16, torch.bfloat16)

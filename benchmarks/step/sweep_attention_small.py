@@ -48,7 +48,7 @@ def main() -> None:
         want = paged_attention.paged_attention_reference(q, kcs[0], vcs[0], cu, lens, bt, Tq)
         best = None
         for splits, bn, warps, stages in itertools.product(
-                (None, 2, 4, 8), (32, 64), (2, 4), (1, 2)):
+                (None, 2, 4, 8), (32, 64, 128), (2, 4), (1, 2)):
             kw = dict(block_n=bn, num_warps=warps, num_stages=stages, num_splits=splits)
             try:
                 out = paged_attention.paged_attention_triton(q, kcs[0], vcs[0], cu, lens, bt, Tq,

@@ -12,7 +12,9 @@ each key receives summed over the request's queries and heads (Flash-Cache's top
 Elastic-Cache's drift tests). Columns >= L_b are 0; each row sums to ``q_len_b * H``.
 
 fp8 pools (``kernels/kv_quant.py``): e4m3 caches with ``k_scale`` / ``v_scale`` [num_pages, Hkv]
-fp32; each key / value row is loaded as bytes and scaled by its page's scale (no dequantised copy).
+fp32; the codes are loaded as bytes and meet q (and the probabilities) in the dots as values, each
+key's page scale multiplying its scores and probabilities (no dequantised copy); ``f16`` takes
+those dots in fp16 (``paged_attention_triton``).
 
 Split-KV (flash-decoding) for small batches: with few requests the grid has few programs (batch 1
 of LLaDA-8B: 32 heads x 1 query tile = 32 programs on 132 SMs), each streaming its request's whole
@@ -33,12 +35,13 @@ request's query count exit at once, so the grid needs only the host-known ``max_
 device->host sync). With mass tracking, a second sweep recomputes QK^T with the final row
 max/normaliser (no V reads) and ``atomic_add``s each tile's column sums into the mass row.
 
-NOTE (size): just over 400 lines for one op: the kernel, its split merge, the fp8 pages' scale
-helpers and the PyTorch reference share one layout and are read together.
+NOTE (size): ~480 lines for one op: the kernel, its split merge, the fp8 pages' scale helpers and
+fp16 dots, the tile defaults and the PyTorch reference share one layout and are read together.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -103,7 +106,8 @@ if HAS_TRITON:
                            PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TRACK: tl.constexpr,
                            PREC: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
-                           HP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                           HP: tl.constexpr = 1, PDL: tl.constexpr = False,
+                           F16: tl.constexpr = False):
         # NOTE: N_SPLITS is a runtime argument (a constexpr compiled one variant per count,
         # issue 21); HP > 1: rows are (query, head) pairs of HP heads of one kv head
         pdl_wait(PDL)
@@ -127,6 +131,9 @@ if HAS_TRITON:
         rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)         # [BM, BD]
+        if F16:      # fp8 pages: fp16 dots (e4m3 -> fp16 is one cvt per two codes); q
+            # clamped to fp16's range (a larger one would be inf, and the scores NaN)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -148,8 +155,16 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _kv_tile(v_ptr, page, slot_in_page, kvh, stride_vp, stride_vs, stride_vh,
                          offs_d, kv_mask, q.dtype, FP8)                          # [BN, BD]
-            pv = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
-            acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
+            if F16:  # p x each key's v scale over the row's largest in the tile: in fp16
+                # what rounds away is below 2^-24 of the row's largest term (not of its scale)
+                w = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
+                r = tl.max(w, axis=1)
+                r = tl.where(r > 0, r, 1.0)
+                acc = acc * alpha[:, None] + tl.dot((w * (1.0 / r)[:, None]).to(v.dtype), v,
+                                                    input_precision=PREC) * r[:, None]
+            else:
+                pv = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
+                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
         out = acc / l_safe[:, None]
@@ -207,6 +222,20 @@ if HAS_TRITON:
 # a grid of fewer programs than this splits the keys (about two waves of 132 SMs)
 SPLIT_TARGET_PROGRAMS = 264
 MAX_SPLITS = 16
+# Key tiles. Split grids (few programs, latency-bound) and fp32 queries take SPLIT_BLOCK_N keys a
+# tile; unsplit 16-bit queries take MANY_KEYS_BLOCK_N. Both are 64 until a GPU says otherwise:
+# compiled for sm_90 (benchmarks/step/sass_attention_loop.py; 2 stages) the K/V loop costs 44
+# warp instructions a key at 64 and 27 at 128 on bf16 pages, 83 and 65 on fp8 pages (79 and 58
+# with fp16 dots), but at batch 64 the bf16 kernel is bound by HBM (~2.7 TB/s on an H100) and
+# the fp8 one by neither count (findings/quantization.md), so only a timing can pick. The
+# switches, read once at import, are for that A/B in one process (benchmarks/run_gpu.sh
+# attnfp8): FLASH_DLLM_ATTN_BLOCK_N sets the unsplit tile (a power of two, 16-256),
+# FLASH_DLLM_ATTN_FP8_F16=1 makes fp16 dots the fp8 pages' default (``f16``).
+SPLIT_BLOCK_N = 64
+MANY_KEYS_BLOCK_N = int(os.environ.get("FLASH_DLLM_ATTN_BLOCK_N", "64"))
+check(MANY_KEYS_BLOCK_N in (16, 32, 64, 128, 256),
+      f"FLASH_DLLM_ATTN_BLOCK_N must be a power of two from 16 to 256, got {MANY_KEYS_BLOCK_N}")
+FP8_F16 = os.environ.get("FLASH_DLLM_ATTN_FP8_F16", "0") == "1"
 
 
 def split_plan(programs: int, max_seqlen_k: int | None, block_n: int) -> tuple[int, int]:
@@ -331,10 +360,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor, max_seqlen_q: int,
                            scale: float | None = None, return_mass: bool = False,
                            max_seqlen_k: int | None = None, *,
-                           block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                           block_m: int | None = None, block_n: int | None = None,
+                           num_warps: int = 4,
                            num_stages: int = 2, num_splits: int | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None):
+                           v_scale: torch.Tensor | None = None, f16: bool | None = None):
     """q [T, H, D]; k/v_cache [num_pages, page_size, Hkv, D]; cu_seqlens_q [B+1], seq_lens_k [B],
     block_table [B, max_pages] int32 on q's device; ``max_seqlen_q`` a host int >= every request's
     query count -> out [T, H, D] (and mass [B, max_pages * page_size] fp32 if ``return_mass``).
@@ -342,12 +372,24 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``max_seqlen_k``: a host int >= every ``seq_lens_k`` (None: unknown, no split-KV); keys
     beyond it are never read when the keys are split. ``num_splits`` forces a split (tests).
     fp8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` [num_pages, Hkv] fp32:
-    each key row is dequantised (code x its page's scale) as it is loaded."""
+    the codes meet q in the dots and the page scales multiply the scores and probabilities.
+    ``f16`` (fp8 pages, bf16 / fp16 q; default ``FP8_F16``): the dots in fp16, q rounded to it
+    (exact for |q| in [2^-14, 65504]; clamped to 65504: a larger q gives a wrong answer, not NaN)
+    and the codes converted to it (exact; one conversion per two codes against bf16's two per
+    code); each row's probabilities times the keys' v scales, over the row's largest in the
+    tile, meet V in fp16 and the dot is scaled back (what fp16 drops is below 2^-24 of the
+    row's largest term in the tile, whatever the pages' scales). ``block_n``:
+    keys a tile (default: ``SPLIT_BLOCK_N`` split, ``MANY_KEYS_BLOCK_N`` unsplit)."""
     check(HAS_TRITON, "paged_attention_triton: triton is not importable")
     T, H, D, Hkv, B = _check_common(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_table,
                                     k_scale, v_scale)
     check_dtype("paged_attention: q", q, FLOAT_DTYPES)
     fp8 = k_scale is not None
+    if f16 is None:      # the default: FP8_F16 where it applies
+        f16 = FP8_F16 and fp8 and q.dtype in (torch.bfloat16, torch.float16)
+    check(not f16 or (fp8 and q.dtype in (torch.bfloat16, torch.float16)),
+          f"paged_attention: f16 (fp16 dots) reads fp8 pages with bf16 / fp16 queries, got "
+          f"{k_cache.dtype} pages and {q.dtype} queries")
     check(fp8 or (k_cache.dtype == q.dtype and v_cache.dtype == q.dtype),
           f"paged_attention: cache dtypes {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}")
     check(q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
@@ -375,6 +417,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mass = torch.empty((1, 1), dtype=torch.float32, device=q.device)
     if T > 0 and B > 0 and max_seqlen_q > 0:
         invariant = batch_invariant_active()      # deterministic: nothing follows the batch
+        tile_n, block_n = block_n, block_n or SPLIT_BLOCK_N
         if block_m is None:
             block_m = 32 if invariant else (
                 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64))
@@ -390,6 +433,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 splits = -(-max_seqlen_k // chunk)
             elif num_splits is None and not invariant:
                 splits, chunk = split_plan(m_tiles * (H // hp) * B, max_seqlen_k, block_n)
+        if tile_n is None:   # unsplit 16-bit queries: MANY_KEYS_BLOCK_N
+            block_n = MANY_KEYS_BLOCK_N if splits == 1 and q.element_size() == 2 else block_n
         block_d = max(16, next_pow2(D))
         if splits > 1:
             part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
@@ -411,7 +456,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             BLOCK_D=block_d, TRACK=bool(return_mass),
             # fp32 inputs: FP32_PRECISION (tf32x3: ~fp32 error; plain TF32 is ~1e-3 off)
             PREC=FP32_PRECISION if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
-            FP8=fp8, HP=hp,
+            FP8=fp8, HP=hp, F16=bool(f16),
             num_warps=num_warps, num_stages=num_stages, **pdl)
         if splits > 1:
             # NOTE: rows of requests with fewer queries than max_seqlen_q are written by their

@@ -18,7 +18,8 @@ Here: four launches per layer, no host sync, static shapes (CUDA graphs):
 2. ``_rotate_amax``: q rotated and stored; k rotated and v read, their per-head absmax / 448
    ``atomic_max``-ed into the page scales (now final);
 3. ``_requant``: one program per (row, K/V) claims its page with an ``atomic_xchg`` on a flag;
-   the first one requantises the page's heads whose scale grew (the others return);
+   the first one requantises the page's heads whose scale grew (the others return; it compares
+   the heads' scales in one vector load first and returns when none grew, as in most steps);
 4. ``_quant_store``: k rotated again (the same arithmetic: the same values), k and v quantised
    with the final scales, codes stored; the flags reset for the next layer.
 
@@ -98,13 +99,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _requant_page(cache, scale, old_row, page, HKV, D, stride_cp, stride_cs, stride_ch,
-                      PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+                      PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_HKV: tl.constexpr):
         """Every head of ``page`` whose scale grew from ``old_row[h]``: codes * old / new (0
-        when old is 0: the page held nothing valid)."""
+        when old is 0: the page held nothing valid). The heads' scales are compared in one
+        vector first: a step whose rows grew no scale of the page (most steps rewrite a block
+        of values like the last ones) returns without the loop's two dependent loads a head."""
+        hv = tl.arange(0, BLOCK_HKV)
+        hm = hv < HKV
+        grew = tl.load(old_row + hv, mask=hm, other=0.0) != tl.load(scale + page * HKV + hv,
+                                                                    mask=hm, other=0.0)
         offs_s = tl.arange(0, PAGE_SIZE)
         offs_d = tl.arange(0, BLOCK_D)
         mask = offs_d[None, :] < D
-        for h in range(0, HKV):
+        n_heads = tl.where(tl.max(grew.to(tl.int32), axis=0) > 0, HKV, 0)
+        for h in range(0, n_heads):
             old = tl.load(old_row + h)
             new = tl.load(scale + page * HKV + h)
             if old != new:
@@ -120,7 +129,7 @@ if HAS_TRITON:
     @triton.jit
     def _requant(slot_ptr, old_ptr, flag_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, T, P, HKV, D,
                  stride_cp, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_D: tl.constexpr, BLOCK_HKV: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)                                    # 0: K, 1: V
@@ -131,10 +140,10 @@ if HAS_TRITON:
                 old_row = old_ptr + (half * T + t) * HKV
                 if half == 0:
                     _requant_page(kc_ptr, ks_ptr, old_row, page, HKV, D, stride_cp, stride_cs,
-                                  stride_ch, PAGE_SIZE, BLOCK_D)
+                                  stride_ch, PAGE_SIZE, BLOCK_D, BLOCK_HKV)
                 else:
                     _requant_page(vc_ptr, vs_ptr, old_row, page, HKV, D, stride_cp, stride_cs,
-                                  stride_ch, PAGE_SIZE, BLOCK_D)
+                                  stride_ch, PAGE_SIZE, BLOCK_D, BLOCK_HKV)
 
     @triton.jit
     def _codes(y, scale):
@@ -241,7 +250,7 @@ def rope_cache_fp8_triton(q, k, v, positions, k_cache, v_cache, k_scale, v_scale
                        **rope_cache.EXACT_ROUNDING, **pdl)
     _requant[(T, 2)](slot_mapping, old, flags, kc, vc, k_scale, v_scale, T, P, Hkv, D,
                      kc.stride(0), kc.stride(1), kc.stride(2), PAGE_SIZE=ps,
-                     BLOCK_D=next_pow2(D), num_warps=4, **pdl)
+                     BLOCK_D=next_pow2(D), BLOCK_HKV=bkv, num_warps=4, **pdl)
     _quant_store[(T,)](k, v, positions, slot_mapping, inv_freq, kc, vc, k_scale, v_scale, flags,
                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
                        kc.stride(1), kc.stride(2), P, Hkv, PAGE_SIZE=ps, HALF=half,

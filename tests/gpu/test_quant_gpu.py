@@ -148,9 +148,12 @@ def test_many_rows_dequantize_once_then_the_bf16_gemm(bits, words):
           f"weight-only kernel {us_kernel:.1f} us, bf16 (incl. a cast) {us_bf16:.1f} us")
 
 
-def test_paged_attention_on_fp8_pages_in_bf16():
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("block_n", [None, 64, 128])
+def test_paged_attention_on_fp8_pages_in_bf16(f16, block_n):
     """The kernel's fp8 path with bf16 queries (the codes meet q unscaled; the page scales
-    multiply the scores and probabilities) against the reference on dequantised pages."""
+    multiply the scores and probabilities; ``f16``: fp16 dots) against the reference on
+    dequantised pages, with the default key tile and both forced ones."""
     from flash_dllm.kernels import kv_quant, paged_attention
     g = torch.Generator(device=DEV).manual_seed(0)
     P, ps, Hkv, D, H = 24, 16, 4, 128, 16
@@ -172,7 +175,7 @@ def test_paged_attention_on_fp8_pages_in_bf16():
     ref = paged_attention.paged_attention_reference(q.float(), kc, vc, cu, lens, table,
                                                     k_scale=ks, v_scale=vs)
     got = paged_attention.paged_attention_triton(q, kc, vc, cu, lens, table, 32, k_scale=ks,
-                                                 v_scale=vs)
+                                                 v_scale=vs, f16=f16, block_n=block_n)
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
