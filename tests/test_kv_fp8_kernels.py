@@ -149,7 +149,7 @@ def test_fp8_pages_with_fp16_dots_equal_the_reference(split):
     are tested on the GPU.)"""
     kc, vc, ks, vs, table, lens = _fp8_pages(seed=7)
     vs[0] *= 1e-3                                 # one page of far smaller values in the tiles
-    q = torch.randn(6, 4, 16).to(torch.bfloat16)
+    q = torch.randn(6, 4, 16, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
     ref = paged_attention.paged_attention_reference(q.float(), kc, vc, cu, lens, table,
                                                     k_scale=ks, v_scale=vs)
@@ -173,7 +173,7 @@ def test_fp16_dots_keep_precision_on_a_page_of_far_smaller_values():
     first = int(table[0, 0])
     ks[first] *= 100.0
     vs[first] *= 1e-6
-    q = (torch.randn(6, 4, 16) * 4).to(torch.bfloat16)
+    q = (torch.randn(6, 4, 16, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
     cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
     ref = paged_attention.paged_attention_reference(q.float(), kc, vc, cu, lens, table,
                                                     k_scale=ks, v_scale=vs)[:3]

@@ -98,6 +98,32 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _dots_q(q, F16: tl.constexpr):
+        """q in the dots' dtype: fp16 with ``F16`` (fp8 pages: e4m3 -> fp16 is one conversion
+        per two codes), clamped to its range (a larger q would be inf, the scores NaN)."""
+        if F16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        return q
+
+    @triton.jit
+    def _pv_dot(p, v, vs_ptr, page, kvh, stride_sp, n_mask, PREC: tl.constexpr,
+                FP8: tl.constexpr, F16: tl.constexpr):
+        """[BM, BD] fp32: the probabilities ``p`` [BM, BN] (fp8 pages: times each key's v scale)
+        times the value tile ``v`` [BN, BD]. ``F16``: each row over its largest term in the tile
+        before fp16, the dot scaled back, so what rounds away is below 2^-24 of that term."""
+        w = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
+        if F16:
+            r = tl.max(w, axis=1)          # (below fp32's normals 1 / r would overflow)
+            r = tl.where(r >= 1.1754944e-38, r, 1.0)
+            out = tl.dot((w * (1.0 / r)[:, None]).to(v.dtype), v, input_precision=PREC) \
+                * r[:, None]
+        else:
+            out = tl.dot(w.to(v.dtype), v, input_precision=PREC)
+        return out
+
+    # NOTE: N_SPLITS is a runtime argument (a constexpr compiled one variant per count, issue
+    # 21); HP > 1: rows are (query, head) pairs of HP heads of one kv head
+    @triton.jit
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mass_ptr, cu_q_ptr, len_k_ptr, bt_ptr,
                            stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_ks,
                            stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, stride_mass,
@@ -108,8 +134,6 @@ if HAS_TRITON:
                            PREC: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
                            HP: tl.constexpr = 1, PDL: tl.constexpr = False,
                            F16: tl.constexpr = False):
-        # NOTE: N_SPLITS is a runtime argument (a constexpr compiled one variant per count,
-        # issue 21); HP > 1: rows are (query, head) pairs of HP heads of one kv head
         pdl_wait(PDL)
         pid_m, pid_bs = tl.program_id(0), tl.program_id(2)
         b, split = pid_bs // N_SPLITS, pid_bs % N_SPLITS
@@ -129,11 +153,9 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         m_mask, d_mask = offs_m < q_len, offs_d < D
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)         # [BM, BD]
-        if F16:      # fp8 pages: fp16 dots (e4m3 -> fp16 is one cvt per two codes); q
-            # clamped to fp16's range (a larger one would be inf, and the scores NaN)
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = _dots_q(tl.load(q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh
+                            + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :],
+                            other=0.0), F16)                                    # [BM, BD]
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -155,16 +177,8 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _kv_tile(v_ptr, page, slot_in_page, kvh, stride_vp, stride_vs, stride_vh,
                          offs_d, kv_mask, q.dtype, FP8)                          # [BN, BD]
-            if F16:  # p x each key's v scale over the row's largest in the tile: in fp16
-                # what rounds away is below 2^-24 of the row's largest term (not of its scale)
-                w = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
-                r = tl.max(w, axis=1)
-                r = tl.where(r > 0, r, 1.0)
-                acc = acc * alpha[:, None] + tl.dot((w * (1.0 / r)[:, None]).to(v.dtype), v,
-                                                    input_precision=PREC) * r[:, None]
-            else:
-                pv = _kv_scaled(p, vs_ptr, page, kvh, stride_sp, n_mask, FP8)
-                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PREC)
+            acc = acc * alpha[:, None] + _pv_dot(p, v, vs_ptr, page, kvh, stride_sp, n_mask,
+                                                 PREC, FP8, F16)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)                  # L == 0: output zeros, not NaN
         out = acc / l_safe[:, None]
