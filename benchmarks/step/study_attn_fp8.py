@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from flash_dllm.kernels import paged_attention
+from flash_dllm.kernels import kv_quant, paged_attention
 from sweep_quant_gemm import graph_time  # (the same timing: benchmarks/step)
 
 D, PS = 128, 16
@@ -32,11 +32,11 @@ def pools(B: int, keys: int, H: int, dev):
     torch.manual_seed(0)
     k = torch.randn(n, PS, H, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    # fp8 pages: one scale per (page, head), as the pool keeps them
-    ks = (k.float().abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)
-    vs = (v.float().abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)
-    k8 = (k.float() / ks[:, None, :, None]).to(paged_attention.FP8)
-    v8 = (v.float() / vs[:, None, :, None]).to(paged_attention.FP8)
+    # fp8 pages: one scale per (page, head), as the pool keeps them (kv_quant's own quantizer)
+    ks = k.float().abs().amax(dim=(1, 3)) / kv_quant.FP8_MAX
+    vs = v.float().abs().amax(dim=(1, 3)) / kv_quant.FP8_MAX
+    k8 = kv_quant.quantize(k, ks[:, None, :].expand(-1, PS, -1))
+    v8 = kv_quant.quantize(v, vs[:, None, :].expand(-1, PS, -1))
     bt = torch.randperm(n, device=dev).to(torch.int32).view(B, pages_per)
     return k, v, k8, v8, ks.contiguous(), vs.contiguous(), bt
 

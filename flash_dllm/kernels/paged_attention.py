@@ -431,7 +431,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mass = torch.empty((1, 1), dtype=torch.float32, device=q.device)
     if T > 0 and B > 0 and max_seqlen_q > 0:
         invariant = batch_invariant_active()      # deterministic: nothing follows the batch
-        tile_n, block_n = block_n, block_n or SPLIT_BLOCK_N
+        split_n = block_n or SPLIT_BLOCK_N       # the tile the split plan counts in
         if block_m is None:
             block_m = 32 if invariant else (
                 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 else 64))
@@ -443,12 +443,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             check(num_splits is None or num_splits <= MAX_SPLITS,
                   f"paged_attention: num_splits must be <= {MAX_SPLITS}, got {num_splits}")
             if num_splits is not None and num_splits > 1 and max_seqlen_k:
-                chunk = -(-max_seqlen_k // (num_splits * block_n)) * block_n
+                chunk = -(-max_seqlen_k // (num_splits * split_n)) * split_n
                 splits = -(-max_seqlen_k // chunk)
             elif num_splits is None and not invariant:
-                splits, chunk = split_plan(m_tiles * (H // hp) * B, max_seqlen_k, block_n)
-        if tile_n is None:   # unsplit 16-bit queries: MANY_KEYS_BLOCK_N
-            block_n = MANY_KEYS_BLOCK_N if splits == 1 and q.element_size() == 2 else block_n
+                splits, chunk = split_plan(m_tiles * (H // hp) * B, max_seqlen_k, split_n)
+        block_n = block_n or (MANY_KEYS_BLOCK_N if splits == 1 and q.element_size() == 2
+                              else split_n)            # (unsplit 16-bit q: the wide tile)
         block_d = max(16, next_pow2(D))
         if splits > 1:
             part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
