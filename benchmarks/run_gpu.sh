@@ -46,11 +46,11 @@
 #           firststeps  block-start steps of the block cache as fused steps (off by default):
 #                    their GPU test, SDAR-4B batch 1 / 128 and LLaDA2-mini batch 1 / 64 with
 #                    --fused-first-steps against without                            ~4 min
-#           attnfp8  paged attention's key tile and fp8 pages' fp16 dots (both off by default):
-#                    the attention GPU tests (defaults, then both switches on), the kernel
-#                    study at batch 64 (bf16 / fp8 / fp8 fp16 dots by tile), bench step batch 64
-#                    bf16 / fp8 pages with 64- and 128-key tiles (FLASH_DLLM_ATTN_BLOCK_N), fp8
-#                    pages with fp16 dots (FLASH_DLLM_ATTN_FP8_F16)                 ~9 min
+#           attnfp8  paged attention's key tile and fp8 pages' fp16 dots (the defaults since
+#                    this A/B): the attention GPU tests (defaults, then the old kernel), the
+#                    kernel study at batch 64 (bf16 / fp8 / fp8 fp16 dots by tile), bench step
+#                    batch 64 bf16 / fp8 pages with 64- and 128-key tiles (FLASH_DLLM_ATTN_BLOCK_N,
+#                    fp8 with FLASH_DLLM_ATTN_FP8_F16=0), fp8 pages with fp16 dots  ~2 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -275,16 +275,16 @@ group_kvfp8() {
 group_attnfp8() {
   # issue 40: fp8 K/V pages must not slow the batch-64 step; the kernel's fp8 read was bound by
   # neither HBM nor issue in the static count (benchmarks/step/sass_attention_loop.py): its
-  # tiles and fp16 dots, timed (flip MANY_KEYS_BLOCK_N / FP8_F16 in kernels/paged_attention
-  # on what this says)
+  # tiles and fp16 dots, timed (MANY_KEYS_BLOCK_N / FP8_F16 in kernels/paged_attention were
+  # set from this A/B: findings/quantization.md)
   local C
   C=$(card)
-  # the attention tests with the defaults, then with both switches on (the 128-key tile under
-  # deterministic mode, mass tracking and packed GQA heads; fp16 dots as the fp8 default)
+  # the attention tests with the defaults (128-key tiles, fp16 dots on fp8 pages), then with
+  # the old kernel (64 keys, bf16 dots), which the switches keep for A/B
   local T=(tests/gpu/test_kernels_gpu.py tests/gpu/test_quant_gpu.py
            tests/gpu/test_deterministic_gpu.py -k "paged or fp8_pages or rope_cache_fp8")
   run attn_gpu_tests 150 - python3 -m pytest -m gpu -q -p no:cacheprovider "${T[@]}"
-  run attn_gpu_tests_switches 150 - env FLASH_DLLM_ATTN_BLOCK_N=128 FLASH_DLLM_ATTN_FP8_F16=1 \
+  run attn_gpu_tests_switches 150 - env FLASH_DLLM_ATTN_BLOCK_N=64 FLASH_DLLM_ATTN_FP8_F16=0 \
     python3 -m pytest -m gpu -q -p no:cacheprovider "${T[@]}"
   run study_attn_fp8_$C 180 "$OUT/step/study_attn_fp8_$C.json" \
     python3 benchmarks/step/study_attn_fp8.py --out "$OUT/step/study_attn_fp8_$C.json"
@@ -292,7 +292,8 @@ group_attnfp8() {
   for bn in 128 64; do
     for dt in auto fp8; do
       run step_kv_${dt}_bn${bn}_$C 120 "$OUT/step/step_kv_${dt}_bn${bn}_b64_$C.json" \
-        env FLASH_DLLM_ATTN_BLOCK_N=$bn "${FD[@]}" bench step --kv-cache-dtype $dt \
+        env FLASH_DLLM_ATTN_BLOCK_N=$bn FLASH_DLLM_ATTN_FP8_F16=0 "${FD[@]}" bench step \
+        --kv-cache-dtype $dt \
         --cache dual --batch 64 --steps 20 --json "$OUT/step/step_kv_${dt}_bn${bn}_b64_$C.json"
     done
   done

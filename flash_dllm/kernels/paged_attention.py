@@ -237,19 +237,18 @@ if HAS_TRITON:
 SPLIT_TARGET_PROGRAMS = 264
 MAX_SPLITS = 16
 # Key tiles. Split grids (few programs, latency-bound) and fp32 queries take SPLIT_BLOCK_N keys a
-# tile; unsplit 16-bit queries take MANY_KEYS_BLOCK_N. Both are 64 until a GPU says otherwise:
-# compiled for sm_90 (benchmarks/step/sass_attention_loop.py; 2 stages) the K/V loop costs 44
-# warp instructions a key at 64 and 27 at 128 on bf16 pages, 83 and 65 on fp8 pages (79 and 58
-# with fp16 dots), but at batch 64 the bf16 kernel is bound by HBM (~2.7 TB/s on an H100) and
-# the fp8 one by neither count (findings/quantization.md), so only a timing can pick. The
-# switches, read once at import, are for that A/B in one process (benchmarks/run_gpu.sh
-# attnfp8): FLASH_DLLM_ATTN_BLOCK_N sets the unsplit tile (a power of two, 16-256),
-# FLASH_DLLM_ATTN_FP8_F16=1 makes fp16 dots the fp8 pages' default (``f16``).
+# tile; unsplit 16-bit queries take MANY_KEYS_BLOCK_N (128), fp8 pages fp16 dots (``f16``) at
+# 128+ keys. H100, batch 64 of the LLaDA-8B dual step, 32 layers (study_attn_fp8_h100.json):
+# bf16 pages 12.28 -> 11.83 ms at 128 keys; fp8 pages 14.89 ms at 64 keys, 11.65 with fp16 dots
+# at 128 (15.85 at 64: the row scale is paid per tile). Read at import, for
+# A/B in one process: FLASH_DLLM_ATTN_BLOCK_N (a power of two, 16-256), FLASH_DLLM_ATTN_FP8_F16=0.
 SPLIT_BLOCK_N = 64
-MANY_KEYS_BLOCK_N = int(os.environ.get("FLASH_DLLM_ATTN_BLOCK_N", "64"))
+MANY_KEYS_BLOCK_N = int(os.environ.get("FLASH_DLLM_ATTN_BLOCK_N", "128"))
 check(MANY_KEYS_BLOCK_N in (16, 32, 64, 128, 256),
       f"FLASH_DLLM_ATTN_BLOCK_N must be a power of two from 16 to 256, got {MANY_KEYS_BLOCK_N}")
-FP8_F16 = os.environ.get("FLASH_DLLM_ATTN_FP8_F16", "0") == "1"
+check(os.environ.get("FLASH_DLLM_ATTN_FP8_F16", "1") in ("0", "1"),
+      "FLASH_DLLM_ATTN_FP8_F16 must be 0 (bf16 dots on fp8 pages) or 1 (fp16 dots, the default)")
+FP8_F16 = os.environ.get("FLASH_DLLM_ATTN_FP8_F16", "1") == "1"
 
 
 def split_plan(programs: int, max_seqlen_k: int | None, block_n: int) -> tuple[int, int]:
@@ -387,7 +386,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     beyond it are never read when the keys are split. ``num_splits`` forces a split (tests).
     fp8 caches (``float8_e4m3fn``) come with ``k_scale`` / ``v_scale`` [num_pages, Hkv] fp32:
     the codes meet q in the dots and the page scales multiply the scores and probabilities.
-    ``f16`` (fp8 pages, bf16 / fp16 q; default ``FP8_F16``): the dots in fp16, q rounded to it
+    ``f16`` (fp8 pages, 16-bit q; default ``FP8_F16`` at 128+ keys a tile): fp16 dots, q in fp16
     (exact for |q| in [2^-14, 65504]; clamped to 65504: a larger q gives a wrong answer, not NaN)
     and the codes converted to it (exact; one conversion per two codes against bf16's two per
     code); each row's probabilities times the keys' v scales, over the row's largest in the
@@ -399,8 +398,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                     k_scale, v_scale)
     check_dtype("paged_attention: q", q, FLOAT_DTYPES)
     fp8 = k_scale is not None
-    if f16 is None:      # the default: FP8_F16 where it applies
-        f16 = FP8_F16 and fp8 and q.dtype in (torch.bfloat16, torch.float16)
     check(not f16 or (fp8 and q.dtype in (torch.bfloat16, torch.float16)),
           f"paged_attention: f16 (fp16 dots) reads fp8 pages with bf16 / fp16 queries, got "
           f"{k_cache.dtype} pages and {q.dtype} queries")
@@ -449,6 +446,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 splits, chunk = split_plan(m_tiles * (H // hp) * B, max_seqlen_k, split_n)
         block_n = block_n or (MANY_KEYS_BLOCK_N if splits == 1 and q.element_size() == 2
                               else split_n)            # (unsplit 16-bit q: the wide tile)
+        if f16 is None:     # the default: fp16 dots where they pay (the key tiles' comment)
+            f16 = FP8_F16 and fp8 and q.element_size() == 2 and block_n >= 128
         block_d = max(16, next_pow2(D))
         if splits > 1:
             part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
