@@ -39,6 +39,18 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def loop_sass(cubin: bytes) -> list[str]:
     """The instructions of the largest backward-branch range (the kernel's main loop)."""
+    ins, labels = disassemble(cubin)
+    best: list[str] = []
+    for off, txt in ins:
+        tgt = re.search(r"BRA.*?(\.L_x_\d+)", txt)
+        if tgt and labels.get(tgt.group(1), off + 1) < off:
+            body = [t for o, t in ins if labels[tgt.group(1)] <= o <= off]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
+    """(offset, instruction) of every SASS instruction of ``cubin``, and each label's offset."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
@@ -58,13 +70,7 @@ def loop_sass(cubin: bytes) -> list[str]:
                 labels[p] = off
             pending = []
             ins.append((off, m.group(2)))
-    best: list[str] = []
-    for off, txt in ins:
-        tgt = re.search(r"BRA.*?(\.L_x_\d+)", txt)
-        if tgt and labels.get(tgt.group(1), off + 1) < off:
-            body = [t for o, t in ins if labels[tgt.group(1)] <= o <= off]
-            best = body if len(body) > len(best) else best
-    return best
+    return ins, labels
 
 
 def opcode(ins: str) -> str:

@@ -29,6 +29,8 @@ as torch's on the CPU.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from flash_dllm.kernels import kv_quant, rope_cache
@@ -42,6 +44,16 @@ from flash_dllm.kernels._triton import (
 )
 
 INTERPRET = rope_cache.INTERPRET
+# The codes' rounding: in software (``_round_fp32``, then an exact cast: what the interpreter
+# needs, its cast is not round-to-nearest-even) or by the cast alone, which on sm_89+ compiles to
+# ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest even; the values are clamped to +-448 first):
+# the same codes in 23 % fewer instructions a value in ``_quant_store`` (53 -> 41, sm_90 SASS;
+# findings/quantization.md). Off until a GPU runs the bit-exact tests and times it
+# (benchmarks/run_gpu.sh attnfp8): FLASH_DLLM_KV_FP8_HW_ROUND=1.
+_HW_ROUND_ENV = os.environ.get("FLASH_DLLM_KV_FP8_HW_ROUND", "0")
+check(_HW_ROUND_ENV in ("0", "1"), "FLASH_DLLM_KV_FP8_HW_ROUND must be 0 (the codes rounded in "
+      f"software, the default) or 1 (by the e4m3 cast), got {_HW_ROUND_ENV!r}")
+HW_ROUND = _HW_ROUND_ENV == "1" and not INTERPRET
 
 if HAS_TRITON:
     import triton
@@ -146,10 +158,12 @@ if HAS_TRITON:
                                   stride_ch, PAGE_SIZE, BLOCK_D, BLOCK_HKV)
 
     @triton.jit
-    def _codes(y, scale):
+    def _codes(y, scale, HW_ROUND: tl.constexpr):
         """fp32 values ``y [BH, BHALF]`` with their heads' scales ``[BH]`` -> e4m3 codes."""
         sc = tl.where(scale > 0, scale, 1.0)[:, None]
         z = tl.minimum(tl.maximum(tl.math.div_rn(y, sc), -448.0), 448.0)     # (kv_quant.FP8_MAX)
+        if HW_ROUND:             # (HW_ROUND above: the cast rounds to nearest even itself)
+            return _fp8_bits(z)
         return _fp8_bits(_round_fp32(z, 20, 16384.0, 0.015625))
 
     @triton.jit
@@ -157,7 +171,7 @@ if HAS_TRITON:
                      vs_ptr, flag_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp,
                      stride_cs, stride_ch, P, HKV, PAGE_SIZE: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                     FP32_MATH: tl.constexpr, PDL: tl.constexpr):
+                     FP32_MATH: tl.constexpr, HW_ROUND: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -172,13 +186,13 @@ if HAS_TRITON:
             k1, k2 = _rotated(k_ptr + t * stride_kt, stride_kh, HKV, c, s, HALF, BLOCK_HKV,
                               BLOCK_HALF, True, FP32_MATH)
             sk = tl.load(ks_ptr + page * HKV + h, mask=h < HKV, other=1.0)
-            tl.store(kc_ptr + dst, _codes(k1, sk), mask=m)
-            tl.store(kc_ptr + dst + HALF, _codes(k2, sk), mask=m)
+            tl.store(kc_ptr + dst, _codes(k1, sk, HW_ROUND), mask=m)
+            tl.store(kc_ptr + dst + HALF, _codes(k2, sk, HW_ROUND), mask=m)
             v1, v2 = _rotated(v_ptr + t * stride_vt, stride_vh, HKV, c, s, HALF, BLOCK_HKV,
                               BLOCK_HALF, False, FP32_MATH)
             sv = tl.load(vs_ptr + page * HKV + h, mask=h < HKV, other=1.0)
-            tl.store(vc_ptr + dst, _codes(v1, sv), mask=m)
-            tl.store(vc_ptr + dst + HALF, _codes(v2, sv), mask=m)
+            tl.store(vc_ptr + dst, _codes(v1, sv, HW_ROUND), mask=m)
+            tl.store(vc_ptr + dst + HALF, _codes(v2, sv, HW_ROUND), mask=m)
             tl.store(flag_ptr + page, 0)                   # (every row of the page: all 0)
             tl.store(flag_ptr + P + page, 0)
 
@@ -255,7 +269,7 @@ def rope_cache_fp8_triton(q, k, v, positions, k_cache, v_cache, k_scale, v_scale
                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
                        kc.stride(1), kc.stride(2), P, Hkv, PAGE_SIZE=ps, HALF=half,
                        BLOCK_HALF=bh, BLOCK_HKV=bkv, FP32_MATH=bool(apply_in_fp32),
-                       num_warps=4, **rope_cache.EXACT_ROUNDING, **pdl)
+                       HW_ROUND=HW_ROUND, num_warps=4, **rope_cache.EXACT_ROUNDING, **pdl)
     return q_out
 
 

@@ -319,6 +319,38 @@ def test_fused_moe_on_fp8_experts_matches_reference(T):
                                atol=2e-2 * ref.float().abs().max().item())
 
 
+@pytest.mark.parametrize("hw_round", [False, True])
+def test_rope_cache_fp8_codes_round_like_torch(hw_round, monkeypatch):
+    """The page write's codes, rounded in software or by the e4m3 cast alone (``HW_ROUND``),
+    equal torch's cast on every e4m3 value, every midpoint between two (ties: to even), a nudge
+    either side of each and their negatives, subnormals included: v with a 448 in each head, so
+    the page scale is 1 and the codes are the values rounded."""
+    from flash_dllm.kernels import kv_quant, rope_cache, rope_cache_fp8 as rc
+    monkeypatch.setattr(rc, "HW_ROUND", hw_round)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(kv_quant.FP8).float()  # +0 ... 448
+    mids = (grid[:-1] + grid[1:]) / 2
+    vals = torch.cat([grid, mids, torch.nextafter(mids, torch.zeros(())),
+                      torch.nextafter(mids, torch.full((), 1e3))])
+    vals = torch.cat([vals, -vals])
+    T, Hkv, H, D, ps = 16, 8, 8, 128, 16
+    v = vals.repeat(-(-T * Hkv * D // len(vals)))[:T * Hkv * D].view(T, Hkv, D).clone()
+    v[0, :, 0] = 448.0
+    k = torch.randn(T, Hkv, D, generator=torch.Generator().manual_seed(0))
+    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(1))
+    pos, slots = torch.zeros(T, dtype=torch.long), torch.arange(T)
+    inv = rope_cache.inv_freq(D, 10000.0, "cpu")
+    got = {}
+    for dev in ("cpu", DEV):
+        kc, vc = (torch.zeros(1, ps, Hkv, D, dtype=kv_quant.FP8, device=dev) for _ in "kv")
+        ks, vs = (torch.zeros(1, Hkv, device=dev) for _ in "kv")
+        fn = rc.rope_cache_fp8_reference if dev == "cpu" else rc.rope_cache_fp8_triton
+        fn(*(t.to(dev) for t in (q, k, v, pos)), kc, vc, ks, vs, slots.to(dev), inv.to(dev))
+        got[dev] = (kc.view(torch.uint8).cpu(), vc.view(torch.uint8).cpu(), vs.cpu())
+    assert torch.equal(got["cpu"][2], torch.ones(1, Hkv))
+    assert torch.equal(got["cpu"][1], got[DEV][1]), "v codes differ from torch's cast"
+    assert torch.equal(got["cpu"][0], got[DEV][0]), "k codes differ from torch's cast"
+
+
 def test_rope_cache_fp8_equals_reference_and_captures():
     """fp8 pools' RoPE + quantising page write (``kernels/rope_cache_fp8``) on CUDA: at position 0
     (exact rotation) codes and scales equal the reference bit for bit over steps that grow and
