@@ -40,9 +40,12 @@ def masked_inputs(tok: Tokenizer, samples: list[dict], mask_id: int, answer_toke
     rng = random.Random(0)
     out = []
     for s in samples:
-        prompt, answer = tok.encode(s["prompt"]), tok.encode(s["answer"])[:answer_tokens]
+        # the prompt as the engine encodes it; the answer continues it (no BOS of its own)
+        prompt = tok.encode(s["prompt"])
+        answer = tok.hf(s["answer"], add_special_tokens=False)["input_ids"][:answer_tokens]
         ids = torch.tensor(prompt + answer)
-        pos = torch.tensor([len(prompt) + i for i in range(len(answer)) if rng.random() < 0.5])
+        pos = torch.tensor([len(prompt) + i for i in range(len(answer)) if rng.random() < 0.5],
+                           dtype=torch.long)
         ids[pos] = mask_id
         out.append((ids, pos))
     return out
