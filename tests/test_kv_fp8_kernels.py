@@ -225,3 +225,19 @@ def test_tier_records_carry_the_scales_and_their_checksum_covers_them():
         KVOffloader(kv, 4, "int8", scales=scales)
     with pytest.raises(ValueError, match="comes with its scales"):
         KVOffloader(kv, 4, "bf16")
+
+
+def test_kernel_switches_read_0_or_1_and_name_a_bad_value(monkeypatch):
+    """``_triton.env_switch`` (FLASH_DLLM_ATTN_FP8_F16, FLASH_DLLM_KV_FP8_HW_ROUND): the default
+    when unset, 0 / 1 when set, one error naming the variable otherwise."""
+    from flash_dllm.kernels._triton import env_switch
+    name = "FLASH_DLLM_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert env_switch(name, True, "off", "on") and not env_switch(name, False, "off", "on")
+    monkeypatch.setenv(name, "0")
+    assert not env_switch(name, True, "off", "on")
+    monkeypatch.setenv(name, "1")
+    assert env_switch(name, False, "off", "on")
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name} must be 0 \\(off\\) or 1 \\(on\\), got 'yes'"):
+        env_switch(name, False, "off", "on")

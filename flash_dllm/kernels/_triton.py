@@ -35,6 +35,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def env_switch(name: str, default: bool, off: str, on: str) -> bool:
+    """A kernel's 0 / 1 switch read from the environment at import (A/B timing in one process):
+    any other value fails with one line naming the variable and what 0 and 1 mean."""
+    value = os.environ.get(name, "1" if default else "0")
+    check(value in ("0", "1"), f"{name} must be 0 ({off}) or 1 ({on}), got {value!r}")
+    return value == "1"
+
+
 # Escape hatch for debugging: force every dispatcher onto its PyTorch reference.
 DISABLE = os.environ.get("FLASH_DLLM_DISABLE_TRITON", "0") == "1"
 

@@ -52,6 +52,7 @@ from flash_dllm.kernels._triton import (
     check,
     check_device,
     check_dtype,
+    env_switch,
     interpreting,
     next_pow2,
     pdl_args,
@@ -246,9 +247,8 @@ SPLIT_BLOCK_N = 64
 MANY_KEYS_BLOCK_N = int(os.environ.get("FLASH_DLLM_ATTN_BLOCK_N", "128"))
 check(MANY_KEYS_BLOCK_N in (16, 32, 64, 128, 256),
       f"FLASH_DLLM_ATTN_BLOCK_N must be a power of two from 16 to 256, got {MANY_KEYS_BLOCK_N}")
-check(os.environ.get("FLASH_DLLM_ATTN_FP8_F16", "1") in ("0", "1"),
-      "FLASH_DLLM_ATTN_FP8_F16 must be 0 (bf16 dots on fp8 pages) or 1 (fp16 dots, the default)")
-FP8_F16 = os.environ.get("FLASH_DLLM_ATTN_FP8_F16", "1") == "1"
+FP8_F16 = env_switch("FLASH_DLLM_ATTN_FP8_F16", True, "bf16 dots on fp8 pages",
+                     "fp16 dots, the default")
 
 
 def split_plan(programs: int, max_seqlen_k: int | None, block_n: int) -> tuple[int, int]:

@@ -29,8 +29,6 @@ as torch's on the CPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from flash_dllm.kernels import kv_quant, rope_cache
@@ -38,6 +36,7 @@ from flash_dllm.kernels._triton import (
     HAS_TRITON,
     check,
     check_device,
+    env_switch,
     next_pow2,
     pdl_args,
     use_triton,
@@ -50,10 +49,8 @@ INTERPRET = rope_cache.INTERPRET
 # the same codes in 23 % fewer instructions a value in ``_quant_store`` (53 -> 41, sm_90 SASS;
 # findings/quantization.md). Off until a GPU runs the bit-exact tests and times it
 # (benchmarks/run_gpu.sh attnfp8): FLASH_DLLM_KV_FP8_HW_ROUND=1.
-_HW_ROUND_ENV = os.environ.get("FLASH_DLLM_KV_FP8_HW_ROUND", "0")
-check(_HW_ROUND_ENV in ("0", "1"), "FLASH_DLLM_KV_FP8_HW_ROUND must be 0 (the codes rounded in "
-      f"software, the default) or 1 (by the e4m3 cast), got {_HW_ROUND_ENV!r}")
-HW_ROUND = _HW_ROUND_ENV == "1" and not INTERPRET
+HW_ROUND = env_switch("FLASH_DLLM_KV_FP8_HW_ROUND", False, "the codes rounded in software, the "
+                      "default", "by the e4m3 cast") and not INTERPRET
 
 if HAS_TRITON:
     import triton
