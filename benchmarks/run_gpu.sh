@@ -51,8 +51,9 @@
 #                    kernel study at batch 64 (bf16 / fp8 / fp8 fp16 dots by tile), bench step
 #                    batch 64 bf16 / fp8 pages with 64- and 128-key tiles (FLASH_DLLM_ATTN_BLOCK_N,
 #                    fp8 with FLASH_DLLM_ATTN_FP8_F16=0), fp8 pages with fp16 dots; the fp8
-#                    write's codes rounded by the cast (FLASH_DLLM_KV_FP8_HW_ROUND=1): its
-#                    bit-exact tests and the step                                   ~3 min
+#                    write's codes rounded by the cast (the default since this A/B): its
+#                    bit-exact tests and the step with the software round
+#                    (FLASH_DLLM_KV_FP8_HW_ROUND=0)                                 ~3 min
 #
 # A failing command is recorded and the run goes on; the exit status is non-zero if any failed.
 # Needs the package importable from this checkout with its server and plot extras
@@ -303,13 +304,14 @@ group_attnfp8() {
     env FLASH_DLLM_ATTN_BLOCK_N=128 FLASH_DLLM_ATTN_FP8_F16=1 "${FD[@]}" bench step \
     --kv-cache-dtype fp8 --cache dual --batch 64 --steps 20 \
     --json "$OUT/step/step_kv_fp8_f16_b64_$C.json"
-  # the fp8 write's codes rounded by the e4m3 cast alone (FLASH_DLLM_KV_FP8_HW_ROUND, off until
-  # this): its bit-exact GPU tests, then the step beside the default's (the row above)
+  # the fp8 write's codes rounded by the e4m3 cast alone (FLASH_DLLM_KV_FP8_HW_ROUND, the
+  # default since this A/B): its bit-exact GPU tests, then the step with the software round
+  # beside the default's (the row above)
   run kv_fp8_hw_round_tests 120 - python3 -m pytest -m gpu -q -p no:cacheprovider \
     tests/gpu/test_quant_gpu.py -k rope_cache_fp8
-  run step_kv_fp8_hw_round_$C 120 "$OUT/step/step_kv_fp8_hw_round_b64_$C.json" \
-    env FLASH_DLLM_KV_FP8_HW_ROUND=1 "${FD[@]}" bench step --kv-cache-dtype fp8 --cache dual \
-    --batch 64 --steps 20 --json "$OUT/step/step_kv_fp8_hw_round_b64_$C.json"
+  run step_kv_fp8_sw_round_$C 120 "$OUT/step/step_kv_fp8_sw_round_b64_$C.json" \
+    env FLASH_DLLM_KV_FP8_HW_ROUND=0 "${FD[@]}" bench step --kv-cache-dtype fp8 --cache dual \
+    --batch 64 --steps 20 --json "$OUT/step/step_kv_fp8_sw_round_b64_$C.json"
 }
 
 group_families() {
