@@ -309,6 +309,17 @@ class EngineConfig:
                "from 512 rows a call, int8 / int4 dequantize it per call. The confidence every "
                "decode policy ranks by comes from its logits: its accuracy cost is in "
                "docs/models.md (default: off)")
+    # GPTQ at load (``layers/gptq.py``, ``entrypoints/calibration.py``): int8 / int4 codes
+    # fitted to the model's activations on calibration text, instead of rounded to nearest
+    quantization_calibration: str | None = knob(
+        None, "int8 / int4: fit the codes to activations by GPTQ at load, on these calibration "
+              "samples: comma-separated built-in eval suites (their training split: "
+              "arith, code, chain, code-long) and/or .jsonl files ('text', or 'prompt' + "
+              "'answer' per line) or text files (a sample per non-empty line). Costs a dense "
+              "forward of the samples per layer at start-up (default: none, round to nearest)")
+    quantization_calibration_samples: int = knob(
+        128, "with --quantization-calibration: how many samples GPTQ fits to, drawn evenly "
+             "from its sources", ge=1)
     # --- memory tiers and prefix reuse (cache/kv_manager.py, cache/tiers.py,
     # cache/io/kv_offload.py)
     # keep finished requests' full pages as cached blocks and reuse them for prompts that start
@@ -442,6 +453,11 @@ class EngineConfig:
                                  "as they are (fp8 "
                                  "codes and scales): kv_offload_dtype must be bf16 or fp8 "
                                  "with it, got 'int8'")
+        if self.quantization_calibration is not None and self.quantization not in ("int8",
+                                                                                  "int4"):
+            raise ValueError("quantization_calibration fits int8 / int4 codes (GPTQ): set "
+                             "quantization to 'int8' or 'int4' (--quantization), got "
+                             f"{self.quantization!r}")
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")

@@ -16,6 +16,7 @@ from flash_dllm.entrypoints.args import EngineArgs
 from flash_dllm.entrypoints.loader import (close_engine, load_engine, report_weights,
                                           tensor_parallel_world)
 from flash_dllm.layers.attention import block_causal
+from flash_dllm.entrypoints.calibration import calibrate_as_configured
 from flash_dllm.layers.quant import quantize_as_configured
 from flash_dllm.models.loader import load_model, model_path, read_config, resolve_device
 from flash_dllm.models.tokenizer import Tokenizer
@@ -39,7 +40,9 @@ class LLM:
     (``EngineConfig.deterministic``): a request's answer does not depend on what else runs or
     is cached (docs/serving.md#same-answer-under-load). ``quantization="fp8" | "int8" | "int4"``
     (``EngineConfig.quantization``, with ``quantization_group_size``; ``quantize_lm_head``: the
-    LM head too): the weights quantized at load (``flash_dllm/layers/quant.py``).
+    LM head too): the weights quantized at load (``flash_dllm/layers/quant.py``);
+    ``quantization_calibration`` (int8 / int4): their codes fitted by GPTQ on those samples
+    first (``flash_dllm/entrypoints/calibration.py``).
 
     NOTE: a model the paged engine cannot run (``ModelConfig.paged_unsupported`` says why) loads
     without an engine: ``logits`` works through the dense forward, while ``generate`` / ``chat``
@@ -53,12 +56,17 @@ class LLM:
                  sampling_defaults: dict | None = None,
                  deterministic: bool | None = None, quantization: str | None = None,
                  quantization_group_size: int | None = None,
-                 quantize_lm_head: bool | None = None) -> None:
+                 quantize_lm_head: bool | None = None,
+                 quantization_calibration: str | None = None,
+                 quantization_calibration_samples: int | None = None) -> None:
         override = {} if engine_config is None else dataclasses.asdict(engine_config)
         for name, value in (("max_num_seqs", max_num_seqs), ("deterministic", deterministic),
                             ("quantization", quantization),
                             ("quantization_group_size", quantization_group_size),
-                            ("quantize_lm_head", quantize_lm_head)):
+                            ("quantize_lm_head", quantize_lm_head),
+                            ("quantization_calibration", quantization_calibration),
+                            ("quantization_calibration_samples",
+                             quantization_calibration_samples)):
             if value is not None:
                 override[name] = value
         args = EngineArgs(model=None if model is None else str(model), device=device,
@@ -81,11 +89,12 @@ class LLM:
         config = args.engine_config(**override)     # bad knobs fail here, as with an engine
         self.device = resolve_device(args.device)
         self._model, cfg = load_model(folder, device=self.device, dtype=args.dtype)
+        self.tokenizer, self.model_path = Tokenizer(folder), folder
+        self.cfg = self.tokenizer.resolve_ids(cfg)
+        calibrate_as_configured(self._model, self.tokenizer, self.cfg, config)   # GPTQ
         quant = quantize_as_configured(self._model, config)   # as the engine's runner would
         if quant is not None:
             report_weights(quant)
-        self.tokenizer, self.model_path = Tokenizer(folder), folder
-        self.cfg = self.tokenizer.resolve_ids(cfg)
         self.sampling_defaults = SamplingDefaults.of(
             sampling_defaults, folder, flags_source="LLM(sampling_defaults)",
             model_block=self.cfg.attention.block_size or None)

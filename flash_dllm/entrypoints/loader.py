@@ -9,6 +9,7 @@ from pathlib import Path
 
 from flash_dllm.engine.engine import Engine
 from flash_dllm.entrypoints.args import EngineArgs
+from flash_dllm.entrypoints.calibration import calibrate_as_configured
 from flash_dllm.models.ckpt_quant import checkpoint_quantization
 from flash_dllm.models.loader import load_model, model_path, read_config, resolve_device
 from flash_dllm.models.tokenizer import Tokenizer
@@ -52,7 +53,9 @@ def load_engine(args: EngineArgs | None = None, **config_override) -> LoadedEngi
     net, cfg = load_model(folder, device=resolve_device(args.device), dtype=args.dtype)
     tok = Tokenizer(folder)
     cfg = tok.resolve_ids(cfg)
-    engine = Engine(net, cfg, args.engine_config(**config_override))
+    config = args.engine_config(**config_override)
+    calibrate_as_configured(net, tok, cfg, config)       # GPTQ's codes, when asked for
+    engine = Engine(net, cfg, config)
     report_weights(engine.runner.weight_info)
     return LoadedEngine(engine, tok, folder)
 

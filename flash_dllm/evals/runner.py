@@ -75,6 +75,8 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
         report["quantization"] = {k: info.get(k) for k in ("quantization", "group_size",
                                                            "lm_head", "weight_bytes",
                                                            "unquantized_bytes")}
+        if "calibration" in info:                     # --quantization-calibration (GPTQ)
+            report["quantization"]["calibration"] = info["calibration"]
     kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
     if kv is not None and getattr(kv, "prefix_reuse", False):
         st = kv.stats

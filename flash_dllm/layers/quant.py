@@ -134,9 +134,11 @@ class IntMethod:
                              f"{_largest_pow2_divisor(in_features, self.group_size)})")
 
     def quantize(self, w: torch.Tensor, carried=None) -> tuple[torch.Tensor, ...]:
-        """(qweight, scales) of ``w``; a checkpoint's int4 ``carried`` (codes, scales, group)
-        as they are when they fit this method."""
-        if carried is not None and self.bits == 4 and carried[2] == self.group_size:
+        """(qweight, scales) of ``w``; ``carried`` codes (a checkpoint's int4 ones, or GPTQ's
+        int8 / int4: ``layers/gptq``), ``(codes, scales, group)``, as they are when they fit
+        this method (its group, and its bits: int4's codes are half as wide)."""
+        if carried is not None and carried[2] == self.group_size \
+                and carried[0].shape[-1] * 8 == w.shape[-1] * self.bits:
             q, s = carried[0].to(w.device), carried[1].to(w.device)
         else:
             q, s = quant_gemm.quantize(w, self.bits, self.group_size)
@@ -299,8 +301,16 @@ def quantize_as_configured(model: nn.Module, config) -> dict | None:
     check_lm_head(config.quantization, config.quantize_lm_head)
     if config.quantization is None:
         return None
-    return quantize_model(model, config.quantization, config.quantization_group_size,
+    if config.quantization_calibration is not None and not getattr(model, "calibrated", None):
+        raise QuantError("quantization_calibration: the model was not fitted (GPTQ runs where "
+                         "the tokenizer is: entrypoints.calibration.calibrate_as_configured, "
+                         "as load_engine and LLM do); load it with load_engine / LLM")
+    info = quantize_model(model, config.quantization, config.quantization_group_size,
                           deterministic=config.deterministic, lm_head=config.quantize_lm_head)
+    if config.quantization_calibration is not None:
+        info["calibration"] = {"sources": config.quantization_calibration,
+                               **model.calibrated}
+    return info
 
 
 def _head_linear(model: nn.Module) -> nn.Linear:

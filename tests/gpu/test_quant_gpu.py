@@ -467,3 +467,26 @@ def test_engine_with_int4_words_answers(monkeypatch):
     out = llm.generate(["Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have "
                         "in all?"], SamplingParams(max_tokens=64))[0].text
     assert out.endswith("#### 34"), out
+
+
+def test_engine_with_gptq_codes_answers(monkeypatch, capsys):
+    """GPTQ at load on the GPU (``--quantization-calibration``): the fitted codes go into int4
+    words as they are (each layer's GEMM equals the fitted weight's dequantized product) and the
+    graphed engine's arithmetic answer holds."""
+    from flash_dllm import LLM, SamplingParams
+    from flash_dllm.kernels import quant_decode
+    from flash_dllm.layers import quant
+
+    monkeypatch.delenv(quant.WORDS_ENV, raising=False)
+    llm = LLM(device="cuda", quantization="int4", quantization_calibration="arith,code",
+              quantization_calibration_samples=32)
+    assert "GPTQ fitted" in capsys.readouterr().err
+    lin = [m for m in llm.engine.model.modules() if isinstance(m, quant.QuantLinear)]
+    m = next(m for m in lin if m.qweight.dtype == torch.int32)          # words
+    x = torch.randn(32, m.in_features, device=DEV).to(torch.bfloat16)
+    ref = quant_gemm.weight_only_reference(
+        x, quant_decode.deinterleave_int4(m.qweight.view(torch.uint8)), m.scales, m.bias, 4)
+    torch.testing.assert_close(m(x).float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out = llm.generate(["Ivy has 23 pens. Vic has 12 fewer than Ivy. How many pens do they have "
+                        "in all?"], SamplingParams(max_tokens=64))[0].text
+    assert out.endswith("#### 34"), out
