@@ -72,11 +72,7 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
     runner = getattr(getattr(llm, "engine", None), "runner", None)
     info = getattr(runner, "weight_info", None)
     if info is not None and info.get("quantization") is not None:     # --quantization
-        report["quantization"] = {k: info.get(k) for k in ("quantization", "group_size",
-                                                           "lm_head", "weight_bytes",
-                                                           "unquantized_bytes")}
-        if "calibration" in info:                     # --quantization-calibration (GPTQ)
-            report["quantization"]["calibration"] = info["calibration"]
+        report["quantization"] = _quantization(info)
     kv = getattr(getattr(llm, "engine", None), "kv_manager", None)
     if kv is not None and getattr(kv, "prefix_reuse", False):
         st = kv.stats
@@ -92,6 +88,15 @@ def run_eval(llm, suite_name, n: int | None, params: SamplingParams, seed: int =
              "forwards": o.num_forwards}
             for p, c, k, o in zip(problems, completions, ok, outs)]
     return report
+
+
+def _quantization(info: dict) -> dict:
+    """The report's record of the weights' quantization (the runner's ``weight_info``)."""
+    out = {k: info.get(k) for k in ("quantization", "group_size", "lm_head", "weight_bytes",
+                                    "unquantized_bytes")}
+    if "calibration" in info:                          # --quantization-calibration (GPTQ)
+        out["calibration"] = info["calibration"]
+    return out
 
 
 def _decode(llm, problems, params: SamplingParams, chat: bool, progress: bool | str) -> list:
