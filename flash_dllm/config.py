@@ -312,11 +312,12 @@ class EngineConfig:
     # GPTQ at load (``layers/gptq.py``, ``entrypoints/calibration.py``): int8 / int4 codes
     # fitted to the model's activations on calibration text, instead of rounded to nearest
     quantization_calibration: str | None = knob(
-        None, "int8 / int4: fit the codes to activations by GPTQ at load, on these calibration "
-              "samples: comma-separated built-in eval suites (their training split: "
-              "arith, code, chain, code-long) and/or .jsonl files ('text', or 'prompt' + "
-              "'answer' per line) or text files (a sample per non-empty line). Costs a dense "
-              "forward of the samples per layer at start-up (default: none, round to nearest)")
+        None, "int8 / int4: fit the codes to activations by GPTQ at load, on samples from "
+              "built-in eval suites (their training split, e.g. chain), .jsonl files ('text', "
+              "or 'prompt' and 'answer' per line) and text files (a sample per non-empty "
+              "line), separated by ',' or '+' (lm-eval's model_args: '+'). Costs a partial "
+              "dense forward of the samples per layer at start-up (default: none, round to "
+              "nearest)")
     quantization_calibration_samples: int = knob(
         128, "with --quantization-calibration: how many samples GPTQ fits to, drawn evenly "
              "from its sources", ge=1)
@@ -458,6 +459,10 @@ class EngineConfig:
             raise ValueError("quantization_calibration fits int8 / int4 codes (GPTQ): set "
                              "quantization to 'int8' or 'int4' (--quantization), got "
                              f"{self.quantization!r}")
+        if self.quantization_calibration is not None \
+                and not self.quantization_calibration.replace(",", "").replace("+", "").strip():
+            raise ValueError("quantization_calibration names no source: give suites or files, "
+                             f"separated by ',' or '+', got {self.quantization_calibration!r}")
         if (self.kv_cpu_gb or self.kv_disk_gb) and not self.prefix_reuse:
             raise ValueError("kv_cpu_gb / kv_disk_gb hold cached pages for prefix reuse: set "
                              "prefix_reuse=True (--prefix-reuse) too")

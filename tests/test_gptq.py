@@ -89,6 +89,18 @@ def test_gptq_without_inputs_is_round_to_nearest(bits):
         assert torch.equal(q, want[0]) and torch.equal(s, want[1])
 
 
+def test_batched_fit_equals_one_at_a_time():
+    """Experts are fitted ``EXPERT_CHUNK`` at a time in one loop: the same codes as alone."""
+    torch.manual_seed(5)
+    w = torch.randn(3, 16, 64)
+    H = torch.stack([(lambda X: X.t() @ X)(_inputs(200, 64, seed=s)) for s in range(3)])
+    H[1] = 0                                                # an expert no token reached
+    q, s = gptq.gptq_quantize(w, H, 4, 16)
+    for e in range(3):
+        qe, se = gptq.gptq_quantize(w[e], H[e], 4, 16)
+        assert (q[e] == qe).float().mean() > 0.995 and torch.equal(s[e][:, :1], se[:, :1])
+
+
 def test_scale_search_never_worse_than_amax():
     torch.manual_seed(4)
     g = torch.randn(200, 8)
@@ -114,6 +126,7 @@ def test_calibrated_model_quantizes_to_its_fitted_weights(bits):
     plain = copy.deepcopy(model)
     report = gptq.calibrate(model, _calibration_ids(), bits, 16)
     mlps = [m for m in model.modules() if isinstance(m, MoE)]
+    assert report["experts_fitted"] > 0
     assert mlps and report["layers"] == sum(
         len(gptq._targets(b)) for b in model.layers) + 2 * len(mlps)
     assert report["relative_error_gptq"] < report["relative_error_rtn"]
@@ -143,6 +156,37 @@ def test_calibrated_model_quantizes_to_its_fitted_weights(bits):
     assert d_gptq < d_rtn
 
 
+def test_experts_with_few_tokens_are_rounded():
+    """An expert routed fewer tokens than its inputs is rounded to nearest (on the searched
+    scale): one short sample reaches each expert with a handful of tokens at most."""
+    model = tiny_model(config=tiny_llada2_config())
+    plain = copy.deepcopy(model)
+    report = gptq.calibrate(model, _calibration_ids(n=1, length=6), 4, 16)
+    moes = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+    assert report["experts_fitted"] == 0 and report["experts_rounded"] == 8 * len(moes)
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        if name.endswith(("w_gate_up", "w_down")):
+            q, s = gptq.gptq_quantize(want[name], torch.zeros(len(p), p.shape[-1], p.shape[-1]),
+                                      4, 16)
+            assert torch.equal(p, quant_decode.dequantize(q, s, 4))
+
+
+def test_fitted_settings_must_match_the_quantization():
+    model = tiny_model(config=tiny_llada2_config())
+    gptq.calibrate(model, _calibration_ids(n=2), 4, 16)
+    cfg = EngineConfig(quantization="int8", quantization_group_size=16,
+                       quantization_calibration="chain")
+    with pytest.raises(quant.QuantError, match="fitted for int4, group 16"):
+        quant.quantize_as_configured(model, cfg)
+
+
+def test_random_init_model_refuses_calibration():
+    from flash_dllm.entrypoints.loader import load_random_engine
+    with pytest.raises(ValueError, match="a random-init model .* has nothing to fit"):
+        load_random_engine("demo", quantization="int4", quantization_calibration="chain")
+
+
 def test_fused_projections_stack_the_fitted_codes():
     model = tiny_model(config=tiny_llada2_config())
     gptq.calibrate(model, _calibration_ids(), 4, 16)
@@ -163,7 +207,7 @@ def test_calibration_sources(tmp_path):
     (tmp_path / "a.txt").write_text("first line\n\nsecond line\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "p?\n", "answer": "yes"}) + "\n"
                                       + json.dumps({"text": "plain"}) + "\n")
-    seqs = calibration.samples(f"{tmp_path / 'a.txt'},{tmp_path / 'b.jsonl'},chain", tok, 3, 7)
+    seqs = calibration.samples(f"{tmp_path / 'a.txt'},{tmp_path / 'b.jsonl'}+chain", tok, 3, 7)
     assert len(seqs) == 7 and all(s.dtype == torch.long and len(s) > 1 for s in seqs)
     again = calibration.samples(f"{tmp_path / 'a.txt'},{tmp_path / 'b.jsonl'},chain", tok, 3, 7)
     assert all(torch.equal(a, b) for a, b in zip(seqs, again))              # seeded
@@ -180,7 +224,8 @@ def test_calibration_sources(tmp_path):
     with pytest.raises(ValueError, match="holds no sample"):
         calibration.samples(str(tmp_path / "empty.txt"), tok, 3, 2)
     with pytest.raises(ValueError, match="names no source"):
-        calibration.samples(" , ", tok, 3, 2)
+        calibration.samples(" , + ", tok, 3, 2)
+    assert len(calibration.samples("chain", tok, 3, 2, max_tokens=5)[0]) == 5
 
 
 def test_calibration_knob_checks():
@@ -188,6 +233,8 @@ def test_calibration_knob_checks():
         EngineConfig(quantization_calibration="chain")
     with pytest.raises(ValueError, match="set quantization to 'int8' or 'int4'"):
         EngineConfig(quantization="fp8", quantization_calibration="chain")
+    with pytest.raises(ValueError, match="names no source"):
+        EngineConfig(quantization="int4", quantization_calibration=" ,+")
     with pytest.raises(ValueError, match="quantization_calibration_samples"):
         EngineConfig(quantization="int4", quantization_calibration="chain",
                      quantization_calibration_samples=0)

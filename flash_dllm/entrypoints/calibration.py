@@ -3,7 +3,8 @@ at load (``layers/gptq.py``), before the engine quantizes the model.
 
 A source is a built-in eval suite's *training* split (``evals/tasks``: never a test question),
 a ``.jsonl`` file (per line ``{"text": ...}``, or ``{"prompt": ..., "answer": ...}``) or any
-other text file (one sample per non-empty line). Each sample is tokenized as the engine encodes
+other text file (one sample per non-empty line, the first ``n`` taken, repeated if fewer);
+sources are separated by ',' or '+'. Each sample is tokenized as the engine encodes
 a request (the prompt with the tokenizer's special tokens, the answer continuing it) and a
 random share of its answer tokens (of every token after the first, for a plain text) is replaced
 by the mask token, as a diffusion model sees its input mid-generation: the share is drawn per
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -58,16 +60,24 @@ def _read(source: str, n: int, seed: int) -> list[tuple[str, str]]:
     return [rows[i % len(rows)] for i in range(n)]
 
 
-def samples(spec: str, tok, mask_id: int, n: int, seed: int = SEED) -> list[torch.Tensor]:
-    """``n`` calibration sequences (1-D token ids, partly masked) from ``spec``'s sources, drawn
-    evenly (the module's docstring)."""
-    sources = [s.strip() for s in spec.split(",") if s.strip()]
-    if not sources:
-        raise ValueError("quantization_calibration names no source")
+def sources(spec: str) -> list[str]:
+    """The sources a ``quantization_calibration`` value names: separated by ',' or '+' (lm-eval's
+    ``--model_args`` splits on commas: ``quantization_calibration=chain+code-long`` there)."""
+    out = [s.strip() for s in re.split(r"[,+]", str(spec)) if s.strip()]
+    if not out:
+        raise ValueError(f"quantization_calibration names no source: {spec!r}")
+    return out
+
+
+def samples(spec: str, tok, mask_id: int, n: int, seed: int = SEED,
+            max_tokens: int = MAX_TOKENS) -> list[torch.Tensor]:
+    """``n`` calibration sequences (1-D token ids, partly masked; their first ``max_tokens``)
+    from ``spec``'s sources, drawn evenly (the module's docstring)."""
+    sources_ = sources(spec)
     rng = random.Random(seed)
     out = []
-    for k, source in enumerate(sources):
-        share = n // len(sources) + (k < n % len(sources))
+    for k, source in enumerate(sources_):
+        share = n // len(sources_) + (k < n % len(sources_))
         for prompt, answer in _read(source, share, seed):
             if prompt:
                 head = tok.encode(prompt)
@@ -77,7 +87,7 @@ def samples(spec: str, tok, mask_id: int, n: int, seed: int = SEED) -> list[torc
                 head, tail = ids[:1], ids[1:]
             t = rng.uniform(0.05, 1.0)
             tail = [mask_id if rng.random() < t else x for x in tail]
-            out.append(torch.tensor((head + tail)[:MAX_TOKENS], dtype=torch.long))
+            out.append(torch.tensor((head + tail)[:max_tokens], dtype=torch.long))
     return out
 
 
@@ -103,7 +113,8 @@ def calibrate_as_configured(model, tok, cfg, config, quiet: bool = False) -> dic
         if isinstance(module, MoE):
             for part in ("w_gate_up", "w_down"):
                 method.check(f"{name}.{part}", getattr(module, part).shape[-1], device)
-    seqs = samples(spec, tok, cfg.mask_token_id, config.quantization_calibration_samples)
+    seqs = samples(spec, tok, cfg.mask_token_id, config.quantization_calibration_samples,
+                   max_tokens=min(MAX_TOKENS, cfg.max_position))
 
     def progress(i: int, n: int) -> None:
         if not quiet:
@@ -112,9 +123,11 @@ def calibrate_as_configured(model, tok, cfg, config, quiet: bool = False) -> dic
 
     report = gptq.calibrate(model, seqs, method.bits, group, progress=progress)
     if not quiet:
+        experts = (f"; MoE experts: {report['experts_fitted']} fitted, "
+                   f"{report['experts_rounded']} rounded to nearest (fewer tokens than inputs)"
+                   if report["experts_fitted"] + report["experts_rounded"] else "")
         print(f"flash-dllm: GPTQ fitted {report['layers']} projections on {report['tokens']} "
-              f"tokens in {report['seconds']:.1f} s (layer-output error "
+              f"tokens in {report['seconds']:.1f} s (mean relative layer-output error "
               f"{report['relative_error_gptq']:.3g} against round-to-nearest's "
-              f"{report['relative_error_rtn']:.3g}, summed over layers)", file=sys.stderr,
-              flush=True)
+              f"{report['relative_error_rtn']:.3g}{experts})", file=sys.stderr, flush=True)
     return report

@@ -111,7 +111,11 @@ def load_random_engine(shape: str, args: EngineArgs | None = None, max_len: int 
         raise ValueError("a random-init model (--model-shape) runs on one device: tensor "
                          "parallelism needs a checkpoint folder (--model); for timings of a "
                          "split model use `flash-dllm bench step --tensor-parallel-size N`")
+    config = args.engine_config(**config_override)
+    if config.quantization_calibration is not None:
+        raise ValueError("quantization_calibration fits a checkpoint's weights to its "
+                         "activations: a random-init model (--model-shape) has nothing to fit; "
+                         "drop --quantization-calibration or load a checkpoint (--model)")
     model = build_model(with_max_len(shape_config(shape), max_len), device=resolve_device(args.device),
                         dtype=args.dtype, seed=0)
-    return LoadedEngine(Engine(model, model.cfg, args.engine_config(**config_override)),
-                        Tokenizer(DEMO_MODEL), Path(shape))
+    return LoadedEngine(Engine(model, model.cfg, config), Tokenizer(DEMO_MODEL), Path(shape))

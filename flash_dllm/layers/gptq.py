@@ -4,8 +4,9 @@ Round-to-nearest (``quant_decode.quantize``) picks each weight's code alone; GPT
 input column at a time and moves the columns not yet quantized to absorb the error, weighted by
 the layer's input statistics ``H = sum x x^T`` over calibration tokens, so the layer's *output*
 on such inputs moves least. The result is in the same layout as round-to-nearest (symmetric
-codes, one float16 scale per ``group`` inputs: the scale of a group is its amax / 7 (int4) or
-/ 127 (int8) taken when the column loop reaches it, after the earlier columns' corrections), so
+codes, one float16 scale per ``group`` inputs, chosen per row when the column loop reaches the
+group, after the earlier columns' corrections: by least squared error over amax / (qmax - 1 ...
+qmax + 2), either sign for int4, as ``_group_scale`` says; ``SEARCH`` False: amax / qmax), so
 every kernel runs it unchanged; only the codes differ.
 
 ``calibrate(model, samples, bits, group)`` runs the model's dense forward over the calibration
@@ -17,18 +18,22 @@ sequences block by block (true-sequential, as the paper: block ``l``'s inputs co
   (``(codes, scales, group)``), which ``layers/quant.IntMethod`` then uses as they are.
 
 A MoE layer's experts get one ``H`` each from the tokens routed to them (gate/up: their inputs;
-down: their SwiGLU activations times the routing weight, the scale their output is summed with);
-an expert no calibration token reached, and any input column that was always zero, fall back to
-round-to-nearest (``H`` = identity there). The router, embeddings and LM head are not touched.
+down: their SwiGLU activations times the routing weight, the scale their output is summed with),
+fitted ``EXPERT_CHUNK`` at a time in one batched loop; an expert routed fewer tokens than a weight
+has inputs is rounded to nearest (on the searched scale) instead, as is any input column that was
+always zero: a fit to a rank-deficient ``H`` does worse than rounding on other inputs (MoE models
+want more samples: LLaDA2-mini's 256 experts, 8 a token, see 2048-wide inputs). The router,
+embeddings and LM head are not touched.
 
-Cost: one partial dense forward of every sample per block, and per layer a Cholesky of ``H``
-(``K x K``) and ``K`` rank-1 updates of the weight; memory: one block's ``H`` (LLaDA-8B's
-largest, the down projection's 12288^2, 0.6 GB in float32; LLaDA2-mini's 256 experts' gate/up
-``H``, 4 GB).
+Cost: a partial dense forward of every sample per block (blocks ``0 .. l`` for block ``l``: about
+L / 2 whole forwards for L blocks), and per weight a Cholesky of ``H`` (``K x K``) and ``K``
+column steps of a few small kernels each (batched over experts); memory: one block's ``H``
+(LLaDA-8B's largest, the down projection's 12288^2, 0.6 GB in float32; LLaDA2-mini's 256
+experts' gate/up ``H``, 4 GB). Neither real model was fitted here (no real weights).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,64 +45,77 @@ from flash_dllm.layers.moe import MoE
 _QMAX = {8: 127, 4: 7}
 SEARCH = True               # each group's scale by least squared error (``_group_scale``)
 DAMP = 0.01                 # of H's mean diagonal, added to the diagonal (the paper's 1 %)
+EXPERT_CHUNK = 32           # MoE experts fitted together (one batched column loop)
 
 
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int, group: int,
-                  damp: float = DAMP, search: bool = SEARCH) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ of one weight ``w [N, K]`` under input statistics ``H [K, K]`` (sum of x x^T):
-    ``(codes, scales)`` in ``quant_decode.quantize``'s layout. ``H`` all zero (no calibration
-    input): round-to-nearest's codes."""
-    N, K = w.shape
-    qmax = _QMAX[bits]
+                  damp: float | None = None,
+                  search: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ of ``w [N, K]`` under input statistics ``H [K, K]`` (sum of x x^T), or of a batch
+    ``w [B, N, K]``, ``H [B, K, K]`` (experts): ``(codes, scales)`` in
+    ``quant_decode.quantize``'s layout. A column no input reached (its ``H`` diagonal 0; all of
+    them for an ``H`` of zeros) gets no error from the others and passes none on: with ``H`` all
+    zero the codes are round to nearest's, on the scale ``_group_scale`` chooses. ``damp`` /
+    ``search``: None takes the module's ``DAMP`` / ``SEARCH``."""
+    damp = DAMP if damp is None else damp
+    search = SEARCH if search is None else search
+    one = w.dim() == 2
     W = w.detach().float().clone()
     H = H.detach().float().clone()
-    dead = torch.diag(H) <= 0
-    H[dead, :] = 0
-    H[:, dead] = 0
-    H[dead, dead] = 1.0                   # a column no input reached: quantized alone (RTN)
-    H.diagonal().add_(damp * torch.diag(H).mean())
+    if one:
+        W, H = W[None], H[None]
+    B, N, K = W.shape
+    qmax = _QMAX[bits]
+    dead = torch.diagonal(H, dim1=-2, dim2=-1) <= 0                        # [B, K]
+    H.masked_fill_(dead[:, :, None] | dead[:, None, :], 0.0)
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)                             # (a view)
+    diag.add_(dead.float())               # a column no input reached: quantized alone
+    diag.add_(damp * diag.mean(-1, keepdim=True))
     U = _inverse_cholesky_upper(H)
-    Q = torch.empty(N, K, dtype=torch.int8, device=W.device)
-    scales = torch.empty(N, K // group, dtype=quant_decode.SCALE_DTYPE, device=W.device)
+    Q = torch.empty(B, N, K, dtype=torch.int8, device=W.device)
+    scales = torch.empty(B, N, K // group, dtype=quant_decode.SCALE_DTYPE, device=W.device)
     block = group * max(1, 128 // group)  # column blocks hold whole groups
     scale = None
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
-        W1, U1 = W[:, b0:b1].clone(), U[b0:b1, b0:b1]
+        W1, U1 = W[:, :, b0:b1].clone(), U[:, b0:b1, b0:b1]
         E1 = torch.zeros_like(W1)
         for i in range(b1 - b0):
             c = b0 + i
             if c % group == 0:            # the group's scale, from its columns as they are now
-                scale = _group_scale(W1[:, i:i + group], bits, search)
-                scales[:, c // group] = scale
+                scale = _group_scale(W1[:, :, i:i + group], bits, search)
+                scales[:, :, c // group] = scale
             s = scale.float()
-            col = W1[:, i]
+            col = W1[:, :, i]
             q = torch.round(col / s).clamp(-qmax - (bits == 4), qmax)
-            Q[:, c] = q.to(torch.int8)
-            err = (col - q * s) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
-        W[:, b1:] -= E1 @ U[b0:b1, b1:]
+            Q[:, :, c] = q.to(torch.int8)
+            err = (col - q * s) / U1[:, i, i][:, None]
+            W1[:, :, i:] -= err[:, :, None] * U1[:, i, i:][:, None, :]
+            E1[:, :, i] = err
+        W[:, :, b1:] -= E1 @ U[:, b0:b1, b1:]
     if bits == 4:
         u = (Q + 8).to(torch.uint8)
-        Q = u[:, 0::2] | (u[:, 1::2] << 4)
+        Q = u[..., 0::2] | (u[..., 1::2] << 4)
+    if one:
+        Q, scales = Q[0], scales[0]
     return Q.contiguous(), scales.contiguous()
 
 
 def _group_scale(g: torch.Tensor, bits: int, search: bool) -> torch.Tensor:
-    """One group's scale per row (float16): amax / qmax, or with ``search`` the candidate of
-    least squared error over amax / d, d in qmax - 1 ... qmax + 2 in quarters, either sign
-    (int4's codes run -8 ... 7: a negative scale puts the largest weight on -8's side)."""
+    """One group's scale per row (float16) of ``g [..., rows, group]``: amax / qmax, or with
+    ``search`` the candidate of least squared error over amax / d, d in qmax - 1 ... qmax + 2
+    in quarters, either sign (int4's codes run -8 ... 7: a negative scale puts the largest
+    weight on -8's side)."""
     qmax = _QMAX[bits]
-    big = g.gather(1, g.abs().argmax(1, keepdim=True))[:, 0]
+    big = g.gather(-1, g.abs().argmax(-1, keepdim=True))[..., 0]
     if not search:
         return (big.abs() / qmax).clamp_min(1e-7).to(quant_decode.SCALE_DTYPE)
     best = scale = None
     for d in [qmax - 1 + k / 4 for k in range(13)]:
         for sign in ((1.0, -1.0) if bits == 4 else (1.0,)):
             s = (sign * (big.abs() / d).clamp_min(1e-7)).to(quant_decode.SCALE_DTYPE)
-            sf = s.float()[:, None]
-            err = ((torch.round(g / sf).clamp(-qmax - (bits == 4), qmax) * sf - g) ** 2).sum(1)
+            sf = s.float()[..., None]
+            err = ((torch.round(g / sf).clamp(-qmax - (bits == 4), qmax) * sf - g) ** 2).sum(-1)
             if best is None:
                 best, scale = err, s
             else:
@@ -107,15 +125,18 @@ def _group_scale(g: torch.Tensor, bits: int, search: bool) -> torch.Tensor:
 
 
 def _inverse_cholesky_upper(H: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor of ``H^-1`` (the paper's form of the column updates), adding
-    damping until ``H`` factors (float32 rounding on a nearly singular ``H``)."""
-    extra = 0.0
+    """The upper Cholesky factors of ``H^-1`` ([B, K, K]; the paper's form of the column
+    updates), adding damping to a matrix that does not factor until it does (float32 rounding
+    on a nearly singular ``H``)."""
+    eye = torch.eye(H.shape[-1], device=H.device)
+    extra = torch.zeros(H.shape[0], device=H.device)
     for _ in range(8):
-        try:
-            L = torch.linalg.cholesky(H + extra * torch.eye(len(H), device=H.device))
+        L, info = torch.linalg.cholesky_ex(H + extra[:, None, None] * eye)
+        bad = info > 0
+        if not bad.any():
             return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
-        except torch.linalg.LinAlgError:
-            extra = max(extra * 10, 1e-6 * float(torch.diag(H).mean()))
+        floor = 1e-6 * torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)
+        extra = torch.where(bad, torch.maximum(extra * 10, floor), extra)
     raise torch.linalg.LinAlgError("gptq: the calibration Hessian does not factor")
 
 
@@ -174,15 +195,27 @@ def _stop(*_):
 
 @dataclass
 class CalibrationReport:
-    layers: int = 0                       # projections fitted (a MoE layer's experts: one each)
-    experts_unreached: int = 0            # experts no calibration token was routed to (RTN)
+    layers: int = 0                       # projections fitted (a MoE layer's experts: two)
+    experts_fitted: int = 0               # MoE experts with at least as many tokens as inputs
+    experts_rounded: int = 0              # the others: rounded to nearest (``_fit_experts``)
     tokens: int = 0
     seconds: float = 0.0
-    relative_error_rtn: float = 0.0       # sum over layers of ||(W - Wq) X||^2 / ||W X||^2
+    # the mean over fitted matrices (each expert's one) of ||(W - Wq) X||^2 / ||W X||^2 on
+    # the calibration inputs, round to nearest's and GPTQ's
+    relative_error_rtn: float = 0.0
     relative_error_gptq: float = 0.0
+    _sums: list = field(default_factory=lambda: [0.0, 0.0, 0])
+
+    def add(self, rtn: torch.Tensor, fitted: torch.Tensor) -> None:
+        self._sums[0] += float(rtn.sum())
+        self._sums[1] += float(fitted.sum())
+        self._sums[2] += rtn.numel()
 
     def as_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
+        n = max(self._sums[2], 1)
+        self.relative_error_rtn, self.relative_error_gptq = self._sums[0] / n, self._sums[1] / n
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()
+                if not k.startswith("_")}
 
 
 def _targets(block: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -195,25 +228,73 @@ def _targets(block: nn.Module) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _output_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> tuple[float, float]:
-    """``||(W - Wq) X||^2`` and ``||W X||^2`` from ``H = X^T X`` (traces)."""
-    d = (w - wq).float()
-    return float(((d @ H) * d).sum()), float(((w.float() @ H) * w.float()).sum())
+def _relative_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``||(W - Wq) X||^2 / ||W X||^2`` per matrix of a batch ``[B, N, K]``, from ``H = X^T X``."""
+    w = w.float()
+    d = w - wq.float()
+    return ((d @ H) * d).sum((1, 2)) / ((w @ H) * w).sum((1, 2)).clamp_min(1e-30)
 
 
 @torch.no_grad()
 def _fit(weight: torch.Tensor, H: torch.Tensor, bits: int, group: int, report) -> tuple:
-    """GPTQ ``weight`` in place (its dequantized value) -> its ``(codes, scales, group)``."""
+    """GPTQ ``weight`` ([N, K], or a batch [B, N, K] with ``H`` [B, K, K]) in place (its
+    dequantized value) -> its ``(codes, scales)``."""
     codes, scales = gptq_quantize(weight, H, bits, group)
     wq = quant_decode.dequantize(codes, scales, bits)
-    if H.any():
-        rtn = quant_decode.dequantize(*quant_decode.quantize(weight, bits, group), bits)
-        e_rtn, ref = _output_error(weight, rtn, H)
-        e_gptq, _ = _output_error(weight, wq, H)
-        report.relative_error_rtn += e_rtn / max(ref, 1e-30)
-        report.relative_error_gptq += e_gptq / max(ref, 1e-30)
+    w3, wq3, H3 = (t if weight.dim() == 3 else t[None] for t in (weight, wq, H))
+    fitted = H3.flatten(1).any(1)
+    if fitted.any():
+        rtn = quant_decode.dequantize(*quant_decode.quantize(w3[fitted], bits, group), bits)
+        report.add(_relative_error(w3[fitted], rtn, H3[fitted]),
+                   _relative_error(w3[fitted], wq3[fitted], H3[fitted]))
     weight.copy_(wq.to(weight.dtype))
-    return codes, scales, group
+    return codes, scales
+
+
+def _fit_experts(stats: "_ExpertStats", bits: int, group: int, report) -> dict:
+    """A MoE layer's experts, ``EXPERT_CHUNK`` at a time: an expert routed fewer tokens than a
+    weight has inputs gets ``H`` = 0 for it (round to nearest: its ``H`` would be rank-deficient,
+    and a fit to it does worse than rounding on other inputs). -> ``ckpt_codes``."""
+    moe, codes = stats.moe, {}
+    for part, H in (("w_gate_up", stats.H_gate_up), ("w_down", stats.H_down)):
+        w = getattr(moe, part).data
+        few = stats.tokens.to(H.device) < w.shape[-1]
+        H.masked_fill_(few[:, None, None], 0.0)
+        fits = [_fit(w[e:e + EXPERT_CHUNK], H[e:e + EXPERT_CHUNK], bits, group, report)
+                for e in range(0, len(w), EXPERT_CHUNK)]
+        codes[part] = (torch.cat([f[0] for f in fits]), torch.cat([f[1] for f in fits]), group)
+        if part == "w_gate_up":
+            report.experts_rounded += int(few.sum())
+            report.experts_fitted += int((~few).sum())
+    return codes
+
+
+@torch.no_grad()
+def _collect(model: nn.Module, li: int, samples, device) -> tuple[list, list]:
+    """Block ``li``'s input statistics: ``(recorders, expert stats)`` after a forward of every
+    sample stopped past that block; the model is left as it was, whatever happens."""
+    blocks = model.layers
+    recs, hooks = [], []
+    try:
+        for parent, name in _targets(blocks[li]):
+            rec = _Recorder(getattr(parent, name))
+            setattr(parent, name, rec)
+            recs.append((parent, name, rec))
+        stats = [_ExpertStats(m) for m in blocks[li].modules() if isinstance(m, MoE)]
+        hooks = [s.moe.register_forward_pre_hook(s) for s in stats]
+        if li + 1 < len(blocks):         # (``hidden`` calls each block's attention, not it)
+            hooks.append(blocks[li + 1].attn.register_forward_pre_hook(_stop))
+        for ids in samples:
+            try:
+                model(ids.to(device)[None])
+            except _Stop:
+                pass
+    finally:
+        for h in hooks:
+            h.remove()
+        for parent, name, rec in recs:
+            setattr(parent, name, rec.linear)
+    return recs, stats
 
 
 @torch.no_grad()
@@ -225,49 +306,24 @@ def calibrate(model: nn.Module, samples: list[torch.Tensor], bits: int, group: i
     import time
     if bits not in _QMAX:
         raise ValueError(f"gptq: bits must be one of {sorted(_QMAX)}, got {bits}")
+    if any(isinstance(m, MoE) and m.ep is not None for m in model.modules()):
+        raise ValueError("gptq: calibration with expert parallelism is not supported (each "
+                         "rank holds a share of the experts): calibrate on one device")
     t0 = time.time()
     report = CalibrationReport(tokens=sum(len(s) for s in samples))
     device = next(model.parameters()).device
-    blocks = model.layers
-    for li, block in enumerate(blocks):
-        targets = _targets(block)
-        recs = []
-        for parent, name in targets:
-            rec = _Recorder(getattr(parent, name))
-            setattr(parent, name, rec)
-            recs.append((parent, name, rec))
-        moes = [m for m in block.modules() if isinstance(m, MoE)]
-        stats = [_ExpertStats(m) for m in moes]
-        hooks = [m.register_forward_pre_hook(s) for m, s in zip(moes, stats)]
-        if li + 1 < len(blocks):         # (``hidden`` calls each block's attention, not it)
-            hooks.append(blocks[li + 1].attn.register_forward_pre_hook(_stop))
-        try:
-            for ids in samples:
-                try:
-                    model(ids.to(device)[None])
-                except _Stop:
-                    pass
-        finally:
-            for h in hooks:
-                h.remove()
-            for parent, name, rec in recs:
-                setattr(parent, name, rec.linear)
-        for parent, name, rec in recs:
-            rec.linear.ckpt_codes = {"weight": _fit(rec.linear.weight, rec.H, bits, group,
-                                                    report)}
+    for li in range(len(model.layers)):
+        recs, stats = _collect(model, li, samples, device)
+        for _, _, rec in recs:
+            rec.linear.ckpt_codes = {"weight": (*_fit(rec.linear.weight, rec.H, bits, group,
+                                                      report), group)}
             report.layers += 1
-        for s in stats:
-            moe, codes = s.moe, {}
-            for part, H in (("w_gate_up", s.H_gate_up), ("w_down", s.H_down)):
-                w = getattr(moe, part)
-                fits = [_fit(w.data[e], H[e], bits, group, report) for e in range(len(w))]
-                codes[part] = (torch.stack([f[0] for f in fits]),
-                               torch.stack([f[1] for f in fits]), group)
-            moe.ckpt_codes = codes
+        for st in stats:
+            st.moe.ckpt_codes = _fit_experts(st, bits, group, report)
             report.layers += 2
-            report.experts_unreached += int((s.tokens == 0).sum())
+        del recs, stats
         if progress is not None:
-            progress(li + 1, len(blocks))
+            progress(li + 1, len(model.layers))
     report.seconds = time.time() - t0
     model.calibrated = {"bits": bits, "group": group, **report.as_dict()}
     return report.as_dict()

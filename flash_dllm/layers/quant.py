@@ -301,10 +301,17 @@ def quantize_as_configured(model: nn.Module, config) -> dict | None:
     check_lm_head(config.quantization, config.quantize_lm_head)
     if config.quantization is None:
         return None
-    if config.quantization_calibration is not None and not getattr(model, "calibrated", None):
+    fitted = getattr(model, "calibrated", None)
+    if config.quantization_calibration is not None and not fitted:
         raise QuantError("quantization_calibration: the model was not fitted (GPTQ runs where "
                          "the tokenizer is: entrypoints.calibration.calibrate_as_configured, "
                          "as load_engine and LLM do); load it with load_engine / LLM")
+    if fitted and (f"int{fitted['bits']}" != config.quantization
+                   or fitted["group"] != (config.quantization_group_size or DEFAULT_GROUP_SIZE)):
+        raise QuantError(f"the model's codes were fitted for int{fitted['bits']}, group "
+                         f"{fitted['group']}, but quantization={config.quantization!r}, "
+                         f"quantization_group_size={config.quantization_group_size}: fit and "
+                         "quantize with the same settings")
     info = quantize_model(model, config.quantization, config.quantization_group_size,
                           deterministic=config.deterministic, lm_head=config.quantize_lm_head)
     if config.quantization_calibration is not None:
