@@ -19,7 +19,7 @@ import sys
 
 from flash_dllm import __version__
 
-COMMAND_MODULES = ("generate", "eval", "serve", "bench")      # in flash_dllm.entrypoints
+COMMAND_MODULES = ("generate", "eval", "serve", "bench", "quantize")      # in flash_dllm.entrypoints
 
 _RST_LITERAL = re.compile(r"``(.+?)``")
 _RST_ROLE = re.compile(r":[a-z]+:`([^`]+)`")

@@ -17,6 +17,11 @@ layers from them under ``--quantization int4`` with the checkpoint's group size,
 it); the parameters themselves get the dequantized weights (codes x scales), which any other
 mode quantizes from. The scales are kept in float16 (``quant_gemm``'s scale dtype).
 
+Written (``flash-dllm quantize``, ``entrypoints/quantize.py``): the same pack-quantized int4
+layout, from the int4 codes a model carries (GPTQ's or round to nearest's): ``put_packed`` per
+checkpoint tensor (``write_packed`` for a model's), ``pack_quantized_config`` for
+``config.json``.
+
 Refused, in one line naming the layout: every other ``quant_method`` / ``format`` (GPTQ, AWQ,
 bitsandbytes, compressed-tensors ``pack-quantized`` int8 or asymmetric, static activation
 scales, block or group FP8 scales). Those can be served by loading the bf16 checkpoint with
@@ -240,3 +245,59 @@ def read_weight(f, path: Path, name: str, deq: Dequantizer | None, open_file) ->
     """Tensor ``name`` of the open weight file ``f``, through ``deq`` when the checkpoint is
     quantized."""
     return f.get_tensor(name) if deq is None else deq.read(f, path, name, open_file)
+
+
+def put_packed(tensors: dict, piece, shape: tuple, codes: torch.Tensor, scales: torch.Tensor,
+               group: int) -> None:
+    """Write ``piece`` (``models.family.Piece``) of a parameter of ``shape`` whose int4
+    ``codes`` / ``scales`` are ``quant_decode``'s layout into ``tensors`` as compressed-tensors'
+    pack-quantized ``<name>.weight_packed`` (int32 words of eight ``q + 8`` nibbles, lowest
+    first: the codes' bytes read as little-endian words), ``.weight_scale`` and
+    ``.weight_shape`` (what ``Dequantizer`` reads back; the scales in float16, as read)."""
+    if not piece.ckpt.endswith(".weight"):
+        raise UnreadQuantization(f"{piece.ckpt}: pack-quantized int4 is written for Linear "
+                                 "weights ('<name>.weight') only")
+    if not piece.whole and (len(piece.dest) == len(shape) or len(piece.src) == len(piece.shape)):
+        raise UnreadQuantization(f"{piece.ckpt}: an int4 weight split along its input dim "
+                                 "cannot keep its packed codes")
+    k = piece.shape[-1]
+    if k % 8 or sys.byteorder != "little":
+        raise UnreadQuantization(f"{piece.ckpt}: int4 packs are int32 words of 8 codes along "
+                                 f"the input dim (here {k}) written on little-endian hosts")
+    base = piece.ckpt[: -len(".weight")]
+    lead = tuple(piece.shape[:-1])
+    if base + PACKED not in tensors:
+        tensors[base + PACKED] = torch.zeros(lead + (k // 2,), dtype=torch.uint8)
+        tensors[base + ".weight_scale"] = torch.zeros(lead + (k // group,),
+                                                      dtype=quant_decode.SCALE_DTYPE)
+        tensors[base + ".weight_shape"] = torch.tensor(piece.shape, dtype=torch.int64)
+    codes = quant_decode.words_to_bytes(codes).cpu()
+    tensors[base + PACKED][piece.src] = codes[piece.dest]
+    tensors[base + ".weight_scale"][piece.src] = scales.cpu()[piece.dest]
+
+
+def write_packed(tensors: dict, model: torch.nn.Module, family, packed: dict) -> None:
+    """``packed`` (parameter name -> int4 ``(codes, scales, group)``) into ``tensors`` as the
+    checkpoint tensors ``family`` maps each parameter to (``put_packed``), the codes as the
+    int32 words the format stores; the caller adds the ``quantization_config``."""
+    params = dict(model.named_parameters())
+    for n, (codes, scales, group) in packed.items():
+        shape = tuple(params[n].shape)
+        for piece in family.pieces(n, shape, model.cfg):
+            put_packed(tensors, piece, shape, codes, scales, group)
+    for name in [n for n in tensors if n.endswith(PACKED)]:
+        tensors[name] = tensors[name].contiguous().view(torch.int32)
+
+
+def pack_quantized_config(group: int, ignore: list[str]) -> dict:
+    """``config.json``'s ``quantization_config`` of a pack-quantized int4 checkpoint
+    (compressed-tensors' names; symmetric group scales, weight-only, no activation order)."""
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "format": "pack-quantized",
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                            "strategy": "group", "group_size": group, "dynamic": False,
+                            "actorder": None, "observer": "minmax"},
+                "input_activations": None, "output_activations": None}},
+            "ignore": sorted(ignore)}

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from flash_dllm.models import registry
-from flash_dllm.models.ckpt_quant import Dequantizer, quantized_reader, read_weight
+from flash_dllm.models.ckpt_quant import (Dequantizer, quantized_reader, read_weight,
+                                          write_packed)
 from flash_dllm.models.config import ModelConfig
 from flash_dllm.models.family import Family, Piece, as_id_tuple
 
@@ -283,8 +284,9 @@ def tensor_names(files: list[Path]) -> list[str]:
 
 def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
                     hf_config: dict | None = None, dtype: str | torch.dtype = torch.bfloat16,
-                    max_shard_bytes: int | None = None) -> Path:
-    """Write ``config.json`` and weights (one file, or shards + index) in the family's names."""
+                    max_shard_bytes: int | None = None, packed: dict | None = None) -> Path:
+    """Write ``config.json`` and weights (one file, or shards + index) in the family's names;
+    ``packed``: parameters written as int4 packs instead (``ckpt_quant.write_packed``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     family = registry.by_name(model.cfg.arch)
@@ -294,6 +296,8 @@ def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
     tensors: dict[str, torch.Tensor] = {}
     for n, p in model.named_parameters():
         dt = torch.float32 if n in keep_fp32 else dtype
+        if packed and n in packed:
+            continue
         for piece in family.pieces(n, tuple(p.shape), model.cfg):
             if piece.whole:
                 tensors[piece.ckpt] = p.detach().to("cpu", dt).contiguous()
@@ -302,6 +306,7 @@ def save_checkpoint(model: nn.Module, folder: str | os.PathLike,
             if piece.ckpt not in tensors:
                 tensors[piece.ckpt] = torch.empty(piece.shape, dtype=dt)
             tensors[piece.ckpt][piece.src] = p.detach()[piece.dest].to("cpu", dt)
+    write_packed(tensors, model, family, packed or {})
     with open(folder / "config.json", "w", encoding="utf-8") as f:
         json.dump(hf_config, f, indent=2)
     if max_shard_bytes is None:
