@@ -23,8 +23,11 @@ def _quantize(*argv) -> int:
     return main(["quantize", *map(str, argv)])
 
 
-def test_round_to_nearest_copy_loads_on_its_codes(tmp_path, capsys):
-    src = write_tiny_checkpoint(tmp_path / "src", "llada")
+@pytest.mark.parametrize("family,overrides", [("llada", {}), ("llada", {"weight_tying": True}),
+                                              ("llada", {"dtype": torch.bfloat16}),
+                                              ("dream", {})])
+def test_round_to_nearest_copy_loads_on_its_codes(tmp_path, capsys, family, overrides):
+    src = write_tiny_checkpoint(tmp_path / "src", family, **overrides)
     out = tmp_path / "int4"
     assert _quantize("--model", src, "--quantization", "int4", "--quantization-group-size", 16,
                      "--out", out) == 0
@@ -53,7 +56,9 @@ def test_the_written_packs_read_by_compressed_tensors(tmp_path):
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         name = next(n for n in f.keys() if n.endswith("q_proj.weight"))
         w = f.get_tensor(name)
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
+    shard = next(out.glob("*.safetensors"))
+    assert (out / "model.safetensors.index.json").exists()
+    with safe_open(str(shard), "pt") as f:
         base = name[: -len(".weight")]
         words, scale = f.get_tensor(base + ".weight_packed"), f.get_tensor(base + ".weight_scale")
         shape = torch.Size(f.get_tensor(base + ".weight_shape").tolist())
@@ -102,6 +107,17 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert _quantize("--model", src, "--quantization", "int4", "--quantization-group-size", 48,
                      "--out", tmp_path / "o") == 2
     assert "does not divide the input width" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert _quantize("--model", src, "--quantization", "int4", "--quantization-group-size", 1,
+                     "--out", tmp_path / "o") == 2
+    assert "group is even and at least 2" in capsys.readouterr().err
+    assert _quantize("--model", src, "--quantization", "int4", "--tensor-parallel-size", 2,
+                     "--out", tmp_path / "o") == 2
+    assert "runs on one device" in capsys.readouterr().err
+    odd = write_tiny_checkpoint(tmp_path / "odd", "llada", mlp_hidden_size=100)
+    assert _quantize("--model", odd, "--quantization", "int4", "--quantization-group-size", 4,
+                     "--out", tmp_path / "o") == 2
+    assert "has input width 100, not a multiple of 8" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     assert _quantize("--model", src, "--quantization", "int4", "--quantization-group-size", 16,
                      "--out", tmp_path / "q") == 0

@@ -3,10 +3,13 @@
 The checkpoint's projections (and MoE experts) are quantized to int4 with group scales, fitted by
 GPTQ on ``--quantization-calibration`` samples (``layers/gptq.py``) or rounded to nearest without
 it, and written as a compressed-tensors ``pack-quantized`` checkpoint in the family's own tensor
-names (``models/ckpt_quant.put_packed``): the layout llm-compressor's W4A16 writes and vLLM
-reads, which every flash-dllm command then loads on its stored codes (``--quantization int4`` by
-default for it). Embeddings, the LM head and MoE routers stay in the checkpoint's dtype (listed
-under ``ignore``); the tokenizer and generation files are copied.
+names (``models/ckpt_quant.put_packed``): the layout llm-compressor's W4A16 writes (vLLM reads it
+too, its Marlin kernels at groups 32 / 64 / 128; its scales are float16 here), which every
+flash-dllm command then loads on its stored codes (``--quantization int4`` by default for it).
+The model is loaded in float32 (``--dtype`` otherwise) and every other tensor (embeddings,
+norms, the LM head and MoE routers, listed under ``ignore``) is written in the dtype the
+checkpoint stores most of its bytes in; shards of 5 GiB at most; the tokenizer, generation,
+licence and README files are copied. A failed run leaves no ``--out``.
 
     flash-dllm quantize --model checkpoints/proxy-llada2 --quantization int4 \\
         --quantization-group-size 4 --quantization-calibration chain,code-long --out DIR
@@ -21,7 +24,8 @@ from pathlib import Path
 from flash_dllm.entrypoints.args import EngineArgs
 
 _COPIED = ("tokenizer", "special_tokens_map", "generation_config", "chat_template",
-           "added_tokens", "vocab", "merges")
+           "added_tokens", "vocab", "merges", "LICENSE", "NOTICE", "README")
+SHARD_BYTES = 5 * 2**30
 
 
 def add_parser(sub) -> None:
@@ -70,22 +74,27 @@ def packed_codes(model) -> tuple[dict, list[str]]:
 
 
 def _stored_dtype(folder: Path):
-    """The floating dtype the checkpoint stores its weights in (its first float tensor's), so the
-    unquantized ones (embeddings, norms, LM head, routers) are written as they were."""
+    """The floating dtype that holds most of the checkpoint's bytes, so the unquantized
+    tensors (embeddings, norms, LM head, routers) are written as they were stored."""
     import torch
     from safetensors import safe_open
 
     from flash_dllm.models.loader import weight_files
     by_code = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    size = {"F32": 4, "BF16": 2, "F16": 2}
+    total = dict.fromkeys(by_code, 0)
     for path in weight_files(folder):
-        if path.suffix != ".safetensors":
-            break
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
-                code = f.get_slice(name).get_dtype()
-                if code in by_code:
-                    return by_code[code]
-    return torch.bfloat16
+                sl = f.get_slice(name)
+                code = sl.get_dtype()
+                if code in total:
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    total[code] += n * size[code]
+    best = max(total, key=total.get)
+    return by_code[best] if total[best] else torch.bfloat16
 
 
 def _check(model, method) -> None:
@@ -95,6 +104,10 @@ def _check(model, method) -> None:
     from flash_dllm.layers.moe import MoE
 
     device = next(model.parameters()).device
+    if method.group_size < 2 or method.group_size % 2:
+        raise ValueError(f"flash-dllm quantize: quantization_group_size={method.group_size}: a "
+                         "pack-quantized checkpoint's group is even and at least 2 (what "
+                         "flash-dllm and compressed-tensors read)")
     names = {id(m): n for n, m in model.named_modules()}
     for i, block in enumerate(model.layers):
         widths = [(f"{names[id(parent)]}.{name}", getattr(parent, name).in_features)
@@ -124,6 +137,9 @@ def run(a: argparse.Namespace) -> int:
     if config.quantization != "int4":
         raise ValueError("flash-dllm quantize writes int4 checkpoints (compressed-tensors "
                          f"pack-quantized): pass --quantization int4, got {config.quantization!r}")
+    if args.tensor_parallel_size != 1 or config.quantize_lm_head:
+        raise ValueError("flash-dllm quantize runs on one device and keeps the LM head "
+                         "unquantized: drop --tensor-parallel-size / --quantize-lm-head")
     out = Path(a.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty folder")
@@ -133,20 +149,28 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError(f"{folder} is published quantized already: quantize its unquantized "
                          "checkpoint")
     group = config.quantization_group_size or DEFAULT_GROUP_SIZE
-    model, cfg = load_model(folder, device=resolve_device(args.device), dtype=args.dtype)
-    _check(model, make_method("int4", group))          # before any work: one line naming it
     tok = Tokenizer(folder)
+    model, cfg = load_model(folder, device=resolve_device(args.device),
+                            dtype="float32" if args.dtype == "auto" else args.dtype)
+    _check(model, make_method("int4", group))          # before any work: one line naming it
     cfg = tok.resolve_ids(cfg)
     report = calibrate_as_configured(model, tok, cfg, config)
     if report is None:
         round_to_nearest(model, group)
     packed, ignore = packed_codes(model)
     hf = {**raw, "quantization_config": pack_quantized_config(group, ignore)}
-    save_checkpoint(model, out, hf_config=hf, dtype=_stored_dtype(folder), packed=packed)
-    for p in folder.iterdir():              # the tokenizer, generation and remote-code files
-        if p.is_file() and (p.name.startswith(_COPIED) or p.suffix in (".py", ".model",
-                                                                       ".tiktoken")):
-            shutil.copy2(p, out / p.name)
+    created = not out.exists()
+    try:
+        save_checkpoint(model, out, hf_config=hf, dtype=_stored_dtype(folder),
+                        max_shard_bytes=SHARD_BYTES, packed=packed)
+        for p in folder.iterdir():          # the tokenizer, generation and remote-code files
+            if p.is_file() and (p.name.startswith(_COPIED) or p.suffix in (".py", ".model",
+                                                                           ".tiktoken")):
+                shutil.copy2(p, out / p.name)
+    except BaseException:
+        if created:                         # (a half-written folder would be refused next)
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     how = (f"GPTQ on {config.quantization_calibration}" if report is not None
            else "rounded to nearest")

@@ -250,7 +250,7 @@ def read_weight(f, path: Path, name: str, deq: Dequantizer | None, open_file) ->
 def put_packed(tensors: dict, piece, shape: tuple, codes: torch.Tensor, scales: torch.Tensor,
                group: int) -> None:
     """Write ``piece`` (``models.family.Piece``) of a parameter of ``shape`` whose int4
-    ``codes`` / ``scales`` are ``quant_decode``'s layout into ``tensors`` as compressed-tensors'
+    ``codes`` / ``scales`` (on the host) are ``quant_decode``'s byte layout into ``tensors`` as compressed-tensors'
     pack-quantized ``<name>.weight_packed`` (int32 words of eight ``q + 8`` nibbles, lowest
     first: the codes' bytes read as little-endian words), ``.weight_scale`` and
     ``.weight_shape`` (what ``Dequantizer`` reads back; the scales in float16, as read)."""
@@ -271,9 +271,8 @@ def put_packed(tensors: dict, piece, shape: tuple, codes: torch.Tensor, scales: 
         tensors[base + ".weight_scale"] = torch.zeros(lead + (k // group,),
                                                       dtype=quant_decode.SCALE_DTYPE)
         tensors[base + ".weight_shape"] = torch.tensor(piece.shape, dtype=torch.int64)
-    codes = quant_decode.words_to_bytes(codes).cpu()
     tensors[base + PACKED][piece.src] = codes[piece.dest]
-    tensors[base + ".weight_scale"][piece.src] = scales.cpu()[piece.dest]
+    tensors[base + ".weight_scale"][piece.src] = scales[piece.dest]
 
 
 def write_packed(tensors: dict, model: torch.nn.Module, family, packed: dict) -> None:
@@ -283,6 +282,8 @@ def write_packed(tensors: dict, model: torch.nn.Module, family, packed: dict) ->
     params = dict(model.named_parameters())
     for n, (codes, scales, group) in packed.items():
         shape = tuple(params[n].shape)
+        # (to the host once a parameter: a MoE stack has two pieces an expert)
+        codes, scales = quant_decode.words_to_bytes(codes).cpu(), scales.cpu()
         for piece in family.pieces(n, shape, model.cfg):
             put_packed(tensors, piece, shape, codes, scales, group)
     for name in [n for n in tensors if n.endswith(PACKED)]:
