@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from flash_dllm.layers import gptq
-from flash_dllm.layers.moe import MoE
 
 SEED = 0
 MAX_TOKENS = 2048            # a sample's tokens kept (its first)
@@ -106,13 +105,8 @@ def calibrate_as_configured(model, tok, cfg, config, quiet: bool = False) -> dic
     group = config.quantization_group_size or DEFAULT_GROUP_SIZE
     method = make_method(config.quantization, group)
     device = next(model.parameters()).device
-    for name, module in model.named_modules():        # a bad group fails before the forwards
-        if type(module) is torch.nn.Linear and name.rsplit(".", 1)[-1] not in ("lm_head",
-                                                                               "gate"):
-            method.check(name, module.in_features, device)
-        if isinstance(module, MoE):
-            for part in ("w_gate_up", "w_down"):
-                method.check(f"{name}.{part}", getattr(module, part).shape[-1], device)
+    for name, width in gptq.target_widths(model):      # a bad group fails before the forwards
+        method.check(name, width, device)
     seqs = samples(spec, tok, cfg.mask_token_id, config.quantization_calibration_samples,
                    max_tokens=min(MAX_TOKENS, cfg.max_position))
 

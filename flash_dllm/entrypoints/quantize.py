@@ -17,6 +17,7 @@ licence and README files are copied. A failed run leaves no ``--out``.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -81,7 +82,6 @@ def _stored_dtype(folder: Path):
 
     from flash_dllm.models.loader import weight_files
     by_code = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    size = {"F32": 4, "BF16": 2, "F16": 2}
     total = dict.fromkeys(by_code, 0)
     for path in weight_files(folder):
         with safe_open(str(path), "pt") as f:
@@ -89,10 +89,7 @@ def _stored_dtype(folder: Path):
                 sl = f.get_slice(name)
                 code = sl.get_dtype()
                 if code in total:
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= d
-                    total[code] += n * size[code]
+                    total[code] += math.prod(sl.get_shape()) * by_code[code].itemsize
     best = max(total, key=total.get)
     return by_code[best] if total[best] else torch.bfloat16
 
@@ -100,28 +97,20 @@ def _stored_dtype(folder: Path):
 def _check(model, method) -> None:
     """Every weight to pack takes the group (``method.check``) and whole int32 words of codes
     (its input width a multiple of 8: the format's words run along it)."""
-    from flash_dllm.layers.gptq import _targets
-    from flash_dllm.layers.moe import MoE
+    from flash_dllm.layers.gptq import target_widths
 
     device = next(model.parameters()).device
     if method.group_size < 2 or method.group_size % 2:
         raise ValueError(f"flash-dllm quantize: quantization_group_size={method.group_size}: a "
                          "pack-quantized checkpoint's group is even and at least 2 (what "
                          "flash-dllm and compressed-tensors read)")
-    names = {id(m): n for n, m in model.named_modules()}
-    for i, block in enumerate(model.layers):
-        widths = [(f"{names[id(parent)]}.{name}", getattr(parent, name).in_features)
-                  for parent, name in _targets(block)]
-        widths += [(f"layers.{i}.mlp.{part}", getattr(m, part).shape[-1])
-                   for m in block.modules() if isinstance(m, MoE)
-                   for part in ("w_gate_up", "w_down")]
-        for layer, k in widths:
-            method.check(layer, k, device)
-            if k % 8:
-                raise ValueError(f"flash-dllm quantize: layer {layer} has input width {k}, not a "
-                                 "multiple of 8: the pack-quantized format stores int4 codes "
-                                 "as int32 words of 8 along it (serve this model with "
-                                 "--quantization int4 at load instead)")
+    for layer, k in target_widths(model):
+        method.check(layer, k, device)
+        if k % 8:
+            raise ValueError(f"flash-dllm quantize: layer {layer} has input width {k}, not a "
+                             "multiple of 8: the pack-quantized format stores int4 codes "
+                             "as int32 words of 8 along it (serve this model with "
+                             "--quantization int4 at load instead)")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -228,6 +228,21 @@ def _targets(block: nn.Module) -> list[tuple[nn.Module, str]]:
     return out
 
 
+def target_widths(model: nn.Module) -> list[tuple[str, int]]:
+    """(qualified name, input width) of every weight ``calibrate`` fits, in block order: each
+    block's projections (``_targets``) and a MoE layer's ``w_gate_up`` / ``w_down``. The one
+    list the callers check group sizes (and the packed format's widths) against."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for block in model.layers:
+        out += [(f"{names[id(parent)]}.{name}", getattr(parent, name).in_features)
+                for parent, name in _targets(block)]
+        out += [(f"{names[id(m)]}.{part}", getattr(m, part).shape[-1])
+                for m in block.modules() if isinstance(m, MoE)
+                for part in ("w_gate_up", "w_down")]
+    return out
+
+
 def _relative_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """``||(W - Wq) X||^2 / ||W X||^2`` per matrix of a batch ``[B, N, K]``, from ``H = X^T X``."""
     w = w.float()
@@ -329,4 +344,4 @@ def calibrate(model: nn.Module, samples: list[torch.Tensor], bits: int, group: i
     return report.as_dict()
 
 
-__all__ = ["gptq_quantize", "calibrate", "DAMP"]
+__all__ = ["gptq_quantize", "calibrate", "target_widths", "DAMP"]
